@@ -1,0 +1,19 @@
+"""attncore: fast CPU attention on NumPy and SciPy.
+
+Scaled dot-product attention with boolean / additive / causal masks in
+float32 and float64, computed tile by tile with an online softmax by a
+Cython + OpenMP core that reaches BLAS through ``scipy.linalg.cython_blas``.
+
+Public API
+----------
+scaled_dot_product_attention
+    Batched (masked, causal, grouped-query) attention.
+show_config
+    Versions, OpenMP and BLAS facts of this installation.
+"""
+from .functional import scaled_dot_product_attention
+from ._config import show_config
+
+__version__ = "0.1.0"
+
+__all__ = ["scaled_dot_product_attention", "show_config", "__version__"]

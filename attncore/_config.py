@@ -1,0 +1,68 @@
+"""``attncore.show_config()``: what this installation is built with."""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+
+def config_dict() -> dict:
+    """The facts :func:`show_config` prints, as a dict."""
+    import numpy
+    import scipy
+
+    from . import __version__
+    from ._core import _sdpa
+
+    info = {
+        "attncore": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+        "openmp": bool(_sdpa.openmp_enabled()),
+        "omp_max_threads": _sdpa.omp_max_threads(),
+        "omp_num_procs": _sdpa.omp_num_procs(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "cpu_count": os.cpu_count(),
+    }
+    blas = {}
+    try:
+        deps = scipy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = {"name": deps.get("name"), "version": deps.get("version"),
+                "openblas configuration": deps.get("openblas configuration")}
+    except Exception:
+        pass
+    try:
+        import scipy.linalg  # noqa: F401  (loads scipy's BLAS)
+
+        from ._threads import _get_controller
+
+        for lib in _get_controller().info():
+            if lib.get("user_api") == "blas":
+                blas.setdefault("runtime", []).append(
+                    {k: lib.get(k) for k in ("internal_api", "version", "num_threads",
+                                              "threading_layer", "architecture", "filepath")})
+    except Exception:
+        pass
+    info["blas"] = blas
+    return info
+
+
+def show_config() -> None:
+    """Print versions, OpenMP on/off and thread counts, and scipy's BLAS."""
+    info = config_dict()
+    print("attncore configuration")
+    print("----------------------")
+    for key in ("attncore", "python", "platform", "numpy", "scipy"):
+        print(f"{key:>16}: {info[key]}")
+    print(f"{'OpenMP':>16}: {'enabled' if info['openmp'] else 'DISABLED (serial build)'}")
+    print(f"{'threads':>16}: {info['omp_max_threads']} by default "
+          f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
+    blas = info["blas"]
+    print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}")
+    if blas.get("openblas configuration"):
+        print(f"{'':>16}  {blas['openblas configuration']}")
+    for lib in blas.get("runtime", []):
+        print(f"{'':>16}  runtime: {lib.get('internal_api')} {lib.get('version')}, "
+              f"{lib.get('num_threads')} threads, arch {lib.get('architecture')}")

@@ -1,0 +1,400 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Scaled dot-product attention: the compiled driver.
+
+Private.  ``attncore.functional`` validates and lays out the arrays; this
+module only splits the work into (batch element, query block[, key split])
+items, gives every OpenMP thread its own scratch and calls the C kernels in
+``src/ac_sdpa.h`` without the GIL.
+
+Operands arrive as NumPy arrays plus, per operand, an array of element
+offsets (one per flattened batch element).  Offsets carry broadcasting
+(stride 0), grouped-query head mapping and arbitrary batch strides, so no
+operand is ever expanded or copied here.
+"""
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cython.parallel cimport prange, parallel
+from libc.stdlib cimport malloc, free
+from libc.stdint cimport uint8_t
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+
+from attncore._core._openmp cimport (
+    AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs)
+
+ctypedef fused floating:
+    float
+    double
+
+cdef extern from "ac_sdpa.h" nogil:
+    ctypedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *, float *, int *, float *, int *, float *, float *, int *) noexcept nogil
+    ctypedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
+    ctypedef struct ac_params:
+        int N, M, D, Dv
+        int Bq, Bk
+        Py_ssize_t q_rs, k_rs, v_rs
+        Py_ssize_t mask_rs, mask_cs
+        int mask_kind
+        int causal
+        double scale
+
+    int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
+                          const uint8_t *mb, const float *mf, Py_ssize_t i0, int nq,
+                          Py_ssize_t ks, Py_ssize_t ke, float *S, float *acc, float *m,
+                          float *l, float *alpha, int *bad, ac_sgemm_t gemm)
+    int ac_sdpa_range_f64(const ac_params *p, const double *q, const double *k, const double *v,
+                          const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
+                          Py_ssize_t ks, Py_ssize_t ke, double *S, double *acc, double *m,
+                          double *l, double *alpha, int *bad, ac_dgemm_t gemm)
+    void ac_sdpa_finish_f32(int nq, int Dv, int processed, const float *acc, const float *l,
+                            const int *bad, float *out, Py_ssize_t o_rs)
+    void ac_sdpa_finish_f64(int nq, int Dv, int processed, const double *acc, const double *l,
+                            const int *bad, double *out, Py_ssize_t o_rs)
+    void ac_sdpa_merge_f32(int nsplit, int nq, int Dv, const float *pacc, Py_ssize_t acc_ss,
+                           const float *pm, const float *pl, Py_ssize_t ml_ss, const int *pbad,
+                           Py_ssize_t bad_ss, float *out, Py_ssize_t o_rs)
+    void ac_sdpa_merge_f64(int nsplit, int nq, int Dv, const double *pacc, Py_ssize_t acc_ss,
+                           const double *pm, const double *pl, Py_ssize_t ml_ss, const int *pbad,
+                           Py_ssize_t bad_ss, double *out, Py_ssize_t o_rs)
+    void ac_weights_block_f32(const ac_params *p, const float *q, const float *k, const float *v,
+                              const uint8_t *mb, const float *mf, Py_ssize_t i0, int nq,
+                              float *W, float *out, Py_ssize_t o_rs, ac_sgemm_t gemm)
+    void ac_weights_block_f64(const ac_params *p, const double *q, const double *k, const double *v,
+                              const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
+                              double *W, double *out, Py_ssize_t o_rs, ac_dgemm_t gemm)
+    void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
+    void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
+
+
+# --------------------------------------------------------------------------
+# OpenMP facts
+# --------------------------------------------------------------------------
+def openmp_enabled():
+    """True when the extension was compiled with OpenMP."""
+    return bool(AC_OPENMP_ENABLED)
+
+
+def omp_max_threads():
+    """OpenMP's default team size for the calling thread (OMP_NUM_THREADS,
+    omp_set_num_threads / threadpoolctl)."""
+    return omp_get_max_threads()
+
+
+def omp_num_procs():
+    """Processors available to OpenMP (1 without OpenMP)."""
+    return omp_get_num_procs() if AC_OPENMP_ENABLED else 1
+
+
+# --------------------------------------------------------------------------
+# per work item
+# --------------------------------------------------------------------------
+cdef inline int _range(const ac_params *p, const floating *q, const floating *k,
+                       const floating *v, const uint8_t *mb, const floating *mf,
+                       Py_ssize_t i0, int nq, Py_ssize_t ks, Py_ssize_t ke,
+                       floating *S, floating *acc, floating *m, floating *l,
+                       floating *alpha, int *bad) noexcept nogil:
+    if floating is float:
+        return ac_sdpa_range_f32(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc, m, l,
+                                 alpha, bad, <ac_sgemm_t>sgemm)
+    else:
+        return ac_sdpa_range_f64(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc, m, l,
+                                 alpha, bad, <ac_dgemm_t>dgemm)
+
+
+cdef inline void _finish(int nq, int Dv, int processed, const floating *acc,
+                         const floating *l, const int *bad, floating *out,
+                         Py_ssize_t o_rs) noexcept nogil:
+    if floating is float:
+        ac_sdpa_finish_f32(nq, Dv, processed, acc, l, bad, out, o_rs)
+    else:
+        ac_sdpa_finish_f64(nq, Dv, processed, acc, l, bad, out, o_rs)
+
+
+cdef inline void _merge(int nsplit, int nq, int Dv, const floating *pacc,
+                        Py_ssize_t acc_ss, const floating *pm, const floating *pl,
+                        Py_ssize_t ml_ss, const int *pbad, Py_ssize_t bad_ss,
+                        floating *out, Py_ssize_t o_rs) noexcept nogil:
+    if floating is float:
+        ac_sdpa_merge_f32(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs)
+    else:
+        ac_sdpa_merge_f64(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs)
+
+
+cdef inline void _weights(const ac_params *p, const floating *q, const floating *k,
+                          const floating *v, const uint8_t *mb, const floating *mf,
+                          Py_ssize_t i0, int nq, floating *W, floating *out,
+                          Py_ssize_t o_rs) noexcept nogil:
+    if floating is float:
+        ac_weights_block_f32(p, q, k, v, mb, mf, i0, nq, W, out, o_rs, <ac_sgemm_t>sgemm)
+    else:
+        ac_weights_block_f64(p, q, k, v, mb, mf, i0, nq, W, out, o_rs, <ac_dgemm_t>dgemm)
+
+
+cdef struct _Ops:
+    char *q
+    char *k
+    char *v
+    char *mask
+    char *out
+    char *w
+    const Py_ssize_t *qo
+    const Py_ssize_t *ko
+    const Py_ssize_t *vo
+    const Py_ssize_t *mo
+
+
+cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
+                             Py_ssize_t w, Py_ssize_t nqb, int nsplit,
+                             Py_ssize_t chunk, floating *part, int *pbad) noexcept nogil:
+    """One work item of the flash path; buf is the calling thread's scratch."""
+    cdef Py_ssize_t per_b = nqb * nsplit
+    cdef Py_ssize_t b = w // per_b
+    cdef Py_ssize_t rem = w - b * per_b
+    cdef Py_ssize_t qb = rem // nsplit
+    cdef Py_ssize_t s = rem - qb * nsplit
+    cdef Py_ssize_t i0 = qb * p.Bq
+    cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
+    cdef const floating *q = (<const floating *>ops.q) + ops.qo[b]
+    cdef const floating *k = (<const floating *>ops.k) + ops.ko[b]
+    cdef const floating *v = (<const floating *>ops.v) + ops.vo[b]
+    cdef const uint8_t *mb = NULL
+    cdef const floating *mf = NULL
+    if p.mask_kind == 1:
+        mb = (<const uint8_t *>ops.mask) + ops.mo[b]
+    elif p.mask_kind == 2:
+        mf = (<const floating *>ops.mask) + ops.mo[b]
+    cdef Py_ssize_t Bq = p.Bq, Bk = p.Bk, Dv = p.Dv
+    cdef floating *S = buf
+    cdef floating *acc = S + Bq * Bk
+    cdef floating *m = acc + Bq * Dv
+    cdef floating *l = m + Bq
+    cdef floating *alpha = l + Bq
+    cdef int *bad = <int *>(alpha + Bq)
+    cdef int processed
+    cdef Py_ssize_t ks, ke
+    if nsplit == 1:
+        processed = _range(p, q, k, v, mb, mf, i0, nq, 0, p.M, S, acc, m, l, alpha, bad)
+        _finish(nq, p.Dv, processed, acc, l, bad,
+                (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv)
+    else:
+        ks = s * chunk
+        ke = ks + chunk
+        if ke > p.M:
+            ke = p.M
+        # partial (acc, m, l) of item w live in part; flags in pbad
+        acc = part + w * Bq * (Dv + 2)
+        m = acc + Bq * Dv
+        l = m + Bq
+        _range(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc, m, l, alpha, pbad + w * Bq)
+
+
+cdef inline void _merge_item(const ac_params *p, _Ops *ops, Py_ssize_t t,
+                             Py_ssize_t nqb, int nsplit, floating *part,
+                             int *pbad) noexcept nogil:
+    cdef Py_ssize_t b = t // nqb
+    cdef Py_ssize_t qb = t - b * nqb
+    cdef Py_ssize_t i0 = qb * p.Bq
+    cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
+    cdef Py_ssize_t Bq = p.Bq, Dv = p.Dv
+    cdef Py_ssize_t w0 = t * nsplit
+    cdef floating *acc = part + w0 * Bq * (Dv + 2)
+    _merge(nsplit, nq, p.Dv, acc, Bq * (Dv + 2), acc + Bq * Dv, acc + Bq * Dv + Bq,
+           Bq * (Dv + 2), pbad + w0 * Bq, Bq, (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv)
+
+
+cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
+                    Py_ssize_t chunk, int nthreads, floating dummy) noexcept nogil:
+    """Returns 0 on success, -1 when memory ran out."""
+    cdef Py_ssize_t nqb = (p.N + p.Bq - 1) // p.Bq
+    cdef Py_ssize_t W = nb * nqb * nsplit
+    cdef Py_ssize_t Bq = p.Bq
+    cdef Py_ssize_t nbuf = Bq * p.Bk + Bq * p.Dv + 4 * Bq + Bq
+    cdef floating *buf = NULL
+    cdef floating *part = NULL
+    cdef int *pbad = NULL
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef Py_ssize_t w, t
+    if nsplit > 1:
+        part = <floating *>malloc(W * Bq * (p.Dv + 2) * sizeof(floating))
+        pbad = <int *>malloc(W * Bq * sizeof(int))
+        if part == NULL or pbad == NULL:
+            free(part)
+            free(pbad)
+            return -1
+    if nthreads <= 1:
+        buf = <floating *>malloc(nbuf * sizeof(floating))
+        if buf == NULL:
+            err = -1
+        else:
+            for w in range(W):
+                _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+            free(buf)
+        if nsplit > 1 and err == 0:
+            for t in range(nb * nqb):
+                _merge_item(p, ops, t, nqb, nsplit, part, pbad)
+    else:
+        with parallel(num_threads=nthreads):
+            buf = <floating *>malloc(nbuf * sizeof(floating))
+            if buf == NULL:
+                errp[0] = -1
+            else:
+                for w in prange(W, schedule='dynamic'):
+                    _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+                free(buf)
+        if nsplit > 1 and err == 0:
+            for t in prange(nb * nqb, schedule='static', num_threads=nthreads):
+                _merge_item(p, ops, t, nqb, nsplit, part, pbad)
+    free(part)
+    free(pbad)
+    return err
+
+
+cdef void _run_weights(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nthreads,
+                       floating dummy) noexcept nogil:
+    cdef Py_ssize_t nqb = (p.N + p.Bq - 1) // p.Bq
+    cdef Py_ssize_t w, b, qb, i0
+    cdef int nq
+    cdef const uint8_t *mb
+    cdef const floating *mf
+    for w in prange(nb * nqb, schedule='dynamic', num_threads=nthreads):
+        b = w // nqb
+        qb = w - b * nqb
+        i0 = qb * p.Bq
+        nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
+        mb = NULL
+        mf = NULL
+        if p.mask_kind == 1:
+            mb = (<const uint8_t *>ops.mask) + ops.mo[b]
+        elif p.mask_kind == 2:
+            mf = (<const floating *>ops.mask) + ops.mo[b]
+        _weights(p, (<const floating *>ops.q) + ops.qo[b], (<const floating *>ops.k) + ops.ko[b],
+                 (<const floating *>ops.v) + ops.vo[b], mb, mf, i0, nq,
+                 (<floating *>ops.w) + (b * p.N + i0) * p.M,
+                 (<floating *>ops.out) + b * p.N * p.Dv, p.Dv)
+
+
+# --------------------------------------------------------------------------
+# Python entry point
+# --------------------------------------------------------------------------
+def sdpa(q, k, v, mask, out, weights,
+         const Py_ssize_t[::1] q_off, const Py_ssize_t[::1] k_off,
+         const Py_ssize_t[::1] v_off, const Py_ssize_t[::1] m_off,
+         Py_ssize_t q_rs, Py_ssize_t k_rs, Py_ssize_t v_rs,
+         Py_ssize_t mask_rs, Py_ssize_t mask_cs, int mask_kind,
+         int N, int M, int D, int Dv, int causal, double scale,
+         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads):
+    """Run the kernel on prepared operands (see attncore.functional).
+
+    q, k, v: float32 or float64 arrays (same dtype), last axis contiguous,
+    addressed as base + offset[b] + row * row_stride + col.
+    mask: None, a bool array (read as bytes) or an additive array of the
+    compute dtype.  out: C-contiguous (nb, N, Dv).  weights: None for the
+    flash path, else C-contiguous (nb, N, M), filled with the weights.
+    """
+    cdef Py_buffer bq, bk, bv, bm, bo, bw
+    cdef int have_m = 0, have_w = 0, got = 0
+    cdef ac_params p
+    cdef _Ops ops
+    cdef Py_ssize_t nb = q_off.shape[0]
+    cdef int err = 0
+    cdef bint is64
+    if k_off.shape[0] != nb or v_off.shape[0] != nb or (mask is not None and m_off.shape[0] != nb):
+        raise ValueError("offset tables disagree")
+    if nb == 0 or N == 0:
+        return
+    PyObject_GetBuffer(q, &bq, PyBUF_RECORDS_RO)
+    got = 1
+    try:
+        PyObject_GetBuffer(k, &bk, PyBUF_RECORDS_RO)
+        got = 2
+        PyObject_GetBuffer(v, &bv, PyBUF_RECORDS_RO)
+        got = 3
+        PyObject_GetBuffer(out, &bo, PyBUF_RECORDS)
+        got = 4
+        if mask is not None:
+            PyObject_GetBuffer(mask, &bm, PyBUF_RECORDS_RO)
+            have_m = 1
+        if weights is not None:
+            PyObject_GetBuffer(weights, &bw, PyBUF_RECORDS)
+            have_w = 1
+        if bq.itemsize == 8:
+            is64 = True
+        elif bq.itemsize == 4:
+            is64 = False
+        else:
+            raise TypeError("kernel dtype must be float32 or float64")
+        p.N = N
+        p.M = M
+        p.D = D
+        p.Dv = Dv
+        p.Bq = Bq
+        p.Bk = Bk
+        p.q_rs = q_rs
+        p.k_rs = k_rs
+        p.v_rs = v_rs
+        p.mask_rs = mask_rs
+        p.mask_cs = mask_cs
+        p.mask_kind = mask_kind if have_m else 0
+        p.causal = causal
+        p.scale = scale
+        ops.q = <char *>bq.buf
+        ops.k = <char *>bk.buf
+        ops.v = <char *>bv.buf
+        ops.out = <char *>bo.buf
+        ops.mask = <char *>bm.buf if have_m else NULL
+        ops.w = <char *>bw.buf if have_w else NULL
+        ops.qo = &q_off[0]
+        ops.ko = &k_off[0]
+        ops.vo = &v_off[0]
+        ops.mo = &m_off[0] if have_m else NULL
+        with nogil:
+            if have_w:
+                if is64:
+                    _run_weights(&p, &ops, nb, nthreads, <double>0)
+                else:
+                    _run_weights(&p, &ops, nb, nthreads, <float>0)
+            else:
+                if is64:
+                    err = _run_flash(&p, &ops, nb, nsplit, chunk, nthreads, <double>0)
+                else:
+                    err = _run_flash(&p, &ops, nb, nsplit, chunk, nthreads, <float>0)
+        if err:
+            raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+    finally:
+        if have_w:
+            PyBuffer_Release(&bw)
+        if have_m:
+            PyBuffer_Release(&bm)
+        if got >= 4:
+            PyBuffer_Release(&bo)
+        if got >= 3:
+            PyBuffer_Release(&bv)
+        if got >= 2:
+            PyBuffer_Release(&bk)
+        PyBuffer_Release(&bq)
+
+
+def exp_array(x):
+    """Elementwise exp with the kernels' own exp (float32 / float64, 1-D contiguous).
+
+    Exposed for the accuracy tests only.
+    """
+    import numpy as np
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    cdef const float[::1] xf
+    cdef float[::1] yf
+    cdef const double[::1] xd
+    cdef double[::1] yd
+    if x.dtype == np.float32:
+        xf = x
+        yf = y
+        if x.shape[0]:
+            ac_exp_array_f32(&xf[0], &yf[0], x.shape[0])
+    elif x.dtype == np.float64:
+        xd = x
+        yd = y
+        if x.shape[0]:
+            ac_exp_array_f64(&xd[0], &yd[0], x.shape[0])
+    else:
+        raise TypeError(f"exp_array: float32 or float64 expected, got {x.dtype}")
+    return y

@@ -1,0 +1,89 @@
+/*
+ * ac_sdpa.h -- flash-style scaled dot-product attention, one (query block,
+ * key range) at a time.
+ *
+ * The Cython driver (_sdpa.pyx) splits the problem into work items, hands
+ * each OpenMP thread its own scratch, and calls these functions; they never
+ * allocate, never touch Python, and never start threads (BLAS is kept
+ * single-threaded by the driver while they run).
+ *
+ * Per query block and per key block of width Bk:
+ *   S    = scale * Q_blk K_blk^T                      (gemm)
+ *   S    = mask / causal applied, masked entries -> -inf
+ *   m'   = max(m, rowmax S);  P = exp(S - m');  l = l * exp(m - m') + rowsum P
+ *   acc  = acc * exp(m - m') + P V_blk                (gemm)
+ * and finally out = acc / l.  A row with no key to attend (decided by the
+ * mask / causal structure: l stays exactly 0) gives 0; a NaN among the
+ * scores that take part marks the row, which then comes out NaN.
+ *
+ * Everything is row-major.  Row strides are in elements; the last dimension
+ * of q, k, v is contiguous.  The mask (bool as uint8, or additive float) is
+ * addressed with arbitrary element strides so broadcast masks (stride 0) are
+ * read in place, never expanded.
+ */
+#ifndef AC_SDPA_H
+#define AC_SDPA_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include "ac_math.h"
+
+typedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *,
+                           float *, int *, float *, int *, float *, float *,
+                           int *);
+typedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *,
+                           double *, int *, double *, int *, double *,
+                           double *, int *);
+
+enum { AC_MASK_NONE = 0, AC_MASK_BOOL = 1, AC_MASK_ADD = 2 };
+enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 };
+
+typedef struct {
+    int N, M, D, Dv;          /* query rows, key rows, qk dim, value dim     */
+    int Bq, Bk;               /* tile sizes                                  */
+    ptrdiff_t q_rs, k_rs, v_rs;   /* row strides (elements)                  */
+    ptrdiff_t mask_rs, mask_cs;   /* mask strides (elements; 0 = broadcast)  */
+    int mask_kind;            /* AC_MASK_*                                   */
+    int causal;               /* AC_CAUSAL_*                                 */
+    double scale;
+} ac_params;
+
+/* first key column a query row may not see (exclusive limit) under causal */
+static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
+{
+    ptrdiff_t off = (p->causal == AC_CAUSAL_LOWER_RIGHT)
+                        ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
+    return i + off + 1;
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    (__GNUC__ >= 11) && defined(__linux__) && !defined(AC_NO_CLONES)
+#define AC_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define AC_CLONES
+#endif
+
+/* instantiate for float and double */
+#define AC_T float
+#define AC_SUF f32
+#define AC_EXP ac_expf
+#define AC_GEMM_T ac_sgemm_t
+#include "ac_sdpa_impl.h"
+#undef AC_T
+#undef AC_SUF
+#undef AC_EXP
+#undef AC_GEMM_T
+
+#define AC_T double
+#define AC_SUF f64
+#define AC_EXP ac_exp
+#define AC_GEMM_T ac_dgemm_t
+#include "ac_sdpa_impl.h"
+#undef AC_T
+#undef AC_SUF
+#undef AC_EXP
+#undef AC_GEMM_T
+
+#endif /* AC_SDPA_H */

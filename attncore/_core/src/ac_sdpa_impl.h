@@ -1,0 +1,356 @@
+/*
+ * ac_sdpa_impl.h -- body of the attention kernels, included once per dtype
+ * by ac_sdpa.h with AC_T (float / double), AC_SUF (f32 / f64), AC_EXP and
+ * AC_GEMM_T defined.  Not a standalone header.
+ */
+#define AC_CAT2(a, b) a##_##b
+#define AC_CAT(a, b) AC_CAT2(a, b)
+#define AC_FN(name) AC_CAT(name, AC_SUF)
+
+/*
+ * Valid key columns of one tile: the smallest [lo, hi) (relative to j0)
+ * that holds every (row, column) the mask and causal structure let through.
+ * Returns 0 when the whole tile is masked out; the tile is then skipped.
+ */
+static int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
+                                const AC_T *mf, ptrdiff_t i0, int nq,
+                                ptrdiff_t j0, int nk, int *lo, int *hi)
+{
+    int L = nk, H = 0;
+    /* a mask broadcast over query rows: one row decides for all */
+    const int rows = (p->mask_rs == 0) ? 1 : nq;
+    const ptrdiff_t cs = p->mask_cs;
+    for (int r = 0; r < rows; r++) {
+        ptrdiff_t i = i0 + r;
+        int ncol = nk;
+        if (p->causal) {
+            ptrdiff_t lim = ac_causal_limit(p, rows == 1 ? i0 + nq - 1 : i) - j0;
+            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+        }
+        int a = 0, b = ncol;
+        if (mb) {
+            const uint8_t *mr = mb + i * p->mask_rs + j0 * cs;
+            while (a < ncol && !mr[a * cs]) a++;
+            if (a == ncol) continue;
+            while (b > a && !mr[(b - 1) * cs]) b--;
+        } else {
+            const AC_T *mr = mf + i * p->mask_rs + j0 * cs;
+            const AC_T ninf = -INFINITY;
+            while (a < ncol && mr[a * cs] == ninf) a++;
+            if (a == ncol) continue;
+            while (b > a && mr[(b - 1) * cs] == ninf) b--;
+        }
+        if (a < L) L = a;
+        if (b > H) H = b;
+    }
+    if (H <= L) return 0;
+    *lo = L;
+    *hi = H;
+    return 1;
+}
+
+/*
+ * Mask + causal + online softmax on one score tile S (nq x nk, ld Bk) whose
+ * first key column is j0.  Updates m, l, writes alpha (the factor the
+ * accumulator rows must be scaled by) and ORs NaN flags into bad.  On return
+ * S holds P (zeros where masked).
+ */
+static inline void AC_FN(ac_softmax_tile)(const ac_params *p,
+                                          const uint8_t *mb, const AC_T *mf,
+                                          ptrdiff_t i0, int nq, ptrdiff_t j0,
+                                          int nk, AC_T *S, AC_T *m, AC_T *l,
+                                          AC_T *alpha, int *bad)
+{
+    const int Bk = p->Bk;
+    const AC_T ninf = -INFINITY;
+    for (int r = 0; r < nq; r++) {
+        AC_T *row = S + (ptrdiff_t)r * Bk;
+        const ptrdiff_t i = i0 + r;
+        int ncol = nk;
+        if (p->causal) {
+            ptrdiff_t lim = ac_causal_limit(p, i) - j0;
+            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+        }
+        if (mb) {
+            const uint8_t *mr = mb + i * p->mask_rs + j0 * p->mask_cs;
+            const ptrdiff_t cs = p->mask_cs;
+            if (cs == 1) {
+#pragma omp simd
+                for (int c = 0; c < ncol; c++) row[c] = mr[c] ? row[c] : ninf;
+            } else {
+                for (int c = 0; c < ncol; c++) row[c] = mr[c * cs] ? row[c] : ninf;
+            }
+        } else if (mf) {
+            const AC_T *mr = mf + i * p->mask_rs + j0 * p->mask_cs;
+            const ptrdiff_t cs = p->mask_cs;
+            if (cs == 1) {
+#pragma omp simd
+                for (int c = 0; c < ncol; c++) {
+                    AC_T mv = mr[c];
+                    row[c] = (mv == ninf) ? ninf : row[c] + mv;
+                }
+            } else {
+                for (int c = 0; c < ncol; c++) {
+                    AC_T mv = mr[c * cs];
+                    row[c] = (mv == ninf) ? ninf : row[c] + mv;
+                }
+            }
+        }
+        AC_T bm = ninf;
+        int nan = 0;
+#pragma omp simd reduction(max : bm) reduction(| : nan)
+        for (int c = 0; c < ncol; c++) {
+            AC_T x = row[c];
+            bm = x > bm ? x : bm;
+            nan |= (x != x);
+        }
+        bad[r] |= nan;
+        const AC_T mo = m[r];
+        const AC_T mn = bm > mo ? bm : mo;
+        if (mn == ninf) { /* nothing valid in this row so far */
+            memset(row, 0, sizeof(AC_T) * (size_t)nk);
+            alpha[r] = 1;
+            continue;
+        }
+        AC_T s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int c = 0; c < ncol; c++) {
+            AC_T e = AC_EXP(row[c] - mn);
+            row[c] = e;
+            s += e;
+        }
+        for (int c = ncol; c < nk; c++) row[c] = 0;
+        const AC_T a = AC_EXP(mo - mn);
+        l[r] = l[r] * a + s;
+        m[r] = mn;
+        alpha[r] = a;
+    }
+}
+
+/*
+ * Attention of query rows [i0, i0+nq) over keys [ks, ke).  q, k, v, mb, mf
+ * point at the start of this batch element.  Leaves the unnormalized
+ * accumulator in acc (nq x Dv, contiguous), the running max in m, the
+ * running sum in l and NaN flags in bad.  Returns 1 if any key tile was
+ * processed (acc is then initialized), 0 otherwise.
+ */
+static AC_CLONES int AC_FN(ac_sdpa_range)(
+    const ac_params *p, const AC_T *q, const AC_T *k, const AC_T *v,
+    const uint8_t *mb, const AC_T *mf, ptrdiff_t i0, int nq, ptrdiff_t ks,
+    ptrdiff_t ke, AC_T *S, AC_T *acc, AC_T *m, AC_T *l, AC_T *alpha,
+    int *bad, AC_GEMM_T gemm)
+{
+    const int Bk = p->Bk, Dv = p->Dv;
+    for (int r = 0; r < nq; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0;
+        bad[r] = 0;
+    }
+    ptrdiff_t kend = ke;
+    if (p->causal) {
+        ptrdiff_t lim = ac_causal_limit(p, i0 + nq - 1);
+        if (lim < kend) kend = lim;
+    }
+    int first = 1;
+    for (ptrdiff_t jb = ks; jb < kend; jb += Bk) {
+        int nk = (int)((kend - jb < Bk) ? (kend - jb) : Bk);
+        ptrdiff_t j0 = jb;
+        if (p->mask_kind != AC_MASK_NONE) {
+            int lo, hi;
+            if (!AC_FN(ac_tile_range)(p, mb, mf, i0, nq, jb, nk, &lo, &hi))
+                continue; /* whole tile masked out: skipped, not computed */
+            j0 = jb + lo;
+            nk = hi - lo;
+        }
+        {
+            char ta = 'T', tb = 'N';
+            int mm = nk, nn = nq, kk = p->D;
+            int lda = (int)p->k_rs, ldb = (int)p->q_rs, ldc = Bk;
+            AC_T al = (AC_T)p->scale, be = 0;
+            gemm(&ta, &tb, &mm, &nn, &kk, &al, (AC_T *)(k + j0 * p->k_rs),
+                 &lda, (AC_T *)(q + i0 * p->q_rs), &ldb, &be, S, &ldc);
+        }
+        AC_FN(ac_softmax_tile)(p, mb, mf, i0, nq, j0, nk, S, m, l, alpha, bad);
+        if (!first) {
+            for (int r = 0; r < nq; r++) {
+                const AC_T a = alpha[r];
+                if (a != 1) {
+                    AC_T *ar = acc + (ptrdiff_t)r * Dv;
+#pragma omp simd
+                    for (int d = 0; d < Dv; d++) ar[d] *= a;
+                }
+            }
+        }
+        {
+            char ta = 'N', tb = 'N';
+            int mm = Dv, nn = nq, kk = nk;
+            int lda = (int)p->v_rs, ldb = Bk, ldc = Dv;
+            AC_T one = 1, be = first ? 0 : 1;
+            gemm(&ta, &tb, &mm, &nn, &kk, &one, (AC_T *)(v + j0 * p->v_rs),
+                 &lda, S, &ldb, &be, acc, &ldc);
+        }
+        first = 0;
+    }
+    return !first;
+}
+
+/* out rows = acc / l, 0 for rows with nothing to attend, NaN for flagged */
+static void AC_FN(ac_sdpa_finish)(int nq, int Dv, int processed,
+                                  const AC_T *acc, const AC_T *l,
+                                  const int *bad, AC_T *out, ptrdiff_t o_rs)
+{
+    for (int r = 0; r < nq; r++) {
+        AC_T *o = out + (ptrdiff_t)r * o_rs;
+        if (processed && bad[r]) {
+            for (int d = 0; d < Dv; d++) o[d] = (AC_T)NAN;
+        } else if (!processed || l[r] == 0) {
+            for (int d = 0; d < Dv; d++) o[d] = 0;
+        } else {
+            const AC_T inv = 1 / l[r];
+            const AC_T *ar = acc + (ptrdiff_t)r * Dv;
+            for (int d = 0; d < Dv; d++) o[d] = ar[d] * inv;
+        }
+    }
+}
+
+/*
+ * Merge split-KV partials: nsplit partial (acc, m, l, bad) sets for nq rows.
+ * Partial s of row r: acc at pacc + s*acc_ss + r*Dv, m/l at [s*ml_ss + r],
+ * bad at pbad[s*bad_ss + r].
+ * A partial with l == 0 saw no valid key and carries no acc.
+ */
+static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
+                                 const AC_T *pacc, ptrdiff_t acc_ss,
+                                 const AC_T *pm, const AC_T *pl,
+                                 ptrdiff_t ml_ss, const int *pbad,
+                                 ptrdiff_t bad_ss, AC_T *out, ptrdiff_t o_rs)
+{
+    for (int r = 0; r < nq; r++) {
+        AC_T *o = out + (ptrdiff_t)r * o_rs;
+        int bad = 0, any = 0;
+        AC_T mx = -INFINITY;
+        for (int s = 0; s < nsplit; s++) {
+            bad |= pbad[s * bad_ss + r];
+            if (pl[s * ml_ss + r] != 0) {
+                any = 1;
+                if (pm[s * ml_ss + r] > mx) mx = pm[s * ml_ss + r];
+            }
+        }
+        if (bad) {
+            for (int d = 0; d < Dv; d++) o[d] = (AC_T)NAN;
+            continue;
+        }
+        for (int d = 0; d < Dv; d++) o[d] = 0;
+        if (!any) continue;
+        AC_T L = 0;
+        for (int s = 0; s < nsplit; s++) {
+            const AC_T ls = pl[s * ml_ss + r];
+            if (ls == 0) continue;
+            const AC_T w = AC_EXP(pm[s * ml_ss + r] - mx);
+            L += ls * w;
+            const AC_T *ar = pacc + s * acc_ss + (ptrdiff_t)r * Dv;
+            for (int d = 0; d < Dv; d++) o[d] += w * ar[d];
+        }
+        const AC_T inv = 1 / L;
+        for (int d = 0; d < Dv; d++) o[d] *= inv;
+    }
+}
+
+/*
+ * The materializing path (return_weights=True): W (nq x M, ld M) receives
+ * the attention weights of query rows [i0, i0+nq), out (ld o_rs) the
+ * attended values.
+ */
+static AC_CLONES void AC_FN(ac_weights_block)(
+    const ac_params *p, const AC_T *q, const AC_T *k, const AC_T *v,
+    const uint8_t *mb, const AC_T *mf, ptrdiff_t i0, int nq, AC_T *W,
+    AC_T *out, ptrdiff_t o_rs, AC_GEMM_T gemm)
+{
+    const int M = p->M, Dv = p->Dv;
+    const AC_T ninf = -INFINITY;
+    {
+        char ta = 'T', tb = 'N';
+        int mm = M, nn = nq, kk = p->D;
+        int lda = (int)p->k_rs, ldb = (int)p->q_rs, ldc = M;
+        AC_T al = (AC_T)p->scale, be = 0;
+        gemm(&ta, &tb, &mm, &nn, &kk, &al, (AC_T *)k, &lda,
+             (AC_T *)(q + i0 * p->q_rs), &ldb, &be, W, &ldc);
+    }
+    for (int r = 0; r < nq; r++) {
+        AC_T *row = W + (ptrdiff_t)r * M;
+        const ptrdiff_t i = i0 + r;
+        int ncol = M;
+        if (p->causal) {
+            ptrdiff_t lim = ac_causal_limit(p, i);
+            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+        }
+        if (mb) {
+            const uint8_t *mr = mb + i * p->mask_rs;
+            const ptrdiff_t cs = p->mask_cs;
+            for (int c = 0; c < ncol; c++) row[c] = mr[c * cs] ? row[c] : ninf;
+        } else if (mf) {
+            const AC_T *mr = mf + i * p->mask_rs;
+            const ptrdiff_t cs = p->mask_cs;
+            for (int c = 0; c < ncol; c++) {
+                AC_T mv = mr[c * cs];
+                row[c] = (mv == ninf) ? ninf : row[c] + mv;
+            }
+        }
+        for (int c = ncol; c < M; c++) row[c] = 0;
+        AC_T bm = ninf;
+        int nan = 0;
+#pragma omp simd reduction(max : bm) reduction(| : nan)
+        for (int c = 0; c < ncol; c++) {
+            AC_T x = row[c];
+            bm = x > bm ? x : bm;
+            nan |= (x != x);
+        }
+        if (nan) {
+            for (int c = 0; c < M; c++) row[c] = (AC_T)NAN;
+            continue;
+        }
+        if (bm == ninf) { /* nothing to attend */
+            for (int c = 0; c < ncol; c++) row[c] = 0;
+            continue;
+        }
+        AC_T s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int c = 0; c < ncol; c++) {
+            AC_T e = AC_EXP(row[c] - bm);
+            row[c] = e;
+            s += e;
+        }
+        const AC_T inv = 1 / s;
+#pragma omp simd
+        for (int c = 0; c < ncol; c++) row[c] *= inv;
+    }
+    {
+        char ta = 'N', tb = 'N';
+        int mm = Dv, nn = nq, kk = M;
+        int lda = (int)p->v_rs, ldb = M, ldc = (int)o_rs;
+        AC_T one = 1, be = 0;
+        gemm(&ta, &tb, &mm, &nn, &kk, &one, (AC_T *)v, &lda, W, &ldb, &be,
+             out + i0 * o_rs, &ldc);
+    }
+    /* rows with nothing to attend: exactly 0, whatever V holds */
+    for (int r = 0; r < nq; r++) {
+        const AC_T *row = W + (ptrdiff_t)r * M;
+        int empty = 1;
+        for (int c = 0; c < M && empty; c++) empty = (row[c] == 0);
+        if (empty) {
+            AC_T *o = out + (i0 + r) * o_rs;
+            for (int d = 0; d < Dv; d++) o[d] = 0;
+        }
+    }
+}
+
+/* y = exp(x), elementwise (exposed for the accuracy tests) */
+static AC_CLONES void AC_FN(ac_exp_array)(const AC_T *x, AC_T *y, ptrdiff_t n)
+{
+#pragma omp simd
+    for (ptrdiff_t i = 0; i < n; i++) y[i] = AC_EXP(x[i]);
+}
+
+#undef AC_FN
+#undef AC_CAT
+#undef AC_CAT2

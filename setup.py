@@ -1,0 +1,125 @@
+"""Build script: the Cython extensions of attncore, with OpenMP when the
+compiler supports it.
+
+Environment variables
+---------------------
+ATTNCORE_NO_OPENMP=1
+    Build without OpenMP (every kernel then runs on one thread).
+ATTNCORE_FAIL_NO_OPENMP=1
+    Fail the build instead of falling back to a serial build when the
+    compiler cannot compile and link an OpenMP program.
+"""
+import os
+import sys
+import shutil
+import tempfile
+import textwrap
+import warnings
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join("attncore", "_core", "src")
+
+
+def _flag(name):
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _openmp_flags(compiler):
+    if compiler.compiler_type == "msvc":
+        return ["/openmp"], []
+    if sys.platform == "darwin":
+        return ["-Xpreprocessor", "-fopenmp"], ["-lomp"]
+    return ["-fopenmp"], ["-fopenmp"]
+
+
+def _check_openmp(compiler):
+    """Compile and link a tiny OpenMP program with the build's compiler."""
+    cflags, lflags = _openmp_flags(compiler)
+    code = textwrap.dedent(
+        """\
+        #include <omp.h>
+        #include <stdio.h>
+        int main(void) {
+            int n = 0;
+            #pragma omp parallel reduction(+:n)
+            n += 1;
+            printf("%d %d\\n", n, omp_get_max_threads());
+            return n < 1;
+        }
+        """
+    )
+    tmp = tempfile.mkdtemp()
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp)
+        with open("omp_test.c", "w") as f:
+            f.write(code)
+        objs = compiler.compile(["omp_test.c"], output_dir="objs", extra_postargs=cflags)
+        compiler.link_executable(objs, "omp_test", extra_postargs=lflags)
+        return True
+    except Exception as exc:  # any compile / link failure means "no OpenMP"
+        warnings.warn(f"OpenMP test program failed to build: {exc}")
+        return False
+    finally:
+        os.chdir(cwd)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        use_omp = False
+        if _flag("ATTNCORE_NO_OPENMP"):
+            warnings.warn("ATTNCORE_NO_OPENMP is set: building attncore without OpenMP")
+        else:
+            use_omp = _check_openmp(self.compiler)
+            if not use_omp:
+                msg = ("attncore: the compiler cannot build OpenMP programs; "
+                       "building serial kernels (one thread). Set "
+                       "ATTNCORE_FAIL_NO_OPENMP=1 to make this an error.")
+                if _flag("ATTNCORE_FAIL_NO_OPENMP"):
+                    raise RuntimeError(msg)
+                warnings.warn(msg)
+        cflags, lflags = _openmp_flags(self.compiler) if use_omp else ([], [])
+        if self.compiler.compiler_type == "msvc":
+            base = ["/O2"]
+        else:
+            # -ffast-math is deliberately absent: it breaks the -inf / NaN
+            # logic of the masked softmax.  -fopenmp-simd keeps the
+            # `omp simd` loops vectorized in a serial build.
+            base = ["-O3", "-fno-math-errno", "-fno-trapping-math",
+                    "-Wno-unused-function"]
+            if not use_omp:
+                base.append("-fopenmp-simd")
+        for ext in self.extensions:
+            ext.extra_compile_args = base + cflags + list(ext.extra_compile_args or [])
+            ext.extra_link_args = lflags + list(ext.extra_link_args or [])
+        super().build_extensions()
+
+
+def extensions():
+    from Cython.Build import cythonize
+
+    exts = [
+        Extension(
+            "attncore._core._sdpa",
+            [os.path.join("attncore", "_core", "_sdpa.pyx")],
+            include_dirs=[SRC],
+            depends=[os.path.join(SRC, f) for f in ("ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h")],
+        ),
+    ]
+    return cythonize(
+        exts,
+        compiler_directives={
+            "language_level": 3,
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+        },
+    )
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
