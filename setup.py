@@ -107,7 +107,7 @@ def extensions():
             "attncore._core._sdpa",
             [os.path.join("attncore", "_core", "_sdpa.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in ("ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h")],
+            depends=[os.path.join(SRC, f) for f in ("ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h", "ac_small_x86.h")],
         ),
     ]
     return cythonize(

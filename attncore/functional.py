@@ -52,7 +52,8 @@ def compute_dtype(*dtypes):
 
     float16 results are computed in float32 and returned as float16.
     """
-    rt = np.result_type(*dtypes)
+    d0 = dtypes[0]
+    rt = d0 if all(d is d0 for d in dtypes) else np.result_type(*dtypes)
     if rt == np.float16:
         return np.dtype(np.float32), rt
     return rt, rt
@@ -121,28 +122,13 @@ def _row_stride(a: np.ndarray) -> int:
     return a.strides[-2] // a.itemsize
 
 
-def _offsets(a: np.ndarray, bshape: tuple, group: int = 1) -> np.ndarray:
-    """Element offset of every batch element of ``a`` broadcast to ``bshape``.
-
-    ``group > 1`` maps axis -3 of the broadcast (query heads) to head
-    ``h // group`` of ``a`` (grouped-query attention).
-    """
-    nb = len(bshape)
-    ab = a.shape[:-2]
+def _bstrides(a: np.ndarray, nbd: int) -> tuple:
+    """Element strides of ``a``'s batch axes aligned right to ``nbd`` batch
+    dimensions; 0 where ``a`` broadcasts (missing or size-1 axes)."""
     isz = a.itemsize
-    off = np.zeros((), dtype=np.intp)
-    for d, n in enumerate(ab):
-        axis = nb - len(ab) + d
-        if n == 1 and not (group > 1 and axis == nb - 1):
-            continue
-        stride = a.strides[d] // isz
-        if group > 1 and axis == nb - 1:
-            idx = (np.arange(bshape[axis], dtype=np.intp) // group) * stride
-        else:
-            idx = np.arange(n, dtype=np.intp) * stride
-        off = off + idx.reshape((n if not (group > 1 and axis == nb - 1) else bshape[axis],)
-                                + (1,) * (nb - 1 - axis))
-    return np.ascontiguousarray(np.broadcast_to(off, bshape), dtype=np.intp).reshape(-1)
+    sh = a.shape[:-2]
+    return (0,) * (nbd - len(sh)) + tuple(
+        0 if n == 1 else st // isz for n, st in zip(sh, a.strides[:-2]))
 
 
 def _tiles(dtype, N: int, M: int, D: int, Dv: int):
@@ -246,38 +232,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *,
     nthreads = resolve_num_threads(num_threads)
     cdt, rdt = compute_dtype(q.dtype, k.dtype, v.dtype)
 
-    # ---- batch shapes (grouped-query heads first) ----
-    qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    group = 1
-    if enable_gqa:
-        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
-            raise ValueError(
-                "enable_gqa=True needs a head axis (-3) on query, key and value, got shapes "
-                f"query {q.shape}, key {k.shape}, value {v.shape}")
-        Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
-        if Hk != Hv:
-            raise ValueError(
-                f"key and value must have the same number of heads (axis -3), got key {Hk} "
-                f"and value {Hv}")
-        if Hk == 0 or Hq % Hk != 0:
-            raise ValueError(
-                f"with enable_gqa=True the key/value heads (axis -3, {Hk}) must divide the "
-                f"query heads ({Hq})")
-        group = Hq // Hk
-        if group > 1:
-            kb = kb[:-1] + (Hq,)
-            vb = vb[:-1] + (Hq,)
-    else:
-        try:
-            _broadcast_batch([qb, kb, vb], ["query", "key", "value"])
-        except ValueError as exc:
-            if (q.ndim >= 3 and k.ndim >= 3 and k.shape[-3] not in (1, q.shape[-3])
-                    and q.shape[-3] % max(k.shape[-3], 1) == 0):
-                raise ValueError(
-                    f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
-                    f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
-            raise
-
     # ---- mask ----
     m = None
     mask_kind = 0
@@ -300,7 +254,40 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *,
                 f"{np.shape(attn_mask)}")
         mb = m.shape[:-2]
 
-    bshape = _broadcast_batch([qb, kb, vb, mb], ["query", "key", "value", "attn_mask"])
+    # ---- batch shapes (grouped-query heads first) ----
+    qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    group = 1
+    if enable_gqa:
+        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+            raise ValueError(
+                "enable_gqa=True needs a head axis (-3) on query, key and value, got shapes "
+                f"query {q.shape}, key {k.shape}, value {v.shape}")
+        Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        if Hk != Hv:
+            raise ValueError(
+                f"key and value must have the same number of heads (axis -3), got key {Hk} "
+                f"and value {Hv}")
+        if Hk == 0 or Hq % Hk != 0:
+            raise ValueError(
+                f"with enable_gqa=True the key/value heads (axis -3, {Hk}) must divide the "
+                f"query heads ({Hq})")
+        group = Hq // Hk
+        if group > 1:
+            kb = kb[:-1] + (Hq,)
+            vb = vb[:-1] + (Hq,)
+    if qb == kb == vb and not mb:
+        bshape = qb
+    else:
+        try:
+            bshape = _broadcast_batch([qb, kb, vb, mb], ["query", "key", "value", "attn_mask"])
+        except ValueError as exc:
+            if (not enable_gqa and q.ndim >= 3 and k.ndim >= 3
+                    and k.shape[-3] not in (1, q.shape[-3])
+                    and q.shape[-3] % max(k.shape[-3], 1) == 0):
+                raise ValueError(
+                    f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
+                    f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
+            raise
     nb = math.prod(bshape)
     out_shape = bshape + (N, Dv)
 
@@ -323,26 +310,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *,
     q = _rowmajor(q if q.dtype == cdt else q.astype(cdt), "query")
     k = _rowmajor(k if k.dtype == cdt else k.astype(cdt), "key")
     v = _rowmajor(v if v.dtype == cdt else v.astype(cdt), "value")
-    q_off = _offsets(q, bshape)
-    k_off = _offsets(k, bshape, group)
-    v_off = _offsets(v, bshape, group)
+    nbd = len(bshape)
+    q_bs, k_bs, v_bs = _bstrides(q, nbd), _bstrides(k, nbd), _bstrides(v, nbd)
     mask_rs = mask_cs = 0
+    m_bs = ()
     if m is not None:
         if mask_kind == 2 and m.dtype != cdt:
             m = m.astype(cdt)
-        if any(s % m.itemsize for s in m.strides):
+        if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
         mask_rs = m.strides[-2] // m.itemsize if m.shape[-2] != 1 else 0
         mask_cs = m.strides[-1] // m.itemsize if m.shape[-1] != 1 else 0
-        m_off = _offsets(m, bshape)
-    else:
-        m_off = q_off
+        m_bs = _bstrides(m, nbd)
 
     Bq, Bk = _tiles(cdt, N, M, D, Dv)
     nqb = -(-N // Bq)
     work = nb * nqb
-    flops = 2.0 * nb * N * M * (D + Dv)
-    if flops < _SERIAL_FLOPS:
+    if 2.0 * nb * N * M * (D + Dv) < _SERIAL_FLOPS:
         nthreads = 1
     nsplit, chunk = 1, M
     if not return_weights and work < nthreads and M >= 1024:
@@ -354,11 +338,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *,
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
-    big = return_weights or Bq * Bk * max(D, Dv) > _BLAS_THREAD_THRESHOLD
-    args = (q, k, v, m, out, weights, q_off, k_off, v_off, m_off,
+    args = (q, k, v, m, out, weights, bshape, q_bs, k_bs, v_bs, m_bs, group,
             _row_stride(q), _row_stride(k), _row_stride(v), mask_rs, mask_cs, mask_kind,
             N, M, D, Dv, causal, sc, Bq, Bk, nsplit, chunk, nthreads)
-    if big:
+    if return_weights or Bq * Bk * max(D, Dv) > _BLAS_THREAD_THRESHOLD:
         with blas_single_threaded:
             _sdpa.sdpa(*args)
     else:

@@ -33,6 +33,7 @@ def qkv(shape_q, shape_k, shape_v, dtype=np.float64, seed=0):
 @pytest.mark.parametrize("N,M,D,Dv", [
     (1, 1, 8, 8), (1, 37, 16, 16), (37, 1, 16, 4), (70, 90, 16, 8), (90, 70, 32, 64),
     (600, 530, 64, 64), (33, 1100, 256, 48), (5, 2100, 64, 64),
+    (3, 300, 13, 200), (2, 1000, 100, 7), (4, 50, 256, 256), (1, 700, 17, 129), (1, 5, 64, 64),
 ])
 def test_against_reference(dtype, N, M, D, Dv):
     q, k, v = qkv((2, 3, N, D), (2, 3, M, D), (2, 3, M, Dv), dtype)

@@ -5,10 +5,12 @@ from typing import Optional
 def openmp_enabled() -> bool: ...
 def omp_max_threads() -> int: ...
 def omp_num_procs() -> int: ...
+def cpu_features() -> dict[str, bool]: ...
 def sdpa(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray],
-    out: np.ndarray, weights: Optional[np.ndarray],
-    q_off: np.ndarray, k_off: np.ndarray, v_off: np.ndarray, m_off: np.ndarray,
+    out: np.ndarray, weights: Optional[np.ndarray], bshape: tuple[int, ...],
+    q_bs: tuple[int, ...], k_bs: tuple[int, ...], v_bs: tuple[int, ...],
+    m_bs: tuple[int, ...], group: int,
     q_rs: int, k_rs: int, v_rs: int, mask_rs: int, mask_cs: int, mask_kind: int,
     N: int, M: int, D: int, Dv: int, causal: int, scale: float,
     Bq: int, Bk: int, nsplit: int, chunk: int, nthreads: int,

@@ -60,8 +60,18 @@ cdef extern from "ac_sdpa.h" nogil:
     void ac_weights_block_f64(const ac_params *p, const double *q, const double *k, const double *v,
                               const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
                               double *W, double *out, Py_ssize_t o_rs, ac_dgemm_t gemm)
+    void ac_cpu_init()
+    int ac_avx512_ok
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
+
+
+ac_cpu_init()
+
+
+def cpu_features():
+    """Instruction-set paths chosen at run time."""
+    return {"avx512_small_rows": bool(ac_avx512_ok)}
 
 
 # --------------------------------------------------------------------------
@@ -275,9 +285,51 @@ cdef void _run_weights(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nthread
 # --------------------------------------------------------------------------
 # Python entry point
 # --------------------------------------------------------------------------
-def sdpa(q, k, v, mask, out, weights,
-         const Py_ssize_t[::1] q_off, const Py_ssize_t[::1] k_off,
-         const Py_ssize_t[::1] v_off, const Py_ssize_t[::1] m_off,
+cdef int _fill_offsets(tuple bshape, tuple bstrides, Py_ssize_t group,
+                       Py_ssize_t *out) except -1:
+    """Element offset of every batch element (C order over bshape).
+
+    bstrides holds one element stride per batch axis (0 where the operand
+    broadcasts).  group > 1 maps the last batch axis (query heads) to
+    key/value head index // group (grouped-query attention).
+    """
+    cdef Py_ssize_t nd = len(bshape)
+    cdef Py_ssize_t shp[32]
+    cdef Py_ssize_t st[32]
+    cdef Py_ssize_t idx[32]
+    cdef Py_ssize_t d, b, nb = 1, off = 0
+    if nd > 32:
+        raise ValueError("at most 32 batch dimensions are supported")
+    if len(bstrides) != nd:
+        raise ValueError("bstrides must have one entry per batch dimension")
+    for d in range(nd):
+        shp[d] = bshape[d]
+        st[d] = bstrides[d]
+        idx[d] = 0
+        nb *= shp[d]
+    for b in range(nb):
+        out[b] = off
+        # advance the odometer
+        d = nd - 1
+        while d >= 0:
+            idx[d] += 1
+            if idx[d] < shp[d]:
+                if d == nd - 1 and group > 1:
+                    off += st[d] if idx[d] % group == 0 else 0
+                else:
+                    off += st[d]
+                break
+            if d == nd - 1 and group > 1:
+                off -= st[d] * ((shp[d] - 1) // group)
+            else:
+                off -= st[d] * (shp[d] - 1)
+            idx[d] = 0
+            d -= 1
+    return 0
+
+
+def sdpa(q, k, v, mask, out, weights, tuple bshape,
+         tuple q_bs, tuple k_bs, tuple v_bs, tuple m_bs, Py_ssize_t group,
          Py_ssize_t q_rs, Py_ssize_t k_rs, Py_ssize_t v_rs,
          Py_ssize_t mask_rs, Py_ssize_t mask_cs, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
@@ -285,25 +337,36 @@ def sdpa(q, k, v, mask, out, weights,
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (same dtype), last axis contiguous,
-    addressed as base + offset[b] + row * row_stride + col.
-    mask: None, a bool array (read as bytes) or an additive array of the
-    compute dtype.  out: C-contiguous (nb, N, Dv).  weights: None for the
-    flash path, else C-contiguous (nb, N, M), filled with the weights.
+    batch element b (C order over bshape) at base + offset(b), row i at
+    + i * row_stride.  *_bs: per-batch-axis element strides (0 = broadcast);
+    key/value head index is query head // group.  mask: None, a bool array
+    (read as bytes) or an additive array of the compute dtype.  out:
+    C-contiguous (nb, N, Dv).  weights: None for the flash path, else
+    C-contiguous (nb, N, M), filled with the attention weights.
     """
     cdef Py_buffer bq, bk, bv, bm, bo, bw
     cdef int have_m = 0, have_w = 0, got = 0
     cdef ac_params p
     cdef _Ops ops
-    cdef Py_ssize_t nb = q_off.shape[0]
+    cdef Py_ssize_t nb = 1, d
+    cdef Py_ssize_t *offs = NULL
     cdef int err = 0
     cdef bint is64
-    if k_off.shape[0] != nb or v_off.shape[0] != nb or (mask is not None and m_off.shape[0] != nb):
-        raise ValueError("offset tables disagree")
+    for d in range(len(bshape)):
+        nb *= <Py_ssize_t>bshape[d]
     if nb == 0 or N == 0:
         return
-    PyObject_GetBuffer(q, &bq, PyBUF_RECORDS_RO)
-    got = 1
+    offs = <Py_ssize_t *>malloc(4 * nb * sizeof(Py_ssize_t))
+    if offs == NULL:
+        raise MemoryError()
     try:
+        _fill_offsets(bshape, q_bs, 1, offs)
+        _fill_offsets(bshape, k_bs, group, offs + nb)
+        _fill_offsets(bshape, v_bs, group, offs + 2 * nb)
+        if mask is not None:
+            _fill_offsets(bshape, m_bs, 1, offs + 3 * nb)
+        PyObject_GetBuffer(q, &bq, PyBUF_RECORDS_RO)
+        got = 1
         PyObject_GetBuffer(k, &bk, PyBUF_RECORDS_RO)
         got = 2
         PyObject_GetBuffer(v, &bv, PyBUF_RECORDS_RO)
@@ -322,6 +385,8 @@ def sdpa(q, k, v, mask, out, weights,
             is64 = False
         else:
             raise TypeError("kernel dtype must be float32 or float64")
+        if bk.itemsize != bq.itemsize or bv.itemsize != bq.itemsize or bo.itemsize != bq.itemsize:
+            raise TypeError("query, key, value and out must share one dtype")
         p.N = N
         p.M = M
         p.D = D
@@ -342,10 +407,10 @@ def sdpa(q, k, v, mask, out, weights,
         ops.out = <char *>bo.buf
         ops.mask = <char *>bm.buf if have_m else NULL
         ops.w = <char *>bw.buf if have_w else NULL
-        ops.qo = &q_off[0]
-        ops.ko = &k_off[0]
-        ops.vo = &v_off[0]
-        ops.mo = &m_off[0] if have_m else NULL
+        ops.qo = offs
+        ops.ko = offs + nb
+        ops.vo = offs + 2 * nb
+        ops.mo = offs + 3 * nb
         with nogil:
             if have_w:
                 if is64:
@@ -370,7 +435,9 @@ def sdpa(q, k, v, mask, out, weights,
             PyBuffer_Release(&bv)
         if got >= 2:
             PyBuffer_Release(&bk)
-        PyBuffer_Release(&bq)
+        if got >= 1:
+            PyBuffer_Release(&bq)
+        free(offs)
 
 
 def exp_array(x):

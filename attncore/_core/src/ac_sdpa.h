@@ -29,6 +29,7 @@
 #include <string.h>
 #include <math.h>
 #include "ac_math.h"
+#include "ac_small_x86.h"
 
 typedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *,
                            float *, int *, float *, int *, float *, float *,
@@ -65,23 +66,32 @@ static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
 #define AC_CLONES
 #endif
 
+/* query blocks of at most this many rows use direct loops, not BLAS */
+#ifndef AC_SMALL_ROWS
+#define AC_SMALL_ROWS 4
+#endif
+
 /* instantiate for float and double */
 #define AC_T float
+#define AC_IS_F32 1
 #define AC_SUF f32
 #define AC_EXP ac_expf
 #define AC_GEMM_T ac_sgemm_t
 #include "ac_sdpa_impl.h"
 #undef AC_T
+#undef AC_IS_F32
 #undef AC_SUF
 #undef AC_EXP
 #undef AC_GEMM_T
 
 #define AC_T double
+#define AC_IS_F32 0
 #define AC_SUF f64
 #define AC_EXP ac_exp
 #define AC_GEMM_T ac_dgemm_t
 #include "ac_sdpa_impl.h"
 #undef AC_T
+#undef AC_IS_F32
 #undef AC_SUF
 #undef AC_EXP
 #undef AC_GEMM_T

@@ -12,7 +12,7 @@
  * that holds every (row, column) the mask and causal structure let through.
  * Returns 0 when the whole tile is masked out; the tile is then skipped.
  */
-static int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
+AC_INLINE int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
                                 const AC_T *mf, ptrdiff_t i0, int nq,
                                 ptrdiff_t j0, int nk, int *lo, int *hi)
 {
@@ -55,7 +55,7 @@ static int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
  * accumulator rows must be scaled by) and ORs NaN flags into bad.  On return
  * S holds P (zeros where masked).
  */
-static inline void AC_FN(ac_softmax_tile)(const ac_params *p,
+AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
                                           const uint8_t *mb, const AC_T *mf,
                                           ptrdiff_t i0, int nq, ptrdiff_t j0,
                                           int nk, AC_T *S, AC_T *m, AC_T *l,
@@ -128,6 +128,44 @@ static inline void AC_FN(ac_softmax_tile)(const ac_params *p,
 }
 
 /*
+ * Score and P.V products for a handful of query rows (decoding, one-step
+ * seq2seq): direct loops that stream K and V once.  BLAS would pack both
+ * operands first, which costs more than the product itself at these sizes.
+ */
+AC_INLINE void AC_FN(ac_scores_small)(int nq, int nk, int D, AC_T scale,
+                                      const AC_T *q, ptrdiff_t q_rs,
+                                      const AC_T *k, ptrdiff_t k_rs, AC_T *S,
+                                      int ldS)
+{
+    for (int j = 0; j < nk; j++) {
+        const AC_T *kj = k + j * k_rs;
+        for (int r = 0; r < nq; r++) {
+            const AC_T *qr = q + r * q_rs;
+            AC_T s = 0;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < D; d++) s += qr[d] * kj[d];
+            S[(ptrdiff_t)r * ldS + j] = s * scale;
+        }
+    }
+}
+
+AC_INLINE void AC_FN(ac_pv_small)(int nq, int nk, int Dv, const AC_T *S,
+                                  int ldS, const AC_T *v, ptrdiff_t v_rs,
+                                  AC_T *acc, int first)
+{
+    if (first) memset(acc, 0, sizeof(AC_T) * (size_t)nq * (size_t)Dv);
+    for (int j = 0; j < nk; j++) {
+        const AC_T *vj = v + j * v_rs;
+        for (int r = 0; r < nq; r++) {
+            const AC_T pj = S[(ptrdiff_t)r * ldS + j];
+            AC_T *ar = acc + (ptrdiff_t)r * Dv;
+#pragma omp simd
+            for (int d = 0; d < Dv; d++) ar[d] += pj * vj[d];
+        }
+    }
+}
+
+/*
  * Attention of query rows [i0, i0+nq) over keys [ks, ke).  q, k, v, mb, mf
  * point at the start of this batch element.  Leaves the unnormalized
  * accumulator in acc (nq x Dv, contiguous), the running max in m, the
@@ -162,7 +200,18 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
             j0 = jb + lo;
             nk = hi - lo;
         }
-        {
+        if (nq <= AC_SMALL_ROWS) {
+#if AC_IS_F32 && AC_HAVE_X86_SMALL
+            if (ac_avx512_ok)
+                ac_scores_small_f32_avx512(nq, nk, p->D, (AC_T)p->scale,
+                                           q + i0 * p->q_rs, p->q_rs,
+                                           k + j0 * p->k_rs, p->k_rs, S, Bk);
+            else
+#endif
+            AC_FN(ac_scores_small)(nq, nk, p->D, (AC_T)p->scale,
+                                   q + i0 * p->q_rs, p->q_rs,
+                                   k + j0 * p->k_rs, p->k_rs, S, Bk);
+        } else {
             char ta = 'T', tb = 'N';
             int mm = nk, nn = nq, kk = p->D;
             int lda = (int)p->k_rs, ldb = (int)p->q_rs, ldc = Bk;
@@ -181,7 +230,16 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
                 }
             }
         }
-        {
+        if (nq <= AC_SMALL_ROWS) {
+#if AC_IS_F32 && AC_HAVE_X86_SMALL
+            if (ac_avx512_ok)
+                ac_pv_small_f32_avx512(nq, nk, Dv, S, Bk, v + j0 * p->v_rs,
+                                       p->v_rs, acc, first);
+            else
+#endif
+            AC_FN(ac_pv_small)(nq, nk, Dv, S, Bk, v + j0 * p->v_rs, p->v_rs,
+                               acc, first);
+        } else {
             char ta = 'N', tb = 'N';
             int mm = Dv, nn = nq, kk = nk;
             int lda = (int)p->v_rs, ldb = Bk, ldc = Dv;

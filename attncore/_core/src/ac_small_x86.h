@@ -1,0 +1,144 @@
+/*
+ * ac_small_x86.h -- AVX-512 products for query blocks of a few rows
+ * (decoding, one decoder step of a seq2seq model).
+ *
+ * At these sizes the work is streaming K and V once; the portable loops in
+ * ac_sdpa_impl.h spend most of their time in the horizontal sum of every
+ * dot product and in reloading / storing the accumulator for every key.
+ * Here four keys are scored at once (independent FMA chains, one reduction
+ * each) and the P.V accumulator lives in registers across all keys.
+ *
+ * Compiled with a target attribute and chosen at run time (ac_cpu_init),
+ * so the extension still runs on CPUs without AVX-512.
+ */
+#ifndef AC_SMALL_X86_H
+#define AC_SMALL_X86_H
+
+#include <stddef.h>
+#include <string.h>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
+#define AC_HAVE_X86_SMALL 1
+#include <immintrin.h>
+
+static int ac_avx512_ok = 0;
+
+static void ac_cpu_init(void)
+{
+    __builtin_cpu_init();
+    ac_avx512_ok = __builtin_cpu_supports("avx512f") ? 1 : 0;
+}
+
+#define AC_AVX512 __attribute__((target("avx512f")))
+
+/* S[r, j] = scale * q_r . k_j for r < nq, j < nk */
+static AC_AVX512 void ac_scores_small_f32_avx512(
+    int nq, int nk, int D, float scale, const float *q, ptrdiff_t q_rs,
+    const float *k, ptrdiff_t k_rs, float *S, int ldS)
+{
+    const int Dm = D & ~15;
+    const __mmask16 tail = (__mmask16)((1u << (D - Dm)) - 1u);
+    for (int r = 0; r < nq; r++) {
+        const float *qr = q + r * q_rs;
+        float *Sr = S + (ptrdiff_t)r * ldS;
+        int j = 0;
+        for (; j + 4 <= nk; j += 4) {
+            const float *k0 = k + (ptrdiff_t)j * k_rs;
+            const float *k1 = k0 + k_rs, *k2 = k1 + k_rs, *k3 = k2 + k_rs;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            int d = 0;
+            for (; d < Dm; d += 16) {
+                __m512 qv = _mm512_loadu_ps(qr + d);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), a3);
+            }
+            if (tail) {
+                __m512 qv = _mm512_maskz_loadu_ps(tail, qr + d);
+                a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k0 + d), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k1 + d), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k2 + d), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k3 + d), a3);
+            }
+            Sr[j + 0] = _mm512_reduce_add_ps(a0) * scale;
+            Sr[j + 1] = _mm512_reduce_add_ps(a1) * scale;
+            Sr[j + 2] = _mm512_reduce_add_ps(a2) * scale;
+            Sr[j + 3] = _mm512_reduce_add_ps(a3) * scale;
+        }
+        for (; j < nk; j++) {
+            const float *kj = k + (ptrdiff_t)j * k_rs;
+            __m512 a0 = _mm512_setzero_ps();
+            int d = 0;
+            for (; d < Dm; d += 16)
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kj + d), a0);
+            if (tail)
+                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, qr + d),
+                                     _mm512_maskz_loadu_ps(tail, kj + d), a0);
+            Sr[j] = _mm512_reduce_add_ps(a0) * scale;
+        }
+    }
+}
+
+/* acc[r, :] (+)= sum_j P[r, j] v_j ; acc is nq x Dv contiguous */
+static AC_AVX512 void ac_pv_small_f32_avx512(
+    int nq, int nk, int Dv, const float *S, int ldS, const float *v,
+    ptrdiff_t v_rs, float *acc, int first)
+{
+    /* columns in chunks of up to 8 vectors (128 floats) kept in registers */
+    for (int r = 0; r < nq; r++) {
+        const float *Sr = S + (ptrdiff_t)r * ldS;
+        float *ar = acc + (ptrdiff_t)r * Dv;
+        for (int c0 = 0; c0 < Dv; c0 += 128) {
+            const int cw = (Dv - c0 < 128) ? (Dv - c0) : 128;
+            const int nv = (cw + 15) >> 4;
+            const __mmask16 last = (__mmask16)((cw & 15) ? ((1u << (cw & 15)) - 1u) : 0xFFFFu);
+            __m512 x[8];
+            for (int t = 0; t < 8; t++) x[t] = _mm512_setzero_ps();
+            if (!first) {
+                for (int t = 0; t < nv; t++)
+                    x[t] = _mm512_maskz_loadu_ps(t == nv - 1 ? last : 0xFFFF, ar + c0 + 16 * t);
+            }
+            const float *vc = v + c0;
+            if (nv == 8 && last == 0xFFFF) {
+                for (int j = 0; j < nk; j++, vc += v_rs) {
+                    const __m512 pj = _mm512_set1_ps(Sr[j]);
+                    x[0] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 0), x[0]);
+                    x[1] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 16), x[1]);
+                    x[2] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 32), x[2]);
+                    x[3] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 48), x[3]);
+                    x[4] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 64), x[4]);
+                    x[5] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 80), x[5]);
+                    x[6] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 96), x[6]);
+                    x[7] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 112), x[7]);
+                }
+            } else if (nv == 4 && last == 0xFFFF) {
+                for (int j = 0; j < nk; j++, vc += v_rs) {
+                    const __m512 pj = _mm512_set1_ps(Sr[j]);
+                    x[0] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 0), x[0]);
+                    x[1] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 16), x[1]);
+                    x[2] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 32), x[2]);
+                    x[3] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + 48), x[3]);
+                }
+            } else {
+                for (int j = 0; j < nk; j++, vc += v_rs) {
+                    const __m512 pj = _mm512_set1_ps(Sr[j]);
+                    for (int t = 0; t < nv; t++)
+                        x[t] = _mm512_fmadd_ps(
+                            pj, _mm512_maskz_loadu_ps(t == nv - 1 ? last : 0xFFFF, vc + 16 * t), x[t]);
+                }
+            }
+            for (int t = 0; t < nv; t++)
+                _mm512_mask_storeu_ps(ar + c0 + 16 * t, t == nv - 1 ? last : 0xFFFF, x[t]);
+        }
+    }
+}
+
+#else
+#define AC_HAVE_X86_SMALL 0
+static const int ac_avx512_ok = 0;
+static void ac_cpu_init(void) {}
+#endif
+
+#endif /* AC_SMALL_X86_H */
