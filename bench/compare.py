@@ -139,22 +139,29 @@ def run_case(case, threads, repeats, with_numpy=True):
 
 
 _PEAK_SNIPPET = r"""
-import resource, sys, numpy as np, attncore
+import numpy as np, attncore
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
 N, D = {N}, {D}
 rng = np.random.default_rng(0)
 q = rng.standard_normal((1, 1, N, D), dtype=np.float32)
 k = rng.standard_normal((1, 1, N, D), dtype=np.float32)
 v = rng.standard_normal((1, 1, N, D), dtype=np.float32)
 attncore.scaled_dot_product_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :])  # warm
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+    f.write("5")
+base = rss_kib("VmRSS:")
 out = attncore.scaled_dot_product_attention(q, k, v, num_threads={T})
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = rss_kib("VmHWM:")
 print((peak - base) * 1024, out.nbytes)
 """
 
 
 def peak_memory(N=16384, D=64, threads=1):
-    """Peak RSS growth of one attncore call in a fresh process (bytes)."""
+    """Peak RSS growth of one attncore call in a fresh process (bytes, Linux)."""
     code = _PEAK_SNIPPET.format(N=N, D=D, T=threads)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     growth, out_bytes = (int(x) for x in res.stdout.split())

@@ -1,4 +1,5 @@
 """scaled_dot_product_attention against a float64 NumPy reference and torch."""
+import os
 import threading
 
 import numpy as np
@@ -392,7 +393,35 @@ def test_show_config(capsys):
     assert "OpenMP" in out and "BLAS" in out and "numpy" in out
 
 
+@pytest.mark.skipif(os.environ.get("ATTNCORE_NO_OPENMP", "") not in ("", "0"),
+                    reason="deliberately built without OpenMP")
 def test_openmp_built_in():
     from attncore._core import _sdpa
 
     assert _sdpa.openmp_enabled(), "attncore was built without OpenMP"
+
+
+@pytest.mark.skipif(os.environ.get("ATTNCORE_NO_OPENMP", "") not in ("", "0"),
+                    reason="deliberately built without OpenMP")
+def test_num_threads_none_follows_openmp_settings():
+    import subprocess
+    import sys
+
+    code = ("import attncore._threads as t, threadpoolctl, numpy as np\n"
+            "print(t.resolve_num_threads(None))\n"
+            "with threadpoolctl.threadpool_limits(limits=1, user_api='openmp'):\n"
+            "    print(t.resolve_num_threads(None))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="3")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert res.stdout.split() == ["3", "1"]
+
+
+def test_read_only_inputs():
+    q, k, v = qkv((2, 20, 8), (2, 30, 8), (2, 30, 8))
+    mask = np.random.default_rng(0).random((2, 1, 30)) > 0.3
+    for a in (q, k, v, mask):
+        a.flags.writeable = False
+    np.testing.assert_allclose(sdpa(q, k, v, mask), ref(q, k, v, mask)[0], rtol=1e-12, atol=1e-12)
+    # broadcast views (read-only, zero strides) work too
+    kb = np.broadcast_to(k[:1], (2, 30, 8))
+    np.testing.assert_allclose(sdpa(q, kb, v), ref(q, kb, v)[0], rtol=1e-12, atol=1e-12)
