@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._core import _sdpa
 from ._threads import blas_single_threaded, resolve_num_threads
@@ -142,9 +144,18 @@ def _tiles(dtype, N: int, M: int, D: int, Dv: int):
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention
 # --------------------------------------------------------------------------
-def scaled_dot_product_attention(query, key, value, attn_mask=None, *,
-                                 is_causal=False, scale=None, enable_gqa=False,
-                                 return_weights=False, num_threads=None):
+def scaled_dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    attn_mask: ArrayLike | None = None,
+    *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+    num_threads: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention, ``softmax(Q K^T * scale + mask) V``.
 
     Computed tile by tile with an online softmax (flash attention): memory
