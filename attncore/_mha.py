@@ -25,9 +25,14 @@ import numbers
 
 import numpy as np
 
+from ._threads import blas_single_threaded
 from .functional import as_float_array, parse_causal, scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
+
+# gemms below this many multiply-adds run on one BLAS thread: waking BLAS
+# threads costs more than they save (decoding steps project a few rows)
+_SMALL_GEMM = 2**23
 
 
 # --------------------------------------------------------------------------
@@ -858,8 +863,8 @@ class MultiHeadAttention:
                 q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
                 stored_mask = cache._key_mask
             elif self_attn:
-                if cache.mode is None:
-                    cache.mode = "self"
+                if self._w_qkv is None:
+                    self._project_self(x_q)                 # raises: needs key and value
                 if causal == 1 and len(cache) > 0:
                     raise ValueError(
                         f"is_causal={is_causal!r} (upper-left) with a cache holding "
@@ -870,6 +875,7 @@ class MultiHeadAttention:
                 q_p = qkv[:, :Nq]
                 cache._append(qkv[:, Nq:Nq + Nk].reshape(B, L, Hkv, hd),
                               qkv[:, Nq + Nk:].reshape(B, L, Hkv, hdv))
+                cache.mode = "self"
             else:
                 if cache.mode == "self":
                     raise ValueError("cache holds self-attention keys/values; cross-attention "
@@ -877,7 +883,7 @@ class MultiHeadAttention:
                 k_in, v_in = self._kv_inputs(key, value, ndim, B)
                 S = k_in.shape[1]
                 cache._check_room(S)
-                k_p, v_p = self._project_kv(key is value, k_in, v_in)
+                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
                 cache._append(k_p.reshape(B, S, Hkv, hd), v_p.reshape(B, S, Hkv, hdv))
                 cache.mode = "cross"
                 cache._source = key
@@ -898,7 +904,7 @@ class MultiHeadAttention:
                 k_in, v_in = self._kv_inputs(key, value, ndim, B)
                 S = k_in.shape[1]
                 q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
-                k_p, v_p = self._project_kv(key is value, k_in, v_in)
+                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
             # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
             k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
             v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
@@ -941,7 +947,12 @@ class MultiHeadAttention:
     # ------------------------------------------------------------ pieces
     def _kv_inputs(self, key, value, ndim, B):
         k = self._input(key, "key", self.kdim, ndim)
-        v = k if (value is None or value is key) else self._input(value, "value", self.vdim, ndim)
+        if value is None:
+            value = key
+        if value is key and self.vdim == self.kdim:
+            v = k
+        else:
+            v = self._input(value, "value", self.vdim, ndim)
         if k.shape[0] != B or v.shape[0] != B:
             raise ValueError(f"key and value must have the query's batch size {B}, got key "
                              f"shape {np.shape(key)} and value shape {np.shape(value)}")
@@ -952,7 +963,11 @@ class MultiHeadAttention:
 
     @staticmethod
     def _project(x2d, w, b):
-        y = np.matmul(x2d, w.T)
+        if x2d.shape[0] * w.shape[0] * w.shape[1] < _SMALL_GEMM:
+            with blas_single_threaded:
+                y = np.matmul(x2d, w.T)
+        else:
+            y = np.matmul(x2d, w.T)
         if b is not None:
             y += b
         return y
