@@ -839,7 +839,9 @@ class MultiHeadAttention:
         H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         x_q = q.reshape(B * L, self.embed_dim)
         stored_mask = None
+        k_in = v_in = None
 
+        # ---- checks first: a call that fails leaves the cache as it was ----
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache must be a KVCache from new_cache(), got "
@@ -860,7 +862,7 @@ class MultiHeadAttention:
                         "memory; pass key=None (or the same memory array) to reuse them, or "
                         "reset() the cache for a new memory")
                 self_attn = False
-                q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
+                S = len(cache)
                 stored_mask = cache._key_mask
             elif self_attn:
                 if self._w_qkv is None:
@@ -871,11 +873,7 @@ class MultiHeadAttention:
                         f"{len(cache)} tokens would hide them from the new queries; use "
                         "is_causal='lower_right'")
                 cache._check_room(L)
-                qkv = self._project_self(x_q)
-                q_p = qkv[:, :Nq]
-                cache._append(qkv[:, Nq:Nq + Nk].reshape(B, L, Hkv, hd),
-                              qkv[:, Nq + Nk:].reshape(B, L, Hkv, hdv))
-                cache.mode = "self"
+                S = len(cache) + L
             else:
                 if cache.mode == "self":
                     raise ValueError("cache holds self-attention keys/values; cross-attention "
@@ -883,32 +881,13 @@ class MultiHeadAttention:
                 k_in, v_in = self._kv_inputs(key, value, ndim, B)
                 S = k_in.shape[1]
                 cache._check_room(S)
-                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
-                cache._append(k_p.reshape(B, S, Hkv, hd), v_p.reshape(B, S, Hkv, hdv))
-                cache.mode = "cross"
-                cache._source = key
-                if key_mask is not None:
-                    cache._key_mask = self._check_key_mask(key_mask, B, S, batched)
-                q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
-            S = len(cache)
-            k4 = cache._k[:, :, :S]
-            v4 = cache._v[:, :, :S]
+        elif self_attn:
+            if self._w_qkv is None:
+                self._project_self(x_q)                     # raises: needs key and value
+            S = L
         else:
-            if self_attn:
-                S = L
-                qkv = self._project_self(x_q)
-                q_p = qkv[:, :Nq]
-                k_p = qkv[:, Nq:Nq + Nk]
-                v_p = qkv[:, Nq + Nk:]
-            else:
-                k_in, v_in = self._kv_inputs(key, value, ndim, B)
-                S = k_in.shape[1]
-                q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
-                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
-            # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
-            k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
-            v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
-        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+            k_in, v_in = self._kv_inputs(key, value, ndim, B)
+            S = k_in.shape[1]
 
         # ---- masks ----
         # a key_mask given now overrides one stored with a cross-attention memory
@@ -924,6 +903,35 @@ class MultiHeadAttention:
                 mask = am & mask
             else:
                 mask = np.where(mask, am, am.dtype.type(-np.inf))
+
+        # ---- projections (and cache updates) ----
+        if self_attn:
+            qkv = self._project_self(x_q)
+            q_p = qkv[:, :Nq]
+            k_p = qkv[:, Nq:Nq + Nk]
+            v_p = qkv[:, Nq + Nk:]
+        else:
+            q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
+            if k_in is not None:
+                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
+        if cache is not None:
+            if k_in is not None or self_attn:
+                cache._append(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
+                if self_attn:
+                    cache.mode = "self"
+                else:
+                    cache.mode = "cross"
+                    cache._source = key
+                    if key_mask is not None:
+                        cache._key_mask = mask if attn_mask is None else \
+                            self._check_key_mask(key_mask, B, S, batched)
+            k4 = cache._k[:, :, :S]
+            v4 = cache._v[:, :, :S]
+        else:
+            # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
+            k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
+            v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
+        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
 
         res = scaled_dot_product_attention(
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,

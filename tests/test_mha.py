@@ -622,6 +622,9 @@ def test_cache_errors():
          r"more; make a larger cache with new_cache\(batch_size, max_length>=7\)",
          m, x[:, :2], cache=cache, is_causal="lower_right")
     assert len(cache) == 5                            # the failed call appended nothing
+    _err(ValueError, r"key_mask must have shape \(2, 6\)", m, x[:, :1], cache=cache,
+         key_mask=np.ones((2, 5), bool), is_causal="lower_right")
+    assert len(cache) == 5
     _err(ValueError, "use is_causal='lower_right'", m, x[:, :1], cache=cache, is_causal=True)
     _err(ValueError, "cross-attention needs a cache of its own", m, x[:, :1], x, cache=cache)
     _err(ValueError, "cache does not fit this layer",
