@@ -142,7 +142,9 @@ def _offsets(a: np.ndarray, bshape: tuple, group: int = 1) -> np.ndarray:
             idx = np.arange(n, dtype=np.intp) * stride
         off = off + idx.reshape((n if not (group > 1 and axis == nb - 1) else bshape[axis],)
                                 + (1,) * (nb - 1 - axis))
-    return np.ascontiguousarray(np.broadcast_to(off, bshape), dtype=np.intp).reshape(-1)
+    out = np.empty(bshape, dtype=np.intp)  # broadcast by assignment: cheaper than broadcast_to
+    out[...] = off
+    return out.reshape(-1)
 
 
 def _tiles(dtype, N: int, M: int, D: int, Dv: int):
