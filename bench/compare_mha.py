@@ -20,7 +20,8 @@ Cases:
 Same timing method as ``bench/compare.py``: both sides interleaved in one
 process, the same thread count for both (``threadpoolctl`` for OpenMP and
 BLAS, ``torch.set_num_threads``), medians over the repeats, ratio
-torch / attncore (> 1: attncore is faster).  A benchmark, never a test.
+torch / attncore (> 1: attncore is faster); ``max|diff|`` compares the two
+outputs once, as a sanity check.  A benchmark, never a test.
 
 For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
 that runs this script.
@@ -91,7 +92,8 @@ def _setup_layer(kind, E, H, B, L, S, steps):
                 with torch.inference_mode():
                     return tm(tx, tmem, tmem, need_weights=False)
         fns["torch"] = run_torch
-        return fns, None
+        err = float(np.abs(fns["attncore"]()[0] - run_torch()[0].numpy()).max())
+        return fns, err
 
     # ---- decoding with a cache of S tokens ----
     hd = E // H
@@ -151,12 +153,10 @@ def run_case(case, threads, repeats, steps):
                 samples[key].append(_time(fn, numbers[key]))
     per = steps if kind == "decode" else 1
     med = {key: statistics.median(s) / per for key, s in samples.items()}
-    row = {"case": name, "kind": kind, "threads": threads,
-           "ms": {key: 1e3 * t for key, t in med.items()},
-           "torch_over_attncore": med["torch"] / med["attncore"], "bar": BARS[kind]}
-    if err is not None:
-        row["max_abs_diff"] = err
-    return row
+    return {"case": name, "kind": kind, "threads": threads,
+            "ms": {key: 1e3 * t for key, t in med.items()},
+            "torch_over_attncore": med["torch"] / med["attncore"], "bar": BARS[kind],
+            "max_abs_diff": err}
 
 
 def header():
@@ -178,8 +178,8 @@ def main(argv=None):
         sys.exit("compare_mha.py needs torch (pip install '.[bench]')")
     cases = [c for c in CASES if not args.cases or any(w in c[0] for w in args.cases)]
     print(header())
-    fmt = "{:<32} {:>3} {:>12} {:>12} {:>9} {:>5}"
-    print(fmt.format("case", "thr", "attncore ms", "torch ms", "torch/ac", "bar"))
+    fmt = "{:<32} {:>3} {:>12} {:>12} {:>9} {:>5} {:>9}"
+    print(fmt.format("case", "thr", "attncore ms", "torch ms", "torch/ac", "bar", "max|diff|"))
     rows = []
     for threads in args.threads:
         for case in cases:
@@ -187,7 +187,8 @@ def main(argv=None):
             rows.append(row)
             ms = row["ms"]
             print(fmt.format(row["case"], threads, f"{ms['attncore']:.3f}", f"{ms['torch']:.3f}",
-                             f"{row['torch_over_attncore']:.2f}", f"{row['bar']:.1f}"),
+                             f"{row['torch_over_attncore']:.2f}", f"{row['bar']:.1f}",
+                             f"{row['max_abs_diff']:.1e}"),
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

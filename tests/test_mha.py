@@ -308,6 +308,18 @@ def test_keras_cross_attention(kw):
 
 
 @needs_keras
+def test_keras_separate_key_input():
+    """Keras layer(query, value, key=key) is attncore's mha(query, key, value)."""
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, value_dim=4)
+    q, k, v = rand((2, 5, 6)), rand((2, 7, 9), seed=1), rand((2, 7, 8), seed=2)
+    ko = kcall(layer, q, v, key=k)
+    m = MultiHeadAttention.from_keras(layer)
+    assert (m.embed_dim, m.kdim, m.vdim, m.out_dim) == (6, 9, 8, 6)
+    np.testing.assert_allclose(m(q, k, v)[0], ko, rtol=1e-5, atol=1e-5)
+
+
+@needs_keras
 def test_keras_self_attention_masks_and_causal():
     layer = keras_layer(4, 8, q_dim=16, kv_dim=16)
     m = MultiHeadAttention.from_keras(layer)
