@@ -10,10 +10,18 @@ scaled_dot_product_attention
     Batched (masked, causal, grouped-query) attention.
 show_config
     Versions, OpenMP and BLAS facts of this installation.
+MultiHeadAttention, KVCache
+    Multi-head (grouped-query) attention layer with PyTorch / Keras weight
+    loaders, and its preallocated key/value cache for decoding.
+sinusoidal_encoding, add_positional_encoding
+    Sinusoidal positional encoding.
 """
 from .functional import scaled_dot_product_attention
 from ._config import show_config
+from ._mha import KVCache, MultiHeadAttention
+from .positional import add_positional_encoding, sinusoidal_encoding
 
 __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "show_config", "__version__"]
+__all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]

@@ -61,8 +61,28 @@ def _get_controller():
     return _controller
 
 
+_blas_libs = None
+
+
+def _get_blas_libs():
+    """The controller's BLAS libraries (cached; empty if threadpoolctl finds none)."""
+    global _blas_libs
+    if _blas_libs is None:
+        try:
+            _blas_libs = [lc for lc in _get_controller().lib_controllers if lc.user_api == "blas"]
+        except Exception:  # no threadpoolctl-visible BLAS: nothing to limit
+            _blas_libs = []
+    return _blas_libs
+
+
 class _BlasSingleThreaded:
-    """Context manager: BLAS runs on one thread inside (reference-counted)."""
+    """Context manager: BLAS runs on one thread inside (reference-counted).
+
+    Talks to each BLAS library's controller directly (get / set the thread
+    count, under a microsecond each) rather than through
+    ``ThreadpoolController.limit``, which queries every library's info and
+    costs ~20 us per enter/exit -- too much for per-token decoding calls.
+    """
 
     __slots__ = ()
 
@@ -70,10 +90,16 @@ class _BlasSingleThreaded:
         global _depth, _limiter
         with _lock:
             if _depth == 0:
-                try:
-                    _limiter = _get_controller().limit(limits=1, user_api="blas")
-                except Exception:  # no threadpoolctl-visible BLAS: nothing to limit
-                    _limiter = None
+                saved = []
+                for lc in _get_blas_libs():
+                    try:
+                        n = lc.get_num_threads()
+                        if n is not None and n != 1:
+                            lc.set_num_threads(1)
+                            saved.append((lc, n))
+                    except Exception:  # pragma: no cover - a library that cannot be limited
+                        pass
+                _limiter = saved
             _depth += 1
         return self
 
@@ -81,8 +107,9 @@ class _BlasSingleThreaded:
         global _depth, _limiter
         with _lock:
             _depth -= 1
-            if _depth == 0 and _limiter is not None:
-                _limiter.restore_original_limits()
+            if _depth == 0 and _limiter:
+                for lc, n in _limiter:
+                    lc.set_num_threads(n)
                 _limiter = None
         return False
 

@@ -3,6 +3,7 @@
     python bench/compare.py                 # every case at 1 and 2 threads
     python bench/compare.py --threads 1 2 4 --repeats 15 --cases prefill decode
     python bench/compare.py --json results.json
+    python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
 
 Each case runs attncore, torch (when installed) and NumPy interleaved in one
 process, with the same thread count for all three, and reports medians over
@@ -185,7 +186,16 @@ def main(argv=None):
     ap.add_argument("--no-numpy", action="store_true")
     ap.add_argument("--no-peak", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
+                    help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
+    if args.suite == "mha":
+        import compare_mha
+
+        return compare_mha.main(
+            ["--threads", *map(str, args.threads), "--repeats", str(args.repeats)]
+            + (["--cases", *args.cases] if args.cases else [])
+            + (["--json", args.json] if args.json else []))
     cases = [c for c in CASES if not args.cases or any(w in c[0] for w in args.cases)]
     print(header())
     rows = []

@@ -1,0 +1,1006 @@
+"""Multi-head attention layer and its key/value cache.
+
+The layer holds its projection weights as NumPy arrays in PyTorch's Linear
+layout (out_features, in_features).  A call
+
+1. projects query / key / value with one BLAS gemm each on 2-D
+   (batch * length, features) arrays -- one fused gemm for Q, K and V in
+   self-attention, one for K and V when key and value are the same array;
+2. hands the projected (B, L, heads * head_dim) arrays to
+   :func:`attncore.scaled_dot_product_attention` as strided
+   (B, heads, L, head_dim) views (no per-head copies; grouped-query heads
+   through ``enable_gqa``, K/V never repeated);
+3. applies the output projection with one more gemm.
+
+Storage: when query, key and value have the same input width, the three
+input projections live in one (Nq + Nk + Nv, E) buffer and ``q_weight``,
+``k_weight`` and ``v_weight`` are row blocks (views) of it, so the fused
+gemm needs no concatenation per call and in-place edits of the attributes
+are seen by the next call.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ._threads import blas_single_threaded
+from .functional import as_float_array, parse_causal, scaled_dot_product_attention
+
+__all__ = ["MultiHeadAttention", "KVCache"]
+
+# gemms below this many multiply-adds run on one BLAS thread: waking BLAS
+# threads costs more than they save (decoding steps project a few rows)
+_SMALL_GEMM = 2**23
+
+
+# --------------------------------------------------------------------------
+# small checks
+# --------------------------------------------------------------------------
+def _pos_int(x, name: str, allow_none: bool = False):
+    if x is None and allow_none:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {type(x).__name__} {x!r}")
+    x = int(x)
+    if x < 1:
+        raise ValueError(f"{name} must be >= 1, got {x}")
+    return x
+
+
+def _layer_dtype(dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def _to_numpy(t, name: str) -> np.ndarray:
+    """A torch tensor, Keras variable or array-like as a NumPy array."""
+    if hasattr(t, "detach") and hasattr(t, "cpu"):        # torch.Tensor
+        t = t.detach().cpu()
+        if hasattr(t, "float") and str(getattr(t, "dtype", "")) in ("torch.bfloat16",):
+            t = t.float()
+        return t.numpy()
+    if hasattr(t, "numpy") and not isinstance(t, np.ndarray):   # Keras / TF variable
+        try:
+            return np.asarray(t.numpy())
+        except Exception:  # pragma: no cover - fall back to the array protocol
+            pass
+    a = np.asarray(t)
+    if a.dtype == object:
+        raise TypeError(f"{name} must be an array, got {type(t).__name__}")
+    return a
+
+
+def _weight(a, shape, name: str, dtype) -> np.ndarray:
+    """``a`` as a float array of exactly ``shape`` (a new array, never a view of the input)."""
+    arr = as_float_array(_to_numpy(a, name), name)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {arr.shape}")
+    return np.array(arr, dtype=dtype, copy=True)
+
+
+# --------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------
+class KVCache:
+    """Preallocated key/value cache of one :class:`MultiHeadAttention` layer.
+
+    Made by :meth:`MultiHeadAttention.new_cache`.  Keys and values are kept
+    already projected, per key/value head, in two buffers of shape
+    (batch_size, num_kv_heads, max_length, head_dim) allocated once.
+
+    **Capacity is fixed**: nothing is reallocated while decoding; appending
+    past ``max_length`` tokens raises a ``ValueError`` that says how many
+    tokens the cache holds.  Make a larger cache (or :meth:`reset`) instead.
+
+    A cache is in one of three states, set by the first call that uses it:
+
+    * empty (``mode is None``);
+    * ``"self"``: ``mha(x_t, cache=cache)`` (no key/value, or
+      ``key is query``) projects the new tokens, appends their keys and
+      values, and attends over everything cached so far;
+    * ``"cross"``: ``mha(y, memory, cache=cache)`` on an empty cache projects
+      the memory's keys and values once; later calls pass ``key=None`` (or
+      the same ``memory`` object) and reuse them, so cross-attention to a
+      fixed memory costs only the query and output projections per step.
+
+    Attributes
+    ----------
+    batch_size, max_length, num_kv_heads, head_dim, v_head_dim, dtype
+    mode : None, 'self' or 'cross'
+    """
+
+    __slots__ = ("batch_size", "max_length", "num_kv_heads", "head_dim", "v_head_dim",
+                 "dtype", "mode", "_k", "_v", "_len", "_source", "_key_mask")
+
+    def __init__(self, batch_size, max_length, num_kv_heads, head_dim, v_head_dim,
+                 dtype=np.float32):
+        self.batch_size = _pos_int(batch_size, "batch_size")
+        self.max_length = _pos_int(max_length, "max_length")
+        self.num_kv_heads = _pos_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _pos_int(head_dim, "head_dim")
+        self.v_head_dim = _pos_int(v_head_dim, "v_head_dim")
+        self.dtype = _layer_dtype(dtype)
+        shape = (self.batch_size, self.num_kv_heads, self.max_length)
+        self._k = np.zeros(shape + (self.head_dim,), dtype=self.dtype)
+        self._v = np.zeros(shape + (self.v_head_dim,), dtype=self.dtype)
+        self._len = 0
+        self.mode = None
+        self._source = None
+        self._key_mask = None
+
+    def __len__(self) -> int:
+        """Number of tokens (positions) held."""
+        return self._len
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, length={self._len}, "
+                f"max_length={self.max_length}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, mode={self.mode!r}, dtype={self.dtype})")
+
+    def reset(self) -> None:
+        """Forget every token (keeps the buffers; no reallocation)."""
+        self._len = 0
+        self.mode = None
+        self._source = None
+        self._key_mask = None
+
+    @property
+    def keys(self) -> np.ndarray:
+        """Projected keys held, a read-only view (batch, num_kv_heads, len, head_dim)."""
+        v = self._k[:, :, :self._len]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def values(self) -> np.ndarray:
+        """Projected values held, a read-only view (batch, num_kv_heads, len, v_head_dim)."""
+        v = self._v[:, :, :self._len]
+        v.flags.writeable = False
+        return v
+
+    def _check_room(self, T: int) -> None:
+        n = self._len
+        if n + T > self.max_length:
+            raise ValueError(
+                f"KV cache overflow: it holds {n} of max_length={self.max_length} tokens and "
+                f"cannot take {T} more; make a larger cache with "
+                f"new_cache(batch_size, max_length>={n + T}) or reset() it")
+
+    def _append(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
+        """k_new (B, T, Hkv, hd), v_new (B, T, Hkv, hdv), any strides."""
+        T = k_new.shape[1]
+        self._check_room(T)
+        n = self._len
+        self._k[:, :, n:n + T] = k_new.transpose(0, 2, 1, 3)
+        self._v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
+        self._len = n + T
+
+
+# --------------------------------------------------------------------------
+# the layer
+# --------------------------------------------------------------------------
+_BIAS_NAMES = ("q_bias", "k_bias", "v_bias")
+
+
+class MultiHeadAttention:
+    """Multi-head attention with PyTorch-layout weights, grouped-query heads
+    and a key/value cache.
+
+    ``out = concat_h(softmax(Q_h K_h^T / sqrt(head_dim) + mask) V_h) W_o^T + b_o``
+    with ``Q = query W_q^T + b_q``, ``K = key W_k^T + b_k``,
+    ``V = value W_v^T + b_v``.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Width of the query (and, by default, of key and value).  Must be
+        divisible by ``num_heads``; head_dim = embed_dim // num_heads.
+    num_heads : int
+        Number of query heads.
+    kdim, vdim : int, optional
+        Widths of the key and value inputs (default ``embed_dim``).
+    num_kv_heads : int, optional
+        Key/value heads for grouped-query (``1``: multi-query) attention;
+        must divide ``num_heads``.  Default ``num_heads``.  Keys and values
+        are projected once per key/value head and never repeated in memory.
+    bias : bool, default True
+        Whether the four projections have biases.
+    out_dim : int, optional
+        Width of the output (default ``embed_dim``).
+    dtype : {float32, float64}, default float32
+        dtype of the weights and of the computation; inputs of another float
+        dtype are converted to it and the output has this dtype.
+    rng : numpy.random.Generator or int, optional
+        Source (or seed) for the random initial weights: Glorot-uniform
+        weights and zero biases, for demos and tests.  Real weights come
+        through :meth:`from_torch`, :meth:`from_keras` or :meth:`from_arrays`.
+
+    Attributes
+    ----------
+    q_weight, k_weight, v_weight, out_weight : ndarray
+        (out_features, in_features): (num_heads * head_dim, embed_dim),
+        (num_kv_heads * head_dim, kdim), (num_kv_heads * v_head_dim, vdim),
+        (out_dim, num_heads * v_head_dim).  Assigning an array of the same
+        shape replaces the values (copied, converted to ``dtype``).
+    q_bias, k_bias, v_bias, out_bias : ndarray or None
+        None where the projection has no bias.
+    embed_dim, kdim, vdim, num_heads, num_kv_heads, head_dim, v_head_dim,
+    out_dim, dtype
+        Sizes.  ``head_dim`` (query/key per head) and ``v_head_dim`` differ
+        from ``embed_dim // num_heads`` only for layers loaded with other
+        sizes (e.g. Keras' ``key_dim`` / ``value_dim``).
+    scale : float
+        ``1 / sqrt(head_dim)``.
+
+    Examples
+    --------
+    >>> mha = MultiHeadAttention(512, 8, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 10, 512), dtype=np.float32)
+    >>> out, _ = mha(x, is_causal=True)                    # self-attention
+    >>> out, w = mha(x[:, :3], x, need_weights=True)        # cross-attention, w (2, 3, 10)
+    """
+
+    # ------------------------------------------------------------ creation
+    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
+                 bias=True, out_dim=None, dtype=np.float32, rng=None):
+        embed_dim = _pos_int(embed_dim, "embed_dim")
+        num_heads = _pos_int(num_heads, "num_heads")
+        kdim = _pos_int(kdim, "kdim", True) or embed_dim
+        vdim = _pos_int(vdim, "vdim", True) or embed_dim
+        out_dim = _pos_int(out_dim, "out_dim", True) or embed_dim
+        num_kv_heads = _pos_int(num_kv_heads, "num_kv_heads", True) or num_heads
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} and "
+                f"num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads must divide num_heads, got num_kv_heads={num_kv_heads} and "
+                f"num_heads={num_heads}")
+        dt = _layer_dtype(dtype)
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        hd = embed_dim // num_heads
+
+        def glorot(n_out, n_in):
+            lim = math.sqrt(6.0 / (n_in + n_out))
+            return gen.uniform(-lim, lim, size=(n_out, n_in))
+
+        qw = glorot(num_heads * hd, embed_dim)
+        kw = glorot(num_kv_heads * hd, kdim)
+        vw = glorot(num_kv_heads * hd, vdim)
+        ow = glorot(out_dim, num_heads * hd)
+        biases = [np.zeros(w.shape[0]) if bias else None for w in (qw, kw, vw, ow)]
+        self._setup(num_heads, num_kv_heads, qw, kw, vw, ow, *biases, dtype=dt)
+
+    def _setup(self, num_heads, num_kv_heads, qw, kw, vw, ow, qb, kb, vb, ob, *, dtype):
+        """Check the shapes against each other and lay the weights out."""
+        dt = _layer_dtype(dtype)
+        qw = as_float_array(_to_numpy(qw, "q_weight"), "q_weight")
+        kw = as_float_array(_to_numpy(kw, "k_weight"), "k_weight")
+        vw = as_float_array(_to_numpy(vw, "v_weight"), "v_weight")
+        ow = as_float_array(_to_numpy(ow, "out_weight"), "out_weight")
+        for nm, w in (("q_weight", qw), ("k_weight", kw), ("v_weight", vw), ("out_weight", ow)):
+            if w.ndim != 2 or 0 in w.shape:
+                raise ValueError(
+                    f"{nm} must be a non-empty 2-D array (out_features, in_features), got "
+                    f"shape {w.shape}")
+        H = _pos_int(num_heads, "num_heads")
+        Hkv = _pos_int(num_kv_heads, "num_kv_heads", True) or H
+        if H % Hkv:
+            raise ValueError(
+                f"num_kv_heads must divide num_heads, got num_kv_heads={Hkv} and num_heads={H}")
+        Nq, E = qw.shape
+        if Nq % H:
+            raise ValueError(
+                f"q_weight rows must be a multiple of num_heads={H} (num_heads * head_dim), got "
+                f"q_weight shape {qw.shape}")
+        hd = Nq // H
+        if kw.shape[0] != Hkv * hd:
+            raise ValueError(
+                f"k_weight must have num_kv_heads * head_dim = {Hkv} * {hd} = {Hkv * hd} rows, "
+                f"got k_weight shape {kw.shape}")
+        if vw.shape[0] % Hkv:
+            raise ValueError(
+                f"v_weight rows must be a multiple of num_kv_heads={Hkv}, got v_weight shape "
+                f"{vw.shape}")
+        hdv = vw.shape[0] // Hkv
+        if ow.shape[1] != H * hdv:
+            raise ValueError(
+                f"out_weight must have num_heads * v_head_dim = {H} * {hdv} = {H * hdv} "
+                f"columns, got out_weight shape {ow.shape}")
+        kdim, vdim = kw.shape[1], vw.shape[1]
+        Nk, Nv = kw.shape[0], vw.shape[0]
+
+        self.embed_dim, self.kdim, self.vdim = E, kdim, vdim
+        self.num_heads, self.num_kv_heads = H, Hkv
+        self.head_dim, self.v_head_dim = hd, hdv
+        self.out_dim = ow.shape[0]
+        self.dtype = dt
+        self.scale = 1.0 / math.sqrt(hd)
+
+        # input projections: one buffer where the input widths allow a fused gemm
+        if E == kdim == vdim:
+            self._w_qkv = np.empty((Nq + Nk + Nv, E), dtype=dt)
+            self._wq = self._w_qkv[:Nq]
+            self._w_kv = self._w_qkv[Nq:]
+        else:
+            self._w_qkv = None
+            self._wq = np.empty((Nq, E), dtype=dt)
+            self._w_kv = np.empty((Nk + Nv, kdim), dtype=dt) if kdim == vdim else None
+        if self._w_kv is not None:
+            self._wk = self._w_kv[:Nk]
+            self._wv = self._w_kv[Nk:]
+        else:
+            self._wk = np.empty((Nk, kdim), dtype=dt)
+            self._wv = np.empty((Nv, vdim), dtype=dt)
+        self._wq[...] = qw
+        self._wk[...] = kw
+        self._wv[...] = vw
+        self._wo = np.array(ow, dtype=dt, copy=True)
+        # biases: one buffer (zeros where a projection has none)
+        self._b_in = np.zeros(Nq + Nk + Nv, dtype=dt)
+        self._bq, self._bk, self._bv = (self._b_in[:Nq], self._b_in[Nq:Nq + Nk],
+                                        self._b_in[Nq + Nk:])
+        self._has_b = [False, False, False]
+        for i, (nm, b) in enumerate(zip(_BIAS_NAMES, (qb, kb, vb))):
+            self._set_bias(i, nm, b)
+        self._bo = None
+        self.out_bias = ob
+
+    # ------------------------------------------------------------ attributes
+    def _set_weight(self, buf, name, value):
+        buf[...] = _weight(value, buf.shape, name, self.dtype)
+
+    def _set_bias(self, i, name, value):
+        buf = (self._bq, self._bk, self._bv)[i]
+        if value is None:
+            buf[...] = 0
+            self._has_b[i] = False
+        else:
+            buf[...] = _weight(value, buf.shape, name, self.dtype)
+            self._has_b[i] = True
+
+    q_weight = property(lambda self: self._wq,
+                        lambda self, v: self._set_weight(self._wq, "q_weight", v),
+                        doc="Query projection (num_heads * head_dim, embed_dim).")
+    k_weight = property(lambda self: self._wk,
+                        lambda self, v: self._set_weight(self._wk, "k_weight", v),
+                        doc="Key projection (num_kv_heads * head_dim, kdim).")
+    v_weight = property(lambda self: self._wv,
+                        lambda self, v: self._set_weight(self._wv, "v_weight", v),
+                        doc="Value projection (num_kv_heads * v_head_dim, vdim).")
+    out_weight = property(lambda self: self._wo,
+                          lambda self, v: self._set_weight(self._wo, "out_weight", v),
+                          doc="Output projection (out_dim, num_heads * v_head_dim).")
+    q_bias = property(lambda self: self._bq if self._has_b[0] else None,
+                      lambda self, v: self._set_bias(0, "q_bias", v),
+                      doc="Query bias (num_heads * head_dim,) or None.")
+    k_bias = property(lambda self: self._bk if self._has_b[1] else None,
+                      lambda self, v: self._set_bias(1, "k_bias", v),
+                      doc="Key bias (num_kv_heads * head_dim,) or None.")
+    v_bias = property(lambda self: self._bv if self._has_b[2] else None,
+                      lambda self, v: self._set_bias(2, "v_bias", v),
+                      doc="Value bias (num_kv_heads * v_head_dim,) or None.")
+
+    @property
+    def out_bias(self):
+        """Output bias (out_dim,) or None."""
+        return self._bo
+
+    @out_bias.setter
+    def out_bias(self, value):
+        self._bo = None if value is None else _weight(value, (self.out_dim,), "out_bias",
+                                                      self.dtype)
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            extra += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.num_kv_heads != self.num_heads:
+            extra += f", num_kv_heads={self.num_kv_heads}"
+        if self.head_dim * self.num_heads != self.embed_dim or self.v_head_dim != self.head_dim:
+            extra += f", head_dim={self.head_dim}, v_head_dim={self.v_head_dim}"
+        if self.out_dim != self.embed_dim:
+            extra += f", out_dim={self.out_dim}"
+        has_bias = any(self._has_b) or self._bo is not None
+        return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+                f"{extra}, bias={has_bias}, dtype={self.dtype})")
+
+    # ------------------------------------------------------------ loaders
+    @classmethod
+    def from_arrays(cls, *, q_weight, k_weight, v_weight, out_weight, q_bias=None, k_bias=None,
+                    v_bias=None, out_bias=None, num_heads, num_kv_heads=None, dtype=None):
+        """Layer from weight arrays in PyTorch's Linear layout.
+
+        Parameters
+        ----------
+        q_weight : array_like, (num_heads * head_dim, embed_dim)
+        k_weight : array_like, (num_kv_heads * head_dim, kdim)
+        v_weight : array_like, (num_kv_heads * v_head_dim, vdim)
+        out_weight : array_like, (out_dim, num_heads * v_head_dim)
+        q_bias, k_bias, v_bias, out_bias : array_like or None
+            Each optional on its own (e.g. a key projection without bias).
+        num_heads : int
+        num_kv_heads : int, optional
+            Default ``num_heads``.
+        dtype : {float32, float64}, optional
+            Default: float64 if ``q_weight`` is float64, else float32.
+
+        The arrays are copied; head sizes follow from the shapes, so
+        ``head_dim`` need not be ``embed_dim // num_heads``.
+        """
+        if dtype is None:
+            dtype = np.float64 if _to_numpy(q_weight, "q_weight").dtype == np.float64 \
+                else np.float32
+        self = cls.__new__(cls)
+        self._setup(num_heads, num_kv_heads, q_weight, k_weight, v_weight, out_weight,
+                    q_bias, k_bias, v_bias, out_bias, dtype=dtype)
+        return self
+
+    @classmethod
+    def from_torch(cls, state_dict_or_module, num_heads=None, *, dtype=None):
+        """Layer from a ``torch.nn.MultiheadAttention`` or its state dict.
+
+        Parameters
+        ----------
+        state_dict_or_module : torch.nn.MultiheadAttention or mapping
+            A module, or its ``state_dict()`` (tensors or arrays), packed
+            (``in_proj_weight``) or separate (``q_proj_weight``,
+            ``k_proj_weight``, ``v_proj_weight`` when kdim / vdim differ),
+            with or without biases.  Keys may carry a common prefix
+            (``"encoder.attn."``) as in a whole model's state dict.
+        num_heads : int
+            Required with a state dict; with a module it defaults to (and
+            must equal) ``module.num_heads``.
+        dtype : {float32, float64}, optional
+            Default: the tensors' dtype if float64, else float32.
+
+        Raises
+        ------
+        ValueError
+            Missing, unexpected or misshaped tensors (each named).
+        NotImplementedError
+            ``add_bias_kv=True`` (``bias_k`` / ``bias_v``) or
+            ``add_zero_attn=True``.
+
+        Notes
+        -----
+        Converting a PyTorch call to attncore:
+
+        * PyTorch's default is sequence-first (L, B, E); attncore is
+          batch-first (B, L, E): ``x.transpose(1, 0, 2)`` unless the module
+          has ``batch_first=True``.
+        * ``key_padding_mask`` has the **opposite polarity**: PyTorch's
+          True means *ignore this key*; attncore's ``key_mask`` True means
+          *take part*.  Pass ``key_mask=~key_padding_mask``.  A float
+          ``key_padding_mask`` (added to the scores) becomes
+          ``attn_mask=kpm[:, None, None, :]``.
+        * A bool ``attn_mask`` is inverted too (PyTorch's True = not
+          allowed): pass ``attn_mask=~attn_mask``; a float one is additive
+          in both.  PyTorch's 3-D (B * num_heads, L, S) mask becomes
+          ``attn_mask.reshape(B, num_heads, L, S)``.
+        * ``need_weights`` defaults to True in PyTorch and False here;
+          dropout is not applied (inference).
+        """
+        sd = state_dict_or_module
+        if hasattr(sd, "state_dict") and hasattr(sd, "num_heads") and not isinstance(sd, dict):
+            mod = sd
+            if getattr(mod, "add_zero_attn", False):
+                raise NotImplementedError("from_torch: add_zero_attn=True is not supported")
+            if getattr(mod, "bias_k", None) is not None or getattr(mod, "bias_v", None) is not None:
+                raise NotImplementedError("from_torch: add_bias_kv=True (bias_k, bias_v) is not "
+                                          "supported")
+            if num_heads is not None and int(num_heads) != mod.num_heads:
+                raise ValueError(f"num_heads={num_heads} disagrees with the module's "
+                                 f"num_heads={mod.num_heads}")
+            num_heads = mod.num_heads
+            sd = mod.state_dict()
+        elif not hasattr(sd, "keys"):
+            raise TypeError("state_dict_or_module must be a torch.nn.MultiheadAttention or a "
+                            f"state dict (mapping), got {type(sd).__name__}")
+        if num_heads is None:
+            raise ValueError("from_torch: num_heads is required with a state dict")
+        H = _pos_int(num_heads, "num_heads")
+        sd = dict(sd)
+        # strip a common prefix ("decoder.layers.0.self_attn.")
+        anchor = [k for k in sd if k.endswith("out_proj.weight")]
+        prefix = ""
+        if len(anchor) == 1:
+            prefix = anchor[0][: -len("out_proj.weight")]
+        elif len(anchor) > 1:
+            raise ValueError(f"from_torch: the state dict holds several attention layers "
+                             f"({sorted(anchor)}); pass one layer's state dict")
+        if prefix:
+            others = [k for k in sd if not k.startswith(prefix)]
+            if others:
+                raise ValueError(f"from_torch: unexpected tensors {sorted(others)} (next to "
+                                 f"'{prefix}out_proj.weight')")
+            sd = {k[len(prefix):]: v for k, v in sd.items()}
+        arr = {k: _to_numpy(v, prefix + k) for k, v in sd.items()}
+        if "bias_k" in arr or "bias_v" in arr:
+            raise NotImplementedError("from_torch: add_bias_kv=True (bias_k, bias_v) is not "
+                                      "supported")
+        packed = "in_proj_weight" in arr
+        expected = ({"in_proj_weight"} if packed else
+                    {"q_proj_weight", "k_proj_weight", "v_proj_weight"}) | {"out_proj.weight"}
+        optional = {"in_proj_bias", "out_proj.bias"}
+        missing = sorted(expected - arr.keys())
+        if "in_proj_bias" in arr and "out_proj.bias" not in arr:
+            missing.append("out_proj.bias")
+        if "out_proj.bias" in arr and "in_proj_bias" not in arr:
+            missing.append("in_proj_bias")
+        if missing:
+            raise ValueError(f"from_torch: missing tensors {[prefix + m for m in missing]} "
+                             f"(got {sorted(prefix + k for k in arr)})")
+        extra = sorted(arr.keys() - expected - optional)
+        if extra:
+            raise ValueError(f"from_torch: unexpected tensors {[prefix + e for e in extra]}")
+        ow = arr["out_proj.weight"]
+        if ow.ndim != 2:
+            raise ValueError(f"from_torch: {prefix}out_proj.weight must be 2-D (E, E), got shape "
+                             f"{ow.shape}")
+        E = ow.shape[0]
+        if E % H:
+            raise ValueError(f"from_torch: embed_dim={E} (from out_proj.weight) must be "
+                             f"divisible by num_heads={H}")
+
+        def shaped(name, shape):
+            a = arr[name]
+            if a.shape != tuple(shape):
+                raise ValueError(f"from_torch: {prefix}{name} must have shape {tuple(shape)}, "
+                                 f"got {a.shape}")
+            return a
+
+        shaped("out_proj.weight", (E, E))
+        if packed:
+            w = shaped("in_proj_weight", (3 * E, E))
+            qw, kw, vw = w[:E], w[E:2 * E], w[2 * E:]
+        else:
+            qw = shaped("q_proj_weight", (E, E))
+            kw, vw = arr["k_proj_weight"], arr["v_proj_weight"]
+            for nm, a in (("k_proj_weight", kw), ("v_proj_weight", vw)):
+                if a.ndim != 2 or a.shape[0] != E:
+                    raise ValueError(f"from_torch: {prefix}{nm} must have shape (E, in_features) "
+                                     f"with E={E}, got {a.shape}")
+        qb = kb = vb = ob = None
+        if "in_proj_bias" in arr:
+            b = shaped("in_proj_bias", (3 * E,))
+            qb, kb, vb = b[:E], b[E:2 * E], b[2 * E:]
+            ob = shaped("out_proj.bias", (E,))
+        if dtype is None:
+            dtype = np.float64 if ow.dtype == np.float64 else np.float32
+        self = cls.__new__(cls)
+        self._setup(H, H, qw, kw, vw, ow, qb, kb, vb, ob, dtype=dtype)
+        return self
+
+    @classmethod
+    def from_keras(cls, layer_or_weights, config=None, *, dtype=None):
+        """Layer from a Keras 3 ``keras.layers.MultiHeadAttention``.
+
+        Parameters
+        ----------
+        layer_or_weights : keras.layers.MultiHeadAttention or list of arrays
+            A built layer, or its ``get_weights()`` list: query kernel
+            (E, H, key_dim), [query bias (H, key_dim)], key kernel
+            (kdim, H, key_dim), [key bias], value kernel (vdim, H, value_dim),
+            [value bias], output kernel (H, value_dim, out), [output bias
+            (out,)] -- 8 arrays with biases, 4 without.
+        config : dict, optional
+            The layer's ``get_config()`` when passing weights; checked for
+            unsupported options.
+        dtype : {float32, float64}, optional
+            Default: float64 if the kernels are, else float32.
+
+        Notes
+        -----
+        ``key_dim`` (query/key size per head), ``value_dim``,
+        ``output_shape`` (an int or a 1-tuple) and ``use_bias=False`` carry
+        over; the scale is ``1 / sqrt(key_dim)`` as in Keras.  Keras calls
+        ``layer(query, value, key=None)``; the attncore equivalent is
+        ``mha(query, key, value)``.  Keras' ``attention_mask`` (True / 1 =
+        attend) is attncore's ``attn_mask`` as is, ``value_mask`` is
+        ``key_mask``, ``use_causal_mask=True`` is ``is_causal=True``; Keras
+        returns attention scores per head, which is
+        ``need_weights=True, average_attn_weights=False``.
+
+        Raises
+        ------
+        NotImplementedError
+            ``attention_axes`` other than the default (attention over the
+            sequence axis of (batch, length, features) inputs), a
+            multi-dimensional ``output_shape``, ``use_gate=True`` or a
+            ``sliding_window``.
+        """
+        obj = layer_or_weights
+        if hasattr(obj, "get_weights") and hasattr(obj, "get_config"):
+            cfg = obj.get_config()
+            if not getattr(obj, "built", True) or not obj.get_weights():
+                raise ValueError("from_keras: the layer has no weights yet; call it once (or "
+                                 "build it) before converting")
+            weights = obj.get_weights()
+            if cfg.get("attention_axes") is None and getattr(obj, "_attention_axes", None) \
+                    is not None:
+                cfg = dict(cfg, attention_axes=obj._attention_axes)
+        else:
+            if isinstance(obj, np.ndarray) or not hasattr(obj, "__len__"):
+                raise TypeError("layer_or_weights must be a keras.layers.MultiHeadAttention or "
+                                f"its get_weights() list, got {type(obj).__name__}")
+            weights = list(obj)
+            cfg = dict(config) if config is not None else {}
+        axes = cfg.get("attention_axes")
+        if axes is not None:
+            ax = tuple(int(a) for a in (axes if hasattr(axes, "__len__") else (axes,)))
+            if ax not in ((1,), (-2,)):
+                raise NotImplementedError(
+                    f"from_keras: attention_axes={axes!r} is not supported; only the default "
+                    "(attention over axis 1 of (batch, length, features) inputs)")
+        if cfg.get("use_gate"):
+            raise NotImplementedError("from_keras: use_gate=True is not supported")
+        if cfg.get("sliding_window") is not None:
+            raise NotImplementedError("from_keras: sliding_window is not supported")
+        ws = [_to_numpy(w, f"weights[{i}]") for i, w in enumerate(weights)]
+        if len(ws) == 8:
+            qk, qb, kk, kb, vk, vb, ok, ob = ws
+        elif len(ws) == 4:
+            qk, kk, vk, ok = ws
+            qb = kb = vb = ob = None
+        else:
+            raise ValueError(f"from_keras: expected 8 weight arrays (with biases) or 4 (without), "
+                             f"got {len(ws)}")
+        if cfg.get("use_bias") is not None and bool(cfg["use_bias"]) != (len(ws) == 8):
+            raise ValueError(f"from_keras: config use_bias={cfg['use_bias']} but got {len(ws)} "
+                             "weight arrays")
+        if qk.ndim != 3:
+            raise ValueError(f"from_keras: query kernel must be (E, num_heads, key_dim), got "
+                             f"shape {qk.shape}")
+        E, H, kd = qk.shape
+        if kk.ndim != 3 or kk.shape[1:] != (H, kd):
+            raise ValueError(f"from_keras: key kernel must be (kdim, {H}, {kd}), got shape "
+                             f"{kk.shape}")
+        if vk.ndim != 3 or vk.shape[1] != H:
+            raise ValueError(f"from_keras: value kernel must be (vdim, {H}, value_dim), got "
+                             f"shape {vk.shape}")
+        vd = vk.shape[2]
+        if ok.ndim != 3 or ok.shape[:2] != (H, vd):
+            if ok.ndim > 3 and ok.shape[:2] == (H, vd):
+                raise NotImplementedError(
+                    f"from_keras: a multi-dimensional output_shape {ok.shape[2:]} is not "
+                    "supported")
+            raise ValueError(f"from_keras: output kernel must be ({H}, {vd}, out), got shape "
+                             f"{ok.shape}")
+        if cfg.get("num_heads") is not None and int(cfg["num_heads"]) != H:
+            raise ValueError(f"from_keras: config num_heads={cfg['num_heads']} but the kernels "
+                             f"have {H} heads")
+        out = ok.shape[2]
+
+        def bias(b, shape, name):
+            if b is None:
+                return None
+            if b.shape != shape:
+                raise ValueError(f"from_keras: {name} bias must have shape {shape}, got "
+                                 f"{b.shape}")
+            return b.reshape(-1)
+
+        qb = bias(qb, (H, kd), "query")
+        kb = bias(kb, (H, kd), "key")
+        vb = bias(vb, (H, vd), "value")
+        ob = bias(ob, (out,), "output")
+        if dtype is None:
+            dtype = np.float64 if qk.dtype == np.float64 else np.float32
+        self = cls.__new__(cls)
+        self._setup(H, H, qk.reshape(E, H * kd).T, kk.reshape(kk.shape[0], H * kd).T,
+                    vk.reshape(vk.shape[0], H * vd).T, ok.reshape(H * vd, out).T,
+                    qb, kb, vb, ob, dtype=dtype)
+        return self
+
+    # ------------------------------------------------------------ cache
+    def new_cache(self, batch_size, max_length) -> KVCache:
+        """An empty, preallocated :class:`KVCache` for this layer.
+
+        Parameters
+        ----------
+        batch_size : int
+        max_length : int
+            Fixed capacity in tokens (self-attention: prompt plus generated
+            tokens; cross-attention: the memory length).  Nothing is
+            reallocated; exceeding it raises ValueError.
+
+        Examples
+        --------
+        >>> cache = mha.new_cache(batch_size=1, max_length=2048)
+        >>> for t in range(T):
+        ...     y_t, _ = mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")
+        """
+        return KVCache(batch_size, max_length, self.num_kv_heads, self.head_dim,
+                       self.v_head_dim, self.dtype)
+
+    # ------------------------------------------------------------ call
+    def _input(self, x, name, width, ndim):
+        a = as_float_array(x, name)
+        if a.ndim != ndim:
+            if name == "query":
+                raise ValueError(f"query must be (batch, length, {width}) or unbatched "
+                                 f"(length, {width}), got shape {a.shape}")
+            raise ValueError(f"{name} must have as many dimensions as query ({ndim}), got shape "
+                             f"{a.shape}")
+        if a.shape[-1] != width:
+            attr = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
+            raise ValueError(f"{name} last dimension must be {attr}={width}, got shape {a.shape}")
+        if ndim == 2:
+            a = a[None]
+        return a if a.dtype == self.dtype else a.astype(self.dtype)
+
+    def _check_key_mask(self, key_mask, B, S, batched):
+        km = key_mask if isinstance(key_mask, np.ndarray) else np.asarray(key_mask)
+        if km.dtype != np.bool_:
+            raise TypeError(f"key_mask must be a bool array (True = take part), got dtype "
+                            f"{km.dtype}")
+        want = (B, S) if batched else (S,)
+        if km.shape != want:
+            raise ValueError(f"key_mask must have shape {want} (batch, key length), got "
+                             f"{km.shape}")
+        return km.reshape(B, 1, 1, S)
+
+    def _check_attn_mask(self, attn_mask, B, L, S, batched):
+        am = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+        if am.dtype != np.bool_ and not (am.dtype.kind == "f" and am.dtype.itemsize in (2, 4, 8)):
+            raise TypeError(f"attn_mask must be a bool array (True = take part) or a float array "
+                            f"(added to the scores), got dtype {am.dtype}")
+        H = self.num_heads
+        if batched:
+            forms = f"(L, S), (B, L, S) or (B, num_heads, L, S) = ({L}, {S}), ({B}, {L}, {S}) " \
+                    f"or ({B}, {H}, {L}, {S})"
+        else:
+            forms = f"(L, S) or (num_heads, L, S) = ({L}, {S}) or ({H}, {L}, {S})"
+        ok = am.ndim >= 2 and am.shape[-2] in (1, L) and am.shape[-1] in (1, S)
+        if ok:
+            if batched and am.ndim == 3:
+                ok = am.shape[0] in (1, B)
+                am = am[:, None]
+            elif batched and am.ndim == 4:
+                ok = am.shape[0] in (1, B) and am.shape[1] in (1, H)
+            elif not batched and am.ndim == 3:
+                ok = am.shape[0] in (1, H)
+            elif am.ndim != 2:
+                ok = False
+        if not ok:
+            raise ValueError(f"attn_mask must have shape {forms} (size-1 axes broadcast), got "
+                             f"{np.shape(attn_mask)}")
+        if am.dtype.kind == "f" and am.dtype != self.dtype:
+            am = am.astype(self.dtype)
+        return am
+
+    def __call__(self, query, key=None, value=None, *, key_mask=None, attn_mask=None,
+                 is_causal=False, need_weights=False, average_attn_weights=True, cache=None):
+        """Attend from ``query`` to ``key`` / ``value``.
+
+        Parameters
+        ----------
+        query : array_like, (B, L, embed_dim) or unbatched (L, embed_dim)
+        key : array_like, (B, S, kdim) or (S, kdim), optional
+            Default: ``query`` (self-attention).
+        value : array_like, (B, S, vdim) or (S, vdim), optional
+            Default: ``key``.
+        key_mask : bool array_like, (B, S) or (S,), optional
+            True = the key is a real token (takes part), False = padding.
+            With a self-attention cache, S is the cached length after this
+            call's tokens are appended.
+        attn_mask : array_like, optional
+            As in :func:`attncore.scaled_dot_product_attention`: bool (True =
+            take part) or float (added to the scaled scores); shape (L, S),
+            (B, L, S) or (B, num_heads, L, S); unbatched (L, S) or
+            (num_heads, L, S).  Combined with ``key_mask`` (both apply).
+        is_causal : bool or {'upper_left', 'lower_right'}, default False
+            As in the core.  With a self-attention cache holding earlier
+            tokens use ``'lower_right'`` (the new tokens are the last
+            queries); ``True`` / ``'upper_left'`` is then an error.
+        need_weights : bool, default False
+            Also return the attention weights.
+        average_attn_weights : bool, default True
+            Weights averaged over the heads, (B, L, S); else per head,
+            (B, num_heads, L, S).
+        cache : KVCache, optional
+            From :meth:`new_cache`; see :class:`KVCache`.  Self-attention
+            (no key, or ``key is query``) appends this call's keys and
+            values and attends over all cached tokens; cross-attention
+            projects ``key`` / ``value`` into an empty cache once and later
+            calls reuse them (pass ``key=None``).
+
+        Returns
+        -------
+        out : ndarray, (B, L, out_dim) or (L, out_dim), of the layer's dtype
+        weights : ndarray or None
+            None unless ``need_weights``.  Rows with no key to attend are 0.
+
+        Notes
+        -----
+        The inputs are never modified.  Inputs of another float dtype are
+        converted to the layer's dtype.
+        """
+        if key is None and value is not None:
+            raise ValueError("value given without key; pass key as well (value defaults to key)")
+        q_arr = query if isinstance(query, np.ndarray) else np.asarray(query)
+        batched = q_arr.ndim == 3
+        ndim = 3 if batched else 2
+        q = self._input(q_arr, "query", self.embed_dim, ndim if q_arr.ndim in (2, 3) else 3)
+        B, L, _ = q.shape
+        self_attn = key is None or (key is query and (value is None or value is query))
+        causal = parse_causal(is_causal)
+
+        Nq = self.num_heads * self.head_dim
+        Nk = self.num_kv_heads * self.head_dim
+        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        x_q = q.reshape(B * L, self.embed_dim)
+        stored_mask = None
+        k_in = v_in = None
+
+        # ---- checks first: a call that fails leaves the cache as it was ----
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache from new_cache(), got "
+                                f"{type(cache).__name__}")
+            if (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype) != \
+                    (Hkv, hd, hdv, self.dtype):
+                raise ValueError(
+                    f"cache does not fit this layer: cache has num_kv_heads={cache.num_kv_heads}, "
+                    f"head_dim={cache.head_dim}, v_head_dim={cache.v_head_dim}, "
+                    f"dtype={cache.dtype}; layer has {Hkv}, {hd}, {hdv}, {self.dtype}")
+            if B != cache.batch_size:
+                raise ValueError(f"query batch size {B} does not match the cache's "
+                                 f"batch_size={cache.batch_size}")
+            if cache.mode == "cross":
+                if key is not None and key is not cache._source:
+                    raise ValueError(
+                        "cache already holds the projected keys/values of a cross-attention "
+                        "memory; pass key=None (or the same memory array) to reuse them, or "
+                        "reset() the cache for a new memory")
+                self_attn = False
+                S = len(cache)
+                stored_mask = cache._key_mask
+            elif self_attn:
+                if self._w_qkv is None:
+                    self._project_self(x_q)                 # raises: needs key and value
+                if causal == 1 and len(cache) > 0:
+                    raise ValueError(
+                        f"is_causal={is_causal!r} (upper-left) with a cache holding "
+                        f"{len(cache)} tokens would hide them from the new queries; use "
+                        "is_causal='lower_right'")
+                cache._check_room(L)
+                S = len(cache) + L
+            else:
+                if cache.mode == "self":
+                    raise ValueError("cache holds self-attention keys/values; cross-attention "
+                                     "needs a cache of its own")
+                k_in, v_in = self._kv_inputs(key, value, ndim, B)
+                S = k_in.shape[1]
+                cache._check_room(S)
+        elif self_attn:
+            if self._w_qkv is None:
+                self._project_self(x_q)                     # raises: needs key and value
+            S = L
+        else:
+            k_in, v_in = self._kv_inputs(key, value, ndim, B)
+            S = k_in.shape[1]
+
+        # ---- masks ----
+        # a key_mask given now overrides one stored with a cross-attention memory
+        if key_mask is not None:
+            mask = self._check_key_mask(key_mask, B, S, batched)
+        else:
+            mask = stored_mask
+        if attn_mask is not None:
+            am = self._check_attn_mask(attn_mask, B, L, S, batched)
+            if mask is None:
+                mask = am
+            elif am.dtype == np.bool_:
+                mask = am & mask
+            else:
+                mask = np.where(mask, am, am.dtype.type(-np.inf))
+
+        # ---- projections (and cache updates) ----
+        if self_attn:
+            qkv = self._project_self(x_q)
+            q_p = qkv[:, :Nq]
+            k_p = qkv[:, Nq:Nq + Nk]
+            v_p = qkv[:, Nq + Nk:]
+        else:
+            q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
+            if k_in is not None:
+                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
+        if cache is not None:
+            if k_in is not None or self_attn:
+                cache._append(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
+                if self_attn:
+                    cache.mode = "self"
+                else:
+                    cache.mode = "cross"
+                    cache._source = key
+                    if key_mask is not None:
+                        cache._key_mask = mask if attn_mask is None else \
+                            self._check_key_mask(key_mask, B, S, batched)
+            k4 = cache._k[:, :, :S]
+            v4 = cache._v[:, :, :S]
+        else:
+            # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
+            k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
+            v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
+        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+
+        res = scaled_dot_product_attention(
+            q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
+            enable_gqa=Hkv != H, return_weights=need_weights)
+        if need_weights:
+            o, w = res
+            if w.shape[:2] != (B, H):
+                w = np.broadcast_to(w, (B, H) + w.shape[2:])
+            w = w.mean(axis=1) if average_attn_weights else w
+            if not batched:
+                w = w[0]
+        else:
+            o, w = res, None
+        # (B, H, L, hdv) -> (B*L, H*hdv) -> output projection
+        o2 = o.transpose(0, 2, 1, 3).reshape(B * L, H * hdv)
+        out = self._project(o2, self._wo, self._bo).reshape(B, L, self.out_dim)
+        if not batched:
+            out = out[0]
+        return out, w
+
+    # ------------------------------------------------------------ pieces
+    def _kv_inputs(self, key, value, ndim, B):
+        k = self._input(key, "key", self.kdim, ndim)
+        if value is None:
+            value = key
+        if value is key and self.vdim == self.kdim:
+            v = k
+        else:
+            v = self._input(value, "value", self.vdim, ndim)
+        if k.shape[0] != B or v.shape[0] != B:
+            raise ValueError(f"key and value must have the query's batch size {B}, got key "
+                             f"shape {np.shape(key)} and value shape {np.shape(value)}")
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"key and value must have the same length (axis -2), got key shape "
+                             f"{np.shape(key)} and value shape {np.shape(value)}")
+        return k, v
+
+    @staticmethod
+    def _project(x2d, w, b):
+        if x2d.shape[0] * w.shape[0] * w.shape[1] < _SMALL_GEMM:
+            with blas_single_threaded:
+                y = np.matmul(x2d, w.T)
+        else:
+            y = np.matmul(x2d, w.T)
+        if b is not None:
+            y += b
+        return y
+
+    def _project_self(self, x2d):
+        """(B*L, Nq+Nk+Nv): Q, K and V of one input, one gemm where the weights allow."""
+        b = self._b_in if any(self._has_b) else None
+        if self._w_qkv is not None:
+            return self._project(x2d, self._w_qkv, b)
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            raise ValueError(
+                f"self-attention needs kdim == vdim == embed_dim, got kdim={self.kdim}, "
+                f"vdim={self.vdim}, embed_dim={self.embed_dim}; pass key and value")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _project_kv(self, same, k_in, v_in):
+        """Projected keys (B*S, Nk) and values (B*S, Nv)."""
+        B, S = k_in.shape[:2]
+        Nk = self.num_kv_heads * self.head_dim
+        xk = k_in.reshape(B * S, self.kdim)
+        if same and self._w_kv is not None:
+            b = self._b_in[self._bq.shape[0]:] if (self._has_b[1] or self._has_b[2]) else None
+            kv = self._project(xk, self._w_kv, b)
+            return kv[:, :Nk], kv[:, Nk:]
+        k_p = self._project(xk, self._wk, self._bk if self._has_b[1] else None)
+        xv = v_in.reshape(B * S, self.vdim)
+        v_p = self._project(xv, self._wv, self._bv if self._has_b[2] else None)
+        return k_p, v_p

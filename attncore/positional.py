@@ -1,0 +1,198 @@
+"""Sinusoidal positional encoding.
+
+Two layouts of the same table:
+
+* ``"interleaved"`` (Attention Is All You Need)::
+
+      PE[p, 2i]     = sin(p * base ** (-2i / dim))
+      PE[p, 2i + 1] = cos(p * base ** (-2i / dim))
+
+* ``"split"``: the same sines in the first half of the columns and the same
+  cosines in the second half (the tensor2tensor / Marian arrangement)::
+
+      PE[p, i]         = sin(p * base ** (-2i / dim)),  i < ceil(dim / 2)
+      PE[p, h + i]     = cos(p * base ** (-2i / dim)),  h = ceil(dim / 2), i < floor(dim / 2)
+
+Both are computed in float64 and cast to the requested dtype at the end, so
+an encoding at position 100 000 is as exact as the output dtype allows.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .functional import as_float_array
+
+__all__ = ["sinusoidal_encoding", "add_positional_encoding"]
+
+_LAYOUTS = ("interleaved", "split")
+_MODES = ("add", "concat")
+
+
+def _check_dim(dim) -> int:
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int >= 1, got {type(dim).__name__} {dim!r}")
+    dim = int(dim)
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    return dim
+
+
+def _check_base(base) -> float:
+    if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
+        raise TypeError(f"base must be a real number > 1, got {type(base).__name__} {base!r}")
+    b = float(base)
+    if not math.isfinite(b) or b <= 1.0:
+        raise ValueError(f"base must be finite and > 1, got {b}")
+    return b
+
+
+def _check_layout(layout) -> str:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be 'interleaved' or 'split', got {layout!r}")
+    return layout
+
+
+def _out_dtype(dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}") from None
+    if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dt}")
+    return dt
+
+
+def _positions(length_or_positions) -> np.ndarray:
+    """float64 positions from an int length or an array of positions."""
+    x = length_or_positions
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError("length_or_positions must be an int length or an array of positions, "
+                        "got bool")
+    if isinstance(x, numbers.Integral):
+        n = int(x)
+        if n < 0:
+            raise ValueError(f"length_or_positions as a length must be >= 0, got {n}")
+        return np.arange(n, dtype=np.float64)
+    p = np.asarray(x)
+    if p.dtype.kind not in "iuf":
+        raise TypeError("length_or_positions must be an int length or an array of integer or "
+                        f"float positions, got dtype {p.dtype}")
+    if p.dtype.kind == "f" and not np.all(np.isfinite(p)):
+        raise ValueError("length_or_positions must be finite")
+    return p.astype(np.float64)
+
+
+def _table(pos: np.ndarray, dim: int, base: float, layout: str) -> np.ndarray:
+    """float64 encoding, shape pos.shape + (dim,)."""
+    n_sin = (dim + 1) // 2          # columns 0, 2, 4, ... of the interleaved layout
+    n_cos = dim // 2                # columns 1, 3, 5, ...
+    inv_freq = np.power(base, -2.0 * np.arange(n_sin, dtype=np.float64) / dim)
+    angle = pos[..., None] * inv_freq                    # (..., n_sin)
+    out = np.empty(pos.shape + (dim,), dtype=np.float64)
+    if layout == "interleaved":
+        np.sin(angle, out=out[..., 0::2])
+        np.cos(angle[..., :n_cos], out=out[..., 1::2])
+    else:
+        np.sin(angle, out=out[..., :n_sin])
+        np.cos(angle[..., :n_cos], out=out[..., n_sin:])
+    return out
+
+
+def sinusoidal_encoding(length_or_positions, dim, *, base=10000.0, layout="interleaved",
+                        dtype=np.float32):
+    """Sinusoidal positional encoding table.
+
+    Parameters
+    ----------
+    length_or_positions : int or array_like
+        An int ``L`` gives positions ``0 .. L-1`` and a table of shape
+        ``(L, dim)``.  An array of positions (integer or float, any shape,
+        e.g. ``np.arange(t, t + 1)`` for one decoding step, or fractional
+        positions) gives shape ``positions.shape + (dim,)``.
+    dim : int
+        Number of features, >= 1.
+    base : float, default 10000.0
+        Wavelength base; frequency ``i`` is ``base ** (-2i / dim)``.
+    layout : {'interleaved', 'split'}, default 'interleaved'
+        ``'interleaved'``: sin at even columns, cos at odd columns
+        (Vaswani et al.).  ``'split'``: all sines in the first
+        ``ceil(dim / 2)`` columns, then the cosines (tensor2tensor / Marian
+        arrangement); the same values as ``'interleaved'``, permuted.
+    dtype : dtype, default float32
+        float16, float32 or float64 result.  The table is computed in
+        float64 and cast once.
+
+    Returns
+    -------
+    ndarray, shape (L, dim) or positions.shape + (dim,)
+
+    Notes
+    -----
+    * **Odd** ``dim``: the formula is applied column by column, so there is
+      one more sine than cosine: column ``dim - 1`` (interleaved) or column
+      ``ceil(dim / 2) - 1`` (split) is ``sin(p * base ** (-(dim - 1) / dim))``.
+      No zero column is padded (tensor2tensor and fairseq pad one).
+    * tensor2tensor and fairseq space their frequencies as
+      ``base ** (-i / (h - 1))`` with ``h = dim // 2`` instead of
+      ``base ** (-2i / dim)``.  For an even ``dim`` that is this function
+      with ``layout='split'`` and ``base=base ** (h / (h - 1))``.
+
+    Examples
+    --------
+    >>> pe = sinusoidal_encoding(50, 512)                    # (50, 512) float32
+    >>> step = sinusoidal_encoding(np.array([17]), 512)      # position 17 only
+    """
+    dim = _check_dim(dim)
+    base = _check_base(base)
+    layout = _check_layout(layout)
+    dt = _out_dtype(dtype)
+    pos = _positions(length_or_positions)
+    return _table(pos, dim, base, layout).astype(dt, copy=False)
+
+
+def add_positional_encoding(x, *, offset=0, mode="add", base=10000.0, layout="interleaved"):
+    """Add (or append) a sinusoidal encoding of the positions along axis -2.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., L, dim)
+        float16, float32 or float64 features; row ``j`` of axis -2 is
+        position ``offset + j``.  Never modified.
+    offset : int or float, default 0
+        Position of the first row, e.g. the number of tokens already decoded.
+    mode : {'add', 'concat'}, default 'add'
+        ``'add'``: ``x + PE`` (shape unchanged).  ``'concat'``: the
+        ``dim``-wide encoding is appended after the features of every row,
+        ``concatenate([x_j, PE_j])``, giving shape (..., L, 2 * dim).
+    base, layout
+        As in :func:`sinusoidal_encoding`.
+
+    Returns
+    -------
+    ndarray
+        A new array of x's dtype (the encoding is computed in float64 and
+        cast to it).
+    """
+    a = as_float_array(x, "x")
+    if a.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'add' or 'concat', got {mode!r}")
+    if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"offset must be an int or a float, got {type(offset).__name__} {offset!r}")
+    if not math.isfinite(float(offset)):
+        raise ValueError(f"offset must be finite, got {offset}")
+    L, dim = a.shape[-2], a.shape[-1]
+    if dim < 1:
+        raise ValueError(f"x last dimension (dim) must be >= 1, got shape {a.shape}")
+    pos = float(offset) + np.arange(L, dtype=np.float64)
+    pe = _table(pos, dim, _check_base(base), _check_layout(layout)).astype(a.dtype, copy=False)
+    if mode == "add":
+        return a + pe
+    out = np.empty(a.shape[:-1] + (2 * dim,), dtype=a.dtype)
+    out[..., :dim] = a
+    out[..., dim:] = pe
+    return out
