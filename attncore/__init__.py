@@ -10,10 +10,18 @@ scaled_dot_product_attention
     Batched (masked, causal, grouped-query) attention.
 show_config
     Versions, OpenMP and BLAS facts of this installation.
+Attention, Alignment, alignments, plot_alignment
+    Classic (seq2seq / spatial) attention with pluggable alignment
+    functions, their registry, and a heat map of the weights.
 """
 from .functional import scaled_dot_product_attention
 from ._config import show_config
+from . import alignments
+from .alignments import Alignment
+from ._alignment_layer import Attention, Memory
+from ._plot import plot_alignment
 
 __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "show_config", "__version__"]
+__all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]
