@@ -34,6 +34,13 @@ __all__ = ["Attention", "Memory"]
 
 # below this many tanh evaluations the additive kernel runs on one thread
 _SERIAL_TANH = 1 << 17
+# The additive kernel's factored form, tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y})
+# with e^{2x} per query and e^{2y} per key precomputed, needs one division per
+# term instead of a full tanh.  It is used while every projected query and key
+# is at most this large in magnitude, so that e^{2x} e^{2y} <= e^{4L} stays
+# finite (float32: e^84 ~ 3e36; float64: e^680 ~ 1e295); otherwise (or with
+# inf / NaN about) the kernel evaluates tanh directly.
+_FACTOR_LIMIT = {np.dtype(np.float32): 21.0, np.dtype(np.float64): 170.0}
 
 
 def _reraise(exc, label):
@@ -69,7 +76,7 @@ class Memory:
     """
 
     __slots__ = ("keys", "values", "mask", "prepared", "dtype", "result_dtype", "batch",
-                 "length", "spatial", "key_dim", "_alignment", "_mask_u8", "_src")
+                 "length", "spatial", "key_dim", "_alignment", "_mask_u8", "_src", "_aux")
 
     def __repr__(self):
         sp = f", spatial={self.spatial}" if self.spatial else ""
@@ -233,6 +240,7 @@ class Attention:
         vc = v if v.dtype == cdt else v.astype(cdt)
         mem.keys = kc
         mem._alignment = self.alignment
+        mem._aux = None
         kind = self._kind
         if kind == "dot":
             prepared = kc
@@ -241,6 +249,8 @@ class Attention:
         elif kind == "mlp":
             prepared = self.alignment.project_keys(kc)
             vc = np.ascontiguousarray(vc)
+            if prepared.size and np.abs(prepared).max() <= _FACTOR_LIMIT[np.dtype(cdt)]:
+                mem._aux = np.exp(prepared * np.asarray(2, dtype=cdt))   # e^{2 kp}
         else:
             try:
                 prepared = self.alignment.prepare(kc)
@@ -387,6 +397,14 @@ class Attention:
         A = qp.shape[-1]
         cdt = q3.dtype
         v = np.ascontiguousarray(a.param("v", cdt))
+        kp = memory.prepared
+        factored = (memory._aux is not None and qp.size > 0
+                    and np.abs(qp).max() <= _FACTOR_LIMIT[np.dtype(cdt)])
+        if factored:
+            two = np.asarray(2, dtype=cdt)
+            qp = np.exp(qp * two)                  # e^{2 qp}
+            kp = memory._aux
+            v = v * -two
         values = memory.values
         Dv = values.shape[-1]
         if Dv == 0:  # weights are still defined: use a dummy value column
@@ -399,7 +417,7 @@ class Attention:
         block = max(1, min(16, -(-(B * T) // (4 * nthreads)), T))
         items = B * (-(-T // block))
         nthreads = max(1, min(nthreads, items))
-        args = (qp, memory.prepared, v, memory._mask_u8, values, out, weights, block, nthreads)
+        args = (qp, kp, v, memory._mask_u8, values, out, weights, block, nthreads, factored)
         if nthreads > 1:
             with blas_single_threaded:
                 _additive.additive_attention(*args)

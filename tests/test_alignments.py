@@ -73,9 +73,21 @@ def data():
     return d
 
 
+@pytest.fixture(params=["factored", "tanh"])
+def mlp_form(request, monkeypatch):
+    """Run the fused additive kernel in its factored form (the default for
+    moderate pre-activations) or force its direct-tanh form."""
+    if request.param == "tanh":
+        from attncore import _alignment_layer
+
+        monkeypatch.setattr(_alignment_layer, "_FACTOR_LIMIT",
+                            {np.dtype(np.float32): -1.0, np.dtype(np.float64): -1.0})
+    return request.param
+
+
 @pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_mlp_vs_bahdanau(data, dtype, tol, masked):
+def test_mlp_vs_bahdanau(data, dtype, tol, masked, mlp_form):
     d = data
     mask = d["mask"] if masked else None
     att = attncore.Attention("mlp", q_weight=d["Wq"], k_weight=d["Wk"], v=d["v"], bias=d["b"])
@@ -149,7 +161,28 @@ def test_builtin_score_methods_follow_the_contract(data):
                                rtol=1e-12, atol=1e-12)
 
 
-def test_mlp_threads_agree_and_nan_handling():
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mlp_large_preactivations_and_inf(dtype):
+    """|W q|, |W k| beyond the factored form's range: the exact tanh form is used."""
+    rng = np.random.default_rng(9)
+    q = (rng.standard_normal((2, 3, 4)) * 60).astype(dtype)
+    k = (rng.standard_normal((2, 6, 4)) * 60).astype(dtype)
+    vals = rng.standard_normal((2, 6, 2)).astype(dtype)
+    v = rng.standard_normal(4).astype(dtype) * 0.5
+    att = attncore.Attention("additive", v=v)
+    ctx, w = att(q, k, vals, return_weights=True)
+    rc, rw = bahdanau_ref(q, k, vals, None, None, v, None)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    np.testing.assert_allclose(w, rw, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ctx, rc, rtol=tol, atol=tol)
+    q[0, 1, 2] = np.inf                # tanh saturates: scores stay finite
+    ctx, w = att(q, k, vals, return_weights=True)
+    rc, rw = bahdanau_ref(q, k, vals, None, None, v, None)
+    np.testing.assert_allclose(w, rw, rtol=tol, atol=tol)
+    assert np.isfinite(ctx).all()
+
+
+def test_mlp_threads_agree_and_nan_handling(mlp_form):
     rng = np.random.default_rng(5)
     B, T, S, A = 4, 9, 33, 40
     q = rng.standard_normal((B, T, A)).astype(np.float32)

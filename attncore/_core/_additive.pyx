@@ -6,7 +6,9 @@ Private.  ``attncore._alignment_layer`` projects queries and keys with BLAS
 splits the work into (batch element, query block) items over an OpenMP
 ``prange`` and, per item, runs ``src/ac_additive.h`` without the GIL:
 
-    score[t, s] = sum_a v[a] tanh(qp[t, a] + kp[s, a])   (vectorized over A)
+    score[t, s] = sum_a v[a] tanh(qp[t, a] + kp[s, a])   (vectorized over A;
+                  or, factored, sum_a -2 v[a] / (1 + e^{2 qp} e^{2 kp}),
+                  the same up to a constant per row)
     weights     = masked softmax over s
     out[t, :]   = weights[t, :] @ values                 (gemm, or a sparse
                                                           loop when keys are masked)
@@ -33,11 +35,11 @@ cdef extern from "ac_additive.h" nogil:
     void ac_additive_block_f32(const ac_add_params *p, const float *qp, int nq,
                                const float *kp, const float *v, const uint8_t *mask,
                                const float *values, float *W, float *out, int *idx,
-                               ac_add_sgemm_t gemm)
+                               int factored, ac_add_sgemm_t gemm)
     void ac_additive_block_f64(const ac_add_params *p, const double *qp, int nq,
                                const double *kp, const double *v, const uint8_t *mask,
                                const double *values, double *W, double *out, int *idx,
-                               ac_add_dgemm_t gemm)
+                               int factored, ac_add_dgemm_t gemm)
     float ac_tanhf(float x)
     double ac_tanh(double x)
 
@@ -52,6 +54,7 @@ cdef struct _Ops:
     void *w
     Py_ssize_t T, Bq
     Py_ssize_t kp_bs, val_bs, mask_bs
+    int factored
 
 
 cdef inline void _item(const ac_add_params *p, const _Ops *ops, Py_ssize_t it,
@@ -71,10 +74,10 @@ cdef inline void _item(const ac_add_params *p, const _Ops *ops, Py_ssize_t it,
         W = (<floating *>ops.w) + (b * ops.T + i0) * p.M
     if floating is float:
         ac_additive_block_f32(p, qp, nq, kp, <const float *>ops.v, mask, values, W, out,
-                              idx, <ac_add_sgemm_t>sgemm)
+                              idx, ops.factored, <ac_add_sgemm_t>sgemm)
     else:
         ac_additive_block_f64(p, qp, nq, kp, <const double *>ops.v, mask, values, W, out,
-                              idx, <ac_add_dgemm_t>dgemm)
+                              idx, ops.factored, <ac_add_dgemm_t>dgemm)
 
 
 cdef int _run(const ac_add_params *p, const _Ops *ops, Py_ssize_t nb, int nthreads,
@@ -115,7 +118,8 @@ cdef int _run(const ac_add_params *p, const _Ops *ops, Py_ssize_t nb, int nthrea
 def additive_attention(const floating[:, :, ::1] qp, const floating[:, :, ::1] kp,
                        const floating[::1] v, const uint8_t[:, ::1] mask,
                        const floating[:, :, ::1] values, floating[:, :, ::1] out,
-                       floating[:, :, ::1] weights, int block, int nthreads):
+                       floating[:, :, ::1] weights, int block, int nthreads,
+                       bint factored=False):
     """Masked additive attention on projected operands (see the module doc).
 
     qp: (nb, T, A) projected queries (bias included).  kp: (nbk, M, A)
@@ -123,6 +127,9 @@ def additive_attention(const floating[:, :, ::1] qp, const floating[:, :, ::1] k
     nonzero = take part.  values: (nbk, M, Dv).  out: (nb, T, Dv), written.
     weights: None or (nb, T, M), written.  block: query rows per work item.
     All of one dtype (float32 or float64), C-contiguous.
+    factored: qp, kp, v hold exp(2 qp), exp(2 kp), -2 v instead (the
+    division-only form of the scores; valid while exp(2 qp) exp(2 kp) stays
+    finite).
     """
     cdef ac_add_params p
     cdef _Ops ops
@@ -151,6 +158,7 @@ def additive_attention(const floating[:, :, ::1] qp, const floating[:, :, ::1] k
     p.w_rs = p.M
     p.o_rs = p.Dv
     ops.T = qp.shape[1]
+    ops.factored = 1 if factored else 0
     ops.Bq = block if block >= 1 else 1
     ops.qp = &qp[0, 0, 0]
     ops.kp = &kp[0, 0, 0] if p.M > 0 and p.A > 0 else NULL

@@ -5,9 +5,14 @@
  *   weights     = masked softmax over s
  *   out[t, :]   = sum_s weights[t, s] * values[s, :]
  *
- * qp = W_q q (+ bias) and kp = W_k k are projected by the caller (BLAS, once
+ * qp = W_q q and kp = W_k k + bias are projected by the caller (BLAS, once
  * per memory for the keys); this file never materializes the (T, S, A)
- * tensor: each score is one vectorized tanh-reduction over A.
+ * tensor: each score is one vectorized reduction over A, either of tanh
+ * (the rational ac_tanhf / exp-based ac_tanh below) or, in the factored
+ * form, of one division per term:
+ *   tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y})
+ * with e^{2x} per query row and e^{2y} per key precomputed by the caller
+ * (used while |x|, |y| are small enough for the product to stay finite).
  *
  * The Cython driver (_additive.pyx) splits the work into (batch element,
  * query block) items, hands every OpenMP thread its own scratch and calls

@@ -54,6 +54,57 @@ static void AC_ADD_FN(ac_add_scores)(const AC_T *qp, ptrdiff_t qp_rs, int nq,
     }
 }
 
+/*
+ * The same scores through exponentials factored per operand:
+ *   tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y}),
+ * so with eq = exp(2 qp) (per query row) and ek = exp(2 kp) (once per
+ * memory) every (query, key, a) term costs one fma and one division:
+ *   W[i, idx[j]] = sum_a vm[a] / (1 + eq[i, a] ek[idx[j], a]),  vm = -2 v,
+ * which is the score minus the constant sum_a v[a] (softmax ignores it).
+ * The caller uses this form only when |qp| and |kp| are small enough that
+ * e^{2 qp} e^{2 kp} cannot overflow (see _alignment_layer).
+ */
+AC_ADD_CLONES
+static void AC_ADD_FN(ac_add_scores_exp)(const AC_T *eq, ptrdiff_t qp_rs, int nq,
+                                         const AC_T *ek, ptrdiff_t kp_rs,
+                                         const int *idx, int nvalid,
+                                         const AC_T *vm, int A,
+                                         AC_T *W, ptrdiff_t w_rs)
+{
+    for (int i = 0; i < nq; i++) {
+        const AC_T *q = eq + i * qp_rs;
+        AC_T *w = W + i * w_rs;
+        int j = 0;
+        for (; j + 4 <= nvalid; j += 4) {
+            const AC_T *k0 = ek + (ptrdiff_t)idx[j] * kp_rs;
+            const AC_T *k1 = ek + (ptrdiff_t)idx[j + 1] * kp_rs;
+            const AC_T *k2 = ek + (ptrdiff_t)idx[j + 2] * kp_rs;
+            const AC_T *k3 = ek + (ptrdiff_t)idx[j + 3] * kp_rs;
+            AC_T s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int a = 0; a < A; a++) {
+                AC_T qa = q[a], va = vm[a];
+                s0 += va / (qa * k0[a] + (AC_T)1);
+                s1 += va / (qa * k1[a] + (AC_T)1);
+                s2 += va / (qa * k2[a] + (AC_T)1);
+                s3 += va / (qa * k3[a] + (AC_T)1);
+            }
+            w[idx[j]] = s0;
+            w[idx[j + 1]] = s1;
+            w[idx[j + 2]] = s2;
+            w[idx[j + 3]] = s3;
+        }
+        for (; j < nvalid; j++) {
+            const AC_T *k0 = ek + (ptrdiff_t)idx[j] * kp_rs;
+            AC_T s0 = 0;
+#pragma omp simd reduction(+:s0)
+            for (int a = 0; a < A; a++)
+                s0 += vm[a] / (q[a] * k0[a] + (AC_T)1);
+            w[idx[j]] = s0;
+        }
+    }
+}
+
 /* out[i, :] += sum over valid keys j of W[i, j] * values[j, :] */
 AC_ADD_CLONES
 static void AC_ADD_FN(ac_add_context_sparse)(const AC_T *W, ptrdiff_t w_rs, int nq,
@@ -76,8 +127,10 @@ static void AC_ADD_FN(ac_add_context_sparse)(const AC_T *W, ptrdiff_t w_rs, int 
 
 /*
  * One work item: nq query rows of one batch element.
- *   qp     nq x A projected queries (bias included), row stride p->qp_rs
- *   kp     M x A projected keys, row stride p->kp_rs
+ *   qp     nq x A projected queries, row stride p->qp_rs
+ *   kp     M x A projected keys (bias included), row stride p->kp_rs
+ *   factored  0: qp, kp, v as above (tanh form); 1: qp = exp(2 qp),
+ *          kp = exp(2 kp), v = -2 v (the factored form, see above)
  *   mask   M bytes (nonzero = take part) or NULL
  *   values M x Dv
  *   W      nq x M weights rows (row stride p->w_rs): the caller's weights
@@ -89,7 +142,7 @@ static void AC_ADD_FN(ac_additive_block)(const ac_add_params *p, const AC_T *qp,
                                          const AC_T *kp, const AC_T *v,
                                          const uint8_t *mask, const AC_T *values,
                                          AC_T *W, AC_T *out, int *idx,
-                                         AC_GEMM_T gemm)
+                                         int factored, AC_GEMM_T gemm)
 {
     const int M = p->M, Dv = p->Dv;
     int nvalid = 0;
@@ -111,8 +164,12 @@ static void AC_ADD_FN(ac_additive_block)(const ac_add_params *p, const AC_T *qp,
             memset(out + i * p->o_rs, 0, (size_t)Dv * sizeof(AC_T));
         return;
     }
-    AC_ADD_FN(ac_add_scores)(qp, p->qp_rs, nq, kp, p->kp_rs, idx, nvalid, v, p->A,
-                             W, p->w_rs);
+    if (factored)
+        AC_ADD_FN(ac_add_scores_exp)(qp, p->qp_rs, nq, kp, p->kp_rs, idx, nvalid, v, p->A,
+                                     W, p->w_rs);
+    else
+        AC_ADD_FN(ac_add_scores)(qp, p->qp_rs, nq, kp, p->kp_rs, idx, nvalid, v, p->A,
+                                 W, p->w_rs);
     /* masked softmax over the valid columns */
     for (int i = 0; i < nq; i++) {
         AC_T *w = W + i * p->w_rs;
