@@ -12,6 +12,10 @@ from attncore._core import _additive
 os.environ.setdefault("KERAS_BACKEND", "torch")
 torch = pytest.importorskip("torch")
 
+# Keras' torch backend converts tensors with np.array(x), which NumPy 2 flags
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+
 
 def softmax_ref(s, mask=None):
     """float64 masked softmax; rows with nothing to attend get weights 0."""

@@ -72,6 +72,8 @@ class Dot(Alignment):
     Needs Dq == Dk.  The layer runs it on the core attention kernel.
     """
 
+    _label = "dot"
+
     def __init__(self, scale=None):
         if scale is not None:
             s = np.asarray(scale)
@@ -83,9 +85,8 @@ class Dot(Alignment):
 
     def check_dims(self, Dq, Dk):
         if Dq != Dk:
-            raise ValueError(f"{type(self).__name__.lower().replace('scaleddot', 'scaled_dot')}: "
-                             f"the query dimension (Dq = {Dq}) must equal the key dimension "
-                             f"(Dk = {Dk})")
+            raise ValueError(f"{self._label}: the query dimension (Dq = {Dq}) must equal "
+                             f"the key dimension (Dk = {Dk})")
 
     def score(self, query, prepared):
         self.check_dims(query.shape[-1], prepared.shape[-1])
@@ -98,6 +99,8 @@ class Dot(Alignment):
 
 class ScaledDot(Dot):
     """``score = q . k / sqrt(d)`` (Transformer scaling; no parameters)."""
+
+    _label = "scaled_dot"
 
     def __init__(self):
         self.scale = None
