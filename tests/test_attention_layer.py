@@ -290,3 +290,21 @@ def test_demo_writes_picture_or_skips(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     seq2seq_demo()
     assert "picture skipped" in capsys.readouterr().out
+
+
+def test_concurrent_calls_from_python_threads():
+    """The layer releases the GIL in its kernels; concurrent calls agree."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((8, 20, 32)).astype(np.float32)
+    k = rng.standard_normal((8, 30, 32)).astype(np.float32)
+    mask = rng.random((8, 30)) > 0.2
+    att = attncore.Attention("mlp", q_weight=rng.standard_normal((16, 32)) * 0.2,
+                             k_weight=rng.standard_normal((16, 32)) * 0.2,
+                             v=rng.standard_normal(16), num_threads=2)
+    ref = att(q, k, mask=mask)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda _: att(q, k, mask=mask), range(8)))
+    for o in outs:
+        np.testing.assert_array_equal(o, ref)
