@@ -305,3 +305,19 @@ def test_keras_attention_concat(keras, kdata, use_scale):
     ctx, w = att(q, v, mask=mask, return_weights=True)
     np.testing.assert_allclose(w, kw, rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(ctx, kout, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("S", [20, 300])
+def test_dot_and_bilinear_short_and_long_memories(S):
+    """Both core paths (weights path for short memories, flash for long) agree
+    with a plain torch composition."""
+    rng = np.random.default_rng(S)
+    q = rng.standard_normal((2, 7, 16))
+    k = rng.standard_normal((2, S, 16))
+    vals = rng.standard_normal((2, S, 5))
+    mask = rng.random((2, S)) > 0.25
+    W = rng.standard_normal((16, 16)) * 0.3
+    for name, params, Wt in (("dot", {}, np.eye(16)), ("bilinear", {"weight": W}, W)):
+        ctx = attncore.Attention(name, **params)(q, k, vals, mask=mask)
+        rc, _ = luong_general_torch(q, k, vals, Wt, mask)
+        np.testing.assert_allclose(ctx, rc, rtol=1e-11, atol=1e-12)
