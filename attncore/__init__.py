@@ -15,13 +15,21 @@ MultiHeadAttention, KVCache
     loaders, and its preallocated key/value cache for decoding.
 sinusoidal_encoding, add_positional_encoding
     Sinusoidal positional encoding.
+Attention, Alignment, alignments, plot_alignment
+    Classic (seq2seq / spatial) attention with pluggable alignment
+    functions, their registry, and a heat map of the weights.
 """
 from .functional import scaled_dot_product_attention
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
+from . import alignments
+from .alignments import Alignment
+from ._alignment_layer import Attention, Memory
+from ._plot import plot_alignment
 
 __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
+__all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

@@ -37,6 +37,9 @@ def demo() -> None:
 def main() -> None:
     attncore.show_config()
     demo()
+    from ._demo_alignment import seq2seq_demo
+
+    seq2seq_demo()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+/*
+ * ac_additive.h -- fused additive (Bahdanau / "concat" / MLP) attention.
+ *
+ *   score[t, s] = sum_a v[a] * tanh(qp[t, a] + kp[s, a])
+ *   weights     = masked softmax over s
+ *   out[t, :]   = sum_s weights[t, s] * values[s, :]
+ *
+ * qp = W_q q and kp = W_k k + bias are projected by the caller (BLAS, once
+ * per memory for the keys); this file never materializes the (T, S, A)
+ * tensor: each score is one vectorized reduction over A, either of tanh
+ * (the rational ac_tanhf / exp-based ac_tanh below) or, in the factored
+ * form, of one division per term:
+ *   tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y})
+ * with e^{2x} per query row and e^{2y} per key precomputed by the caller
+ * (used while |x|, |y| are small enough for the product to stay finite).
+ *
+ * The Cython driver (_additive.pyx) splits the work into (batch element,
+ * query block) items, hands every OpenMP thread its own scratch and calls
+ * ac_additive_block_* without the GIL.  These functions never allocate,
+ * never touch Python and never start threads (BLAS is kept single-threaded
+ * by the caller while they run).
+ *
+ * Masked keys are skipped entirely (no tanh work); a query row whose keys
+ * are all masked gets weights 0 and output 0 (decided from the mask, not from
+ * score values); a NaN score makes its whole row NaN, as a plain softmax
+ * would.  Values of masked keys are never read, so NaN there cannot leak.
+ */
+#ifndef AC_ADDITIVE_H
+#define AC_ADDITIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include "ac_math.h"
+
+/* ------------------------------------------------------------------ tanh */
+/*
+ * float: odd rational approximation tanh(x) ~ x P(x^2) / Q(x^2), degree 4
+ * over 4 in x^2, fitted for attncore (iteratively reweighted linearized
+ * least squares on [0, 7.9], relative error 6e-9 in exact arithmetic; about
+ * 6 ulp once evaluated in float).  |x| > 7.9 saturates to exactly +-1
+ * (tanh(7.9) is within 3e-7 of 1); NaN propagates (it fails every
+ * comparison, so the clamps and selects let it through).
+ */
+AC_INLINE float ac_tanhf(float x)
+{
+    const float c = 7.9f;
+    float xc = x > c ? c : x;
+    xc = xc < -c ? -c : xc;
+    float u = xc * xc;
+    float p = 1.5428592320398948e-08f;
+    p = p * u + 2.2023682486849942e-05f;
+    p = p * u + 3.5790184776559931e-03f;
+    p = p * u + 1.3450642865407042e-01f;
+    p = p * u + 9.9999999438734477e-01f;
+    float q = 8.5990301635849309e-07f;
+    q = q * u + 3.4236938549199437e-04f;
+    q = q * u + 2.6192338610343875e-02f;
+    q = q * u + 4.6783970881006676e-01f;
+    q = q * u + 1.0f;
+    float r = (xc * p) / q;
+    r = x > c ? 1.0f : r;
+    r = x < -c ? -1.0f : r;
+    return r;
+}
+
+/*
+ * double: tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) from the
+ * kernels' exp; absolute error about 2e-16 (what an attention score, a sum
+ * of v[a] tanh(...), needs), exactly +-1 for |x| > 19.1, NaN propagates.
+ */
+AC_INLINE double ac_tanh(double x)
+{
+    double ax = x < 0 ? -x : x;
+    double e = ac_exp(-2.0 * ax);
+    double r = (1.0 - e) / (1.0 + e);
+    r = ax > 19.1 ? 1.0 : r;
+    return copysign(r, x);
+}
+
+#ifndef AC_ADD_CLONES
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    (__GNUC__ >= 11) && defined(__linux__) && !defined(AC_NO_CLONES)
+#define AC_ADD_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define AC_ADD_CLONES
+#endif
+#endif
+
+typedef void (*ac_add_sgemm_t)(char *, char *, int *, int *, int *, float *,
+                               float *, int *, float *, int *, float *, float *,
+                               int *);
+typedef void (*ac_add_dgemm_t)(char *, char *, int *, int *, int *, double *,
+                               double *, int *, double *, int *, double *,
+                               double *, int *);
+
+typedef struct {
+    int M;                 /* keys per batch element                     */
+    int A;                 /* attention (hidden) size                    */
+    int Dv;                /* value dimension                            */
+    ptrdiff_t qp_rs;       /* row stride of qp (elements)                */
+    ptrdiff_t kp_rs;       /* row stride of kp                           */
+    ptrdiff_t val_rs;      /* row stride of values                       */
+    ptrdiff_t w_rs;        /* row stride of the weights rows W           */
+    ptrdiff_t o_rs;        /* row stride of out                          */
+} ac_add_params;
+
+#define AC_T float
+#define AC_SUF f32
+#define AC_TANH ac_tanhf
+#define AC_EXP ac_expf
+#define AC_GEMM_T ac_add_sgemm_t
+#include "ac_additive_impl.h"
+#undef AC_T
+#undef AC_SUF
+#undef AC_TANH
+#undef AC_EXP
+#undef AC_GEMM_T
+
+#define AC_T double
+#define AC_SUF f64
+#define AC_TANH ac_tanh
+#define AC_EXP ac_exp
+#define AC_GEMM_T ac_add_dgemm_t
+#include "ac_additive_impl.h"
+#undef AC_T
+#undef AC_SUF
+#undef AC_TANH
+#undef AC_EXP
+#undef AC_GEMM_T
+
+#endif /* AC_ADDITIVE_H */

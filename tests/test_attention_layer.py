@@ -1,0 +1,310 @@
+"""attncore.Attention: step vs all at once, spatial keys, masks, empty rows,
+Luong's attentional state, dtypes, bad inputs, plugin output checks,
+plot_alignment and the demo."""
+import sys
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore import alignments
+
+
+def plain_attention(scores, vals, mask=None):
+    """float64 reference: masked softmax of given scores, then the context."""
+    s = np.array(scores, np.float64)
+    if mask is not None:
+        s = np.where(mask[:, None, :], s, -np.inf)
+    w = np.zeros_like(s)
+    for idx in np.ndindex(s.shape[:-1]):
+        r = s[idx]
+        ok = np.isfinite(r)
+        if ok.any():
+            e = np.where(ok, np.exp(r - r[ok].max()), 0)
+            w[idx] = e / e.sum()
+    return w @ np.asarray(vals, np.float64), w
+
+
+class Half(attncore.Alignment):
+    def score(self, query, prepared):
+        return np.matmul(query, np.swapaxes(prepared, -1, -2)) / 2
+
+
+def make(name, D=6, A=5, seed=0):
+    rng = np.random.default_rng(seed)
+    if name in ("dot", "scaled_dot"):
+        return attncore.Attention(name)
+    if name == "bilinear":
+        return attncore.Attention(name, weight=rng.standard_normal((D, D)) * 0.3)
+    if name == "mlp":
+        return attncore.Attention(name, q_weight=rng.standard_normal((A, D)) * 0.4,
+                                  k_weight=rng.standard_normal((A, D)) * 0.4,
+                                  v=rng.standard_normal(A), bias=rng.standard_normal(A))
+    return attncore.Attention(Half)
+
+
+KINDS = ["dot", "scaled_dot", "bilinear", "mlp", "plugin"]
+
+
+@pytest.fixture
+def seq():
+    rng = np.random.default_rng(11)
+    B, T, S, D, Dv = 3, 5, 7, 6, 4
+    mask = rng.random((B, S)) > 0.35
+    mask[2] = False                           # nothing to attend in batch element 2
+    mask[0, 0] = mask[1, 3] = True
+    return dict(q=rng.standard_normal((B, T, D)), k=rng.standard_normal((B, S, D)),
+                vals=rng.standard_normal((B, S, Dv)), mask=mask)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_step_equals_all_at_once(seq, kind, dtype):
+    att = make(kind)
+    q, k, vals = (seq[n].astype(dtype) for n in ("q", "k", "vals"))
+    ctx, w = att(q, k, vals, mask=seq["mask"], return_weights=True)
+    memory = att.prepare(k, vals, mask=seq["mask"])
+    assert memory.batch == 3 and memory.length == 7
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    for t in range(q.shape[1]):
+        c, wt = att.step(q[:, t], memory, return_weights=True)
+        assert c.shape == (3, 4) and wt.shape == (3, 7) and c.dtype == dtype
+        np.testing.assert_allclose(c, ctx[:, t], rtol=tol, atol=tol)
+        np.testing.assert_allclose(wt, w[:, t], rtol=tol, atol=tol)
+    # empty rows -> context 0, weights 0; masked keys weight 0
+    assert (ctx[2] == 0).all() and (w[2] == 0).all()
+    assert (w[~np.broadcast_to(seq["mask"][:, None, :], w.shape)] == 0).all()
+    # against the alignment's own scores put through a plain masked softmax
+    a = att.alignment
+    s = a.score(q.astype(np.float64), a.prepare(k.astype(np.float64)))
+    rc, rw = plain_attention(s, vals, seq["mask"])
+    tol = 1e-11 if dtype == np.float64 else 1e-4
+    np.testing.assert_allclose(w, rw, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ctx, rc, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_spatial_keys(seq, kind):
+    rng = np.random.default_rng(2)
+    B, H, W, D = 2, 3, 4, 6
+    feats = rng.standard_normal((B, H, W, D))
+    mask = rng.random((B, H, W)) > 0.3
+    q = rng.standard_normal((B, 2, D))
+    att = make(kind)
+    ctx, w = att(q, feats, mask=mask, return_weights=True)
+    assert ctx.shape == (B, 2, D) and w.shape == (B, 2, H, W)
+    c2, w2 = att(q, feats.reshape(B, H * W, D), mask=mask.reshape(B, -1), return_weights=True)
+    np.testing.assert_allclose(ctx, c2, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w.reshape(B, 2, -1), w2, rtol=1e-12, atol=1e-13)
+    mem = att.prepare(feats, mask=mask)
+    assert mem.spatial == (H, W)
+    c1, w1 = att.step(q[:, 1], mem, return_weights=True)
+    assert w1.shape == (B, H, W)
+    np.testing.assert_allclose(w1, w[:, 1], rtol=1e-12, atol=1e-13)
+
+
+def test_combine_weight_luong_attentional_state(seq):
+    rng = np.random.default_rng(4)
+    Dq, Dv, Dh = 6, 4, 3
+    Wc = rng.standard_normal((Dq + Dv, Dh))
+    att = attncore.Attention("general", weight=np.eye(6), combine_weight=Wc)
+    ctx, state, w = att(seq["q"], seq["k"], seq["vals"], mask=seq["mask"], return_weights=True)
+    ref = np.tanh(np.concatenate([seq["q"], ctx], -1) @ Wc)
+    np.testing.assert_allclose(state, ref, rtol=1e-12, atol=1e-13)
+    ctx1, state1 = att.step(seq["q"][:, 0], att.prepare(seq["k"], seq["vals"], mask=seq["mask"]))
+    np.testing.assert_allclose(state1, ref[:, 0], rtol=1e-12, atol=1e-13)
+    bad = attncore.Attention("dot", combine_weight=np.ones((3, 2)))
+    with pytest.raises(ValueError, match="combine_weight.*Dq \\+ Dv"):
+        bad(seq["q"], seq["k"])
+
+
+def test_dtypes(seq):
+    att = make("mlp")
+    c = att(seq["q"].astype(np.float16), seq["k"].astype(np.float16))
+    assert c.dtype == np.float16
+    c = att(seq["q"].astype(np.float32), seq["k"].astype(np.float64))
+    assert c.dtype == np.float64
+    mem = att.prepare(seq["k"].astype(np.float32))
+    c64 = att.step(seq["q"][:, 0], mem)            # float64 query, float32 memory
+    assert c64.dtype == np.float64
+    with pytest.raises(TypeError, match="query.*float"):
+        att(seq["q"].astype(int), seq["k"])
+    with pytest.raises(TypeError, match="keys.*float"):
+        att(seq["q"], seq["k"].astype(complex))
+
+
+@pytest.mark.parametrize("kind, pattern", [
+    ("dot", "dot: the query dimension \\(Dq = 5\\) must equal the key dimension \\(Dk = 6\\)"),
+    ("scaled_dot", "scaled_dot: the query dimension"),
+    ("bilinear", "bilinear: the query dimension must be weight.shape\\[0\\] = 6, got Dq = 5"),
+    ("mlp", "mlp: the query dimension must be q_weight.shape\\[1\\] = 6, got Dq = 5"),
+])
+def test_query_key_dim_mismatch(seq, kind, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make(kind)(seq["q"][..., :5], seq["k"])
+
+
+def test_key_dim_mismatch_named(seq):
+    with pytest.raises(ValueError, match="bilinear: the key dimension.*weight.shape\\[1\\]"):
+        make("bilinear")(seq["q"], seq["k"][..., :5])
+    with pytest.raises(ValueError, match="mlp: the key dimension must be k_weight.shape\\[1\\]"):
+        make("mlp")(seq["q"], seq["k"][..., :5])
+    with pytest.raises(ValueError, match="mlp: the key dimension must be A = len\\(v\\)"):
+        attncore.Attention("mlp", v=np.ones(4))(seq["q"][..., :4], seq["k"])
+
+
+def test_bad_shapes_and_masks(seq):
+    att = make("dot")
+    with pytest.raises(ValueError, match="mask must have shape \\(B, S\\) = \\(3, 7\\)"):
+        att(seq["q"], seq["k"], mask=np.ones((3, 6), bool))
+    with pytest.raises(ValueError, match="mask must have shape \\(B, H, W\\)"):
+        att(seq["q"], seq["k"].reshape(3, 7, 1, 6), mask=np.ones((3, 7), bool))
+    with pytest.raises(TypeError, match="mask must be a bool array"):
+        att(seq["q"], seq["k"], mask=np.ones((3, 7)))
+    with pytest.raises(ValueError, match="keys must have shape"):
+        att(seq["q"], seq["k"][0])
+    with pytest.raises(ValueError, match="query must have shape"):
+        att(seq["q"][0, 0], seq["k"])
+    with pytest.raises(ValueError, match="values must have the leading shape"):
+        att(seq["q"], seq["k"], seq["vals"][:, :5])
+    with pytest.raises(ValueError, match="batch size"):
+        att(seq["q"][:2], seq["k"])
+    mem = make("bilinear").prepare(seq["k"])
+    with pytest.raises(ValueError, match="another alignment"):
+        att.step(seq["q"][:, 0], mem)
+    with pytest.raises(TypeError, match="Memory"):
+        att.step(seq["q"][:, 0], seq["k"])
+    # a mask with batch size 1 broadcasts
+    c = att(seq["q"], seq["k"], mask=seq["mask"][:1])
+    c2 = att(seq["q"], seq["k"], mask=np.repeat(seq["mask"][:1], 3, 0))
+    np.testing.assert_array_equal(c, c2)
+
+
+def test_bad_params_named():
+    with pytest.raises(TypeError, match="'mlp'.*missing parameter 'v'"):
+        attncore.Attention("mlp", q_weight=np.ones((3, 3)))
+    with pytest.raises(ValueError, match="'q_weight' must have 4 rows"):
+        attncore.Attention("mlp", q_weight=np.ones((3, 3)), v=np.ones(4))
+    with pytest.raises(ValueError, match="'bias' must have shape \\(A,\\)"):
+        attncore.Attention("mlp", v=np.ones(4), bias=np.ones((4, 1)))
+    with pytest.raises(TypeError, match="'weight'.*dtype int"):
+        attncore.Attention("bilinear", weight=np.ones((3, 3), int))
+    with pytest.raises(TypeError, match="missing parameter 'weight'"):
+        attncore.Attention("general")
+    with pytest.raises(TypeError, match="'scale' must be a real scalar"):
+        attncore.Attention("dot", scale="big")
+    with pytest.raises(TypeError, match="scaled_dot"):
+        attncore.Attention("scaled_dot", scale=2.0)
+    with pytest.raises(ValueError, match="unknown alignment 'nope'; available: .*bilinear"):
+        attncore.Attention("nope")
+
+
+class WrongShape(attncore.Alignment):
+    def score(self, query, prepared):
+        return np.zeros(query.shape[:2] + (prepared.shape[1] + 1,))
+
+
+class WrongDtype(attncore.Alignment):
+    def score(self, query, prepared):
+        return np.zeros(query.shape[:2] + (prepared.shape[1],), dtype=np.int64)
+
+
+class Raises(attncore.Alignment):
+    def score(self, query, prepared):
+        raise ValueError("boom")
+
+
+@pytest.fixture
+def plugins():
+    names = {"wrong_shape": WrongShape, "wrong_dtype": WrongDtype, "raises": Raises}
+    for n, c in names.items():
+        alignments.register(n, c)
+    yield
+    for n in names:
+        alignments._registry._unregister(n)
+
+
+def test_plugin_output_checked_and_named(seq, plugins):
+    with pytest.raises(ValueError, match="alignment 'wrong_shape' \\(.*WrongShape\\).*"
+                                         "shape \\(B, T, S\\) = \\(3, 5, 7\\), got shape "
+                                         "\\(3, 5, 8\\)"):
+        attncore.Attention("wrong_shape")(seq["q"], seq["k"])
+    with pytest.raises(TypeError, match="alignment 'wrong_dtype'.*real float.*int64"):
+        attncore.Attention("wrong_dtype")(seq["q"], seq["k"])
+    with pytest.raises(ValueError, match="alignment 'raises' .*score: boom"):
+        attncore.Attention("raises")(seq["q"], seq["k"])
+
+
+def test_plugin_instance_and_nan(seq):
+    att = attncore.Attention(Half())
+    with pytest.raises(TypeError, match="cannot also be passed"):
+        attncore.Attention(Half(), scale=1.0)
+    k = seq["k"].copy()
+    vals = seq["vals"].copy()
+    vals[0, ~seq["mask"][0]] = np.nan          # masked-out values never leak
+    ctx = att(seq["q"], k, vals, mask=seq["mask"])
+    assert np.isfinite(ctx).all()
+    k[1, 3, 0] = np.nan                        # a NaN key that takes part does
+    ctx = att(seq["q"], k, vals, mask=seq["mask"])
+    assert np.isnan(ctx[1]).all() and np.isfinite(ctx[0]).all()
+
+
+# --------------------------------------------------------------------------
+# plot_alignment and the demo
+# --------------------------------------------------------------------------
+def test_plot_alignment():
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    ax = Figure().add_subplot()
+    w = np.eye(3)[None]
+    out = attncore.plot_alignment(w, ["a", "b", "c"], ["x", "y", "z"], ax=ax)
+    assert out is ax
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="source_labels must have S = 3"):
+        attncore.plot_alignment(np.eye(3), ["a"], ax=ax)
+    with pytest.raises(ValueError, match="shape \\(T, S\\)"):
+        attncore.plot_alignment(np.ones((2, 2, 2)), ax=ax)
+
+
+def test_plot_alignment_without_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="attncore\\[plot\\]"):
+        attncore.plot_alignment(np.eye(2))
+
+
+def test_demo_writes_picture_or_skips(tmp_path, monkeypatch, capsys):
+    from attncore._demo_alignment import seq2seq_demo
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        import matplotlib  # noqa: F401
+        have = True
+    except ImportError:
+        have = False
+    if have:
+        seq2seq_demo()
+        assert (tmp_path / "attncore_alignment.png").stat().st_size > 1000
+        assert "15 of 15" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    seq2seq_demo()
+    assert "picture skipped" in capsys.readouterr().out
+
+
+def test_concurrent_calls_from_python_threads():
+    """The layer releases the GIL in its kernels; concurrent calls agree."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((8, 20, 32)).astype(np.float32)
+    k = rng.standard_normal((8, 30, 32)).astype(np.float32)
+    mask = rng.random((8, 30)) > 0.2
+    att = attncore.Attention("mlp", q_weight=rng.standard_normal((16, 32)) * 0.2,
+                             k_weight=rng.standard_normal((16, 32)) * 0.2,
+                             v=rng.standard_normal(16), num_threads=2)
+    ref = att(q, k, mask=mask)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda _: att(q, k, mask=mask), range(8)))
+    for o in outs:
+        np.testing.assert_array_equal(o, ref)

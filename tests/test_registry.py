@@ -1,0 +1,272 @@
+"""The alignment registry: register / get / create / available / refresh,
+lazy entry-point discovery, precedence, conflicts and broken plugins."""
+import os
+import subprocess
+import sys
+import types
+import warnings
+from importlib.metadata import EntryPoint
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore import alignments
+from attncore.alignments import _registry
+
+GROUP = "attncore.alignments"
+
+
+class Half(attncore.Alignment):
+    """score = q . k / 2 (a test alignment)."""
+
+    def score(self, query, prepared):
+        return np.matmul(query, np.swapaxes(prepared, -1, -2)) / 2
+
+
+class _Dist:
+    def __init__(self, name):
+        self.name = name
+
+
+def _ep(name, value, dist):
+    ep = EntryPoint(name, value, GROUP)
+    try:
+        return ep._for(_Dist(dist))
+    except AttributeError:  # older importlib.metadata: no dist on entry points
+        return ep
+
+
+@pytest.fixture
+def fake_eps(monkeypatch):
+    """Replace entry-point discovery with a list the test fills in."""
+    entries = []
+    monkeypatch.setattr(_registry, "_entry_points", lambda: list(entries))
+    monkeypatch.delenv(alignments.DISABLE_ENV, raising=False)
+    alignments.refresh()
+    yield entries
+    alignments.refresh()
+
+
+@pytest.fixture
+def fake_module(monkeypatch):
+    """A throw-away plugin module importable as 'ac_fake_plugin'."""
+    mod = types.ModuleType("ac_fake_plugin")
+    mod.Half = Half
+    mod.NotAlignment = object
+    monkeypatch.setitem(sys.modules, "ac_fake_plugin", mod)
+    return mod
+
+
+@pytest.fixture
+def cleanup():
+    names = []
+    yield names
+    for n in names:
+        _registry._unregister(n)
+
+
+def test_builtins_listed_and_created():
+    names = alignments.available()
+    for n in ("dot", "scaled_dot", "bilinear", "general", "mlp", "additive", "concat"):
+        assert n in names
+    assert alignments.get("general") is alignments.get("bilinear")
+    assert alignments.get("concat") is alignments.get("mlp") is alignments.get("additive")
+    a = alignments.create("bilinear", weight=np.eye(3))
+    assert isinstance(a, attncore.Alignment) and a.name == "bilinear"
+    d = alignments.available(details=True)
+    assert d["dot"]["origin"] == "built-in"
+
+
+def test_register_call_decorator_lazy_and_replace(cleanup, fake_module):
+    cleanup += ["half", "half_lazy", "half_deco"]
+    assert alignments.register("half", Half) is Half
+    assert alignments.register("half", Half) is Half  # identical: no-op
+
+    @alignments.register("half_deco")
+    class Deco(Half):
+        pass
+
+    assert alignments.get("half_deco") is Deco
+    alignments.register("half_lazy", "ac_fake_plugin:Half")
+    assert alignments.available(details=True)["half_lazy"]["status"] == "not loaded"
+    assert alignments.get("half_lazy") is Half
+    with pytest.raises(ValueError, match="already registered"):
+        alignments.register("half", Deco)
+    alignments.register("half", Deco, replace=True)
+    assert alignments.get("half") is Deco
+    with pytest.raises(ValueError, match="built-in"):
+        alignments.register("dot", Half)
+    with pytest.raises(TypeError, match="Alignment"):
+        alignments.register("bad", object)
+    with pytest.raises(TypeError, match="module:Class"):
+        alignments.register("bad", "not a target")
+    with pytest.raises(TypeError, match="name"):
+        alignments.register("", Half)
+
+
+def test_register_overrides_builtin_with_replace(cleanup):
+    cleanup.append("scaled_dot")
+    alignments.register("scaled_dot", Half, replace=True)
+    assert alignments.get("scaled_dot") is Half
+    assert alignments.available(details=True)["scaled_dot"]["origin"] == "registered"
+    _registry._unregister("scaled_dot")
+    assert alignments.get("scaled_dot").__name__ == "ScaledDot"
+
+
+def test_unknown_name_lists_available():
+    with pytest.raises(alignments.AlignmentNotFoundError, match="available: .*dot.*mlp") as ei:
+        alignments.get("nosuch")
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, LookupError)
+    with pytest.raises(ValueError, match="unknown alignment 'nosuch'"):
+        attncore.Attention("nosuch")
+
+
+def test_create_names_alignment_and_parameter():
+    with pytest.raises(TypeError, match="alignment 'mlp'.*missing parameter 'v'"):
+        alignments.create("mlp")
+    with pytest.raises(ValueError, match="alignment 'bilinear'.*'weight'.*\\(Dq, Dk\\)"):
+        alignments.create("bilinear", weight=np.ones(3))
+    with pytest.raises(TypeError, match="unexpected keyword|weights"):
+        alignments.create("bilinear", weights=np.ones((3, 3)))
+
+
+def test_entry_point_discovered_lazily_and_loaded(fake_eps, fake_module):
+    fake_eps.append(_ep("half_ep", "ac_fake_plugin:Half", "fake-dist"))
+    info = alignments.available(details=True)["half_ep"]
+    assert info["origin"] == "entry point" and info["status"] == "not loaded"
+    assert info["distribution"] == "fake-dist"
+    assert alignments.get("half_ep") is Half
+    assert alignments.available(details=True)["half_ep"]["status"] == "loaded"
+    q = np.ones((1, 2, 3))
+    k = np.ones((1, 4, 3))
+    ctx = attncore.Attention("half_ep")(q, k)
+    np.testing.assert_allclose(ctx, np.ones((1, 2, 3)))
+
+
+def test_precedence_registered_over_builtin_over_entry_point(fake_eps, fake_module, cleanup):
+    fake_eps.append(_ep("dot", "ac_fake_plugin:Half", "shadow-dist"))
+    fake_eps.append(_ep("mine", "ac_fake_plugin:Half", "other-dist"))
+    with pytest.warns(RuntimeWarning, match="shadowed by the built-in"):
+        alignments.available()
+    assert alignments.get("dot").__name__ == "Dot"
+    cleanup.append("mine")
+
+    class Mine(Half):
+        pass
+
+    alignments.register("mine", Mine)  # explicit beats the entry point, no replace needed
+    assert alignments.get("mine") is Mine
+    assert alignments.available(details=True)["mine"]["origin"] == "registered"
+
+
+def test_duplicate_entry_points_warn_and_error(fake_eps, fake_module):
+    fake_eps.append(_ep("twin", "ac_fake_plugin:Half", "dist-one"))
+    fake_eps.append(_ep("twin", "ac_fake_plugin:Half", "dist-two"))
+    fake_eps.append(_ep("single", "ac_fake_plugin:Half", "dist-three"))
+    with pytest.warns(RuntimeWarning, match="dist-one.*dist-two"):
+        names = alignments.available()
+    assert "twin" in names
+    with pytest.raises(alignments.AlignmentConflictError, match="dist-one.*dist-two"):
+        alignments.get("twin")
+    assert "conflict" in alignments.available(details=True)["twin"]["status"]
+    assert alignments.get("single") is Half  # others unaffected
+
+
+def test_same_distribution_twice_is_not_a_conflict(fake_eps, fake_module):
+    fake_eps.append(_ep("once", "ac_fake_plugin:Half", "dist-a"))
+    fake_eps.append(_ep("once", "ac_fake_plugin:Half", "dist-a"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert alignments.get("once") is Half
+
+
+@pytest.mark.parametrize("value, what", [
+    ("ac_fake_plugin:Missing", "AttributeError"),
+    ("ac_fake_plugin:NotAlignment", "subclass of attncore.Alignment"),
+    ("ac_no_such_module_xyz:Thing", "not installed"),
+])
+def test_broken_plugin_one_warning_error_when_requested(fake_eps, fake_module, value, what):
+    fake_eps.append(_ep("broken", value, "broken-dist"))
+    fake_eps.append(_ep("fine", "ac_fake_plugin:Half", "fine-dist"))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        alignments.available()
+        assert alignments.get("fine") is Half  # nothing else affected
+        for _ in range(2):
+            with pytest.raises(alignments.AlignmentLoadError, match="broken") as ei:
+                alignments.get("broken")
+            assert what in str(ei.value)
+        alignments.available()
+    runtime = [w for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(runtime) == 1, [str(w.message) for w in runtime]
+    assert "broken-dist" in str(runtime[0].message)
+    assert alignments.available(details=True)["broken"]["status"].startswith("broken")
+
+
+def test_disable_autoload(fake_eps, fake_module, monkeypatch):
+    fake_eps.append(_ep("half_ep", "ac_fake_plugin:Half", "fake-dist"))
+    monkeypatch.setenv(alignments.DISABLE_ENV, "1")
+    alignments.refresh()
+    assert "half_ep" not in alignments.available()
+    with pytest.raises(alignments.AlignmentNotFoundError, match="DISABLE_PLUGIN_AUTOLOAD"):
+        alignments.get("half_ep")
+    assert alignments.get("mlp").__name__ == "MLP"  # built-ins still work
+    monkeypatch.delenv(alignments.DISABLE_ENV)
+    alignments.refresh()
+    assert alignments.get("half_ep") is Half
+
+
+def test_refresh_rescans(fake_eps, fake_module):
+    assert "late" not in alignments.available()
+    fake_eps.append(_ep("late", "ac_fake_plugin:Half", "late-dist"))
+    assert "late" not in alignments.available()  # cached scan
+    alignments.refresh()
+    assert "late" in alignments.available()
+
+
+def test_import_attncore_is_lazy():
+    """import attncore scans no entry points and imports no plugin module."""
+    code = (
+        "import sys, importlib.metadata as md\n"
+        "calls = []\n"
+        "orig = md.entry_points\n"
+        "md.entry_points = lambda *a, **k: calls.append(1) or orig(*a, **k)\n"
+        "import attncore\n"
+        "att = attncore.Attention('dot')\n"
+        "assert not calls, 'entry points scanned at import'\n"
+        "assert 'attncore_cosine' not in sys.modules\n"
+        "names = attncore.alignments.available()\n"
+        "assert calls, 'available() should scan'\n"
+        "assert 'attncore_cosine' not in sys.modules, 'available() imported a plugin'\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_real_entry_point_cosine_plugin():
+    """The example plugin, discovered through the real importlib.metadata."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("attncore-cosine")
+    except PackageNotFoundError:
+        pytest.skip("plugins/attncore-cosine is not installed (CI installs it)")
+    alignments.refresh()
+    info = alignments.available(details=True)["cosine"]
+    assert info["origin"] == "entry point"
+    assert info["distribution"] == "attncore-cosine"
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 5))
+    k = rng.standard_normal((2, 4, 5))
+    ctx, w = attncore.Attention("cosine", temperature=3.0)(q, k, return_weights=True)
+    qn = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    kn = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    s = 3.0 * qn @ kn.transpose(0, 2, 1)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    ref = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(w, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ctx, ref @ k, rtol=1e-12, atol=1e-14)
