@@ -34,9 +34,6 @@ __all__ = ["Attention", "Memory"]
 
 # below this many tanh evaluations the additive kernel runs on one thread
 _SERIAL_TANH = 1 << 17
-# dot / bilinear: memories up to this many keys take the core kernel's
-# weights path (faster there, measured at S = 50..128), longer ones the flash path
-_WEIGHTS_PATH_MAX_S = 128
 # The additive kernel's factored form, tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y})
 # with e^{2x} per query and e^{2y} per key precomputed, needs one division per
 # term instead of a full tanh.  It is used while every projected query and key
@@ -387,17 +384,10 @@ class Attention:
                 q3 = q3 * np.asarray(a.scale, dtype=q3.dtype)
                 scale = 1.0
         mask = None if memory._mask_u8 is None else memory.mask[:, None, :]
-        # Short memories (the usual seq2seq source): the core kernel's
-        # weights path (one score block per query block, no online-softmax
-        # rescaling) is 10-20 % faster than its flash path; the (B, T, S)
-        # weights it writes are small then.
-        want_w = return_weights or memory.length <= _WEIGHTS_PATH_MAX_S
         r = scaled_dot_product_attention(q3, memory.prepared, memory.values, mask, scale=scale,
-                                         return_weights=want_w,
+                                         return_weights=return_weights,
                                          num_threads=self.num_threads)
-        if want_w:
-            return r if return_weights else (r[0], None)
-        return r, None
+        return r if return_weights else (r, None)
 
     def _mlp_path(self, q3, memory, return_weights):
         a = self.alignment
