@@ -33,7 +33,9 @@ _INT32_MAX = 2**31 - 1
 # is single-threaded anyway and the thread limit need not be taken.
 _BLAS_THREAD_THRESHOLD = 65536 * 4
 # below this many flops a call runs serially, without an OpenMP region
-_SERIAL_FLOPS = 2_000_000
+# (measured: at ~1e6 flops two threads already beat one when K/V stream
+# from L3; at ~2e5 the OpenMP start-up is as large as the work)
+_SERIAL_FLOPS = 250_000
 
 
 # --------------------------------------------------------------------------
@@ -105,32 +107,36 @@ def _broadcast_batch(shapes, names):
     return tuple(out)
 
 
-def _rowmajor(a: np.ndarray, name: str) -> np.ndarray:
-    """``a`` itself when its rows can be handed to BLAS, else a contiguous copy."""
+def _operand(a: np.ndarray, nbd: int):
+    """Lay out one operand for the kernel.
+
+    Returns ``(a, batch_strides, row_stride)``: ``a`` itself when its rows
+    can be handed to BLAS (last axis contiguous, row stride >= row length),
+    else a C-contiguous copy; the element strides of its batch axes aligned
+    right to ``nbd`` batch dimensions (0 where it broadcasts); its row stride
+    in elements.
+    """
     isz = a.itemsize
     st = a.strides
-    rows, cols = a.shape[-2], a.shape[-1]
-    ok = all(s % isz == 0 for s in st)
+    shape = a.shape
+    rows, cols = shape[-2], shape[-1]
+    ok = True
+    for x in st:
+        if x % isz:
+            ok = False
+            break
     if ok and cols > 1 and st[-1] != isz:
         ok = False
-    if ok and rows > 1 and (st[-2] < max(cols, 1) * isz or st[-2] // isz > _INT32_MAX):
+    if ok and rows > 1 and (st[-2] < cols * isz or st[-2] // isz > _INT32_MAX):
         ok = False
-    return a if ok else np.ascontiguousarray(a)
-
-
-def _row_stride(a: np.ndarray) -> int:
-    if a.shape[-2] <= 1:
-        return max(a.shape[-1], 1)
-    return a.strides[-2] // a.itemsize
-
-
-def _bstrides(a: np.ndarray, nbd: int) -> tuple:
-    """Element strides of ``a``'s batch axes aligned right to ``nbd`` batch
-    dimensions; 0 where ``a`` broadcasts (missing or size-1 axes)."""
-    isz = a.itemsize
-    sh = a.shape[:-2]
-    return (0,) * (nbd - len(sh)) + tuple(
-        0 if n == 1 else st // isz for n, st in zip(sh, a.strides[:-2]))
+    if not ok:
+        a = np.ascontiguousarray(a)
+        st = a.strides
+    sh = shape[:-2]
+    bs = (0,) * (nbd - len(sh)) + tuple(
+        0 if n == 1 else x // isz for n, x in zip(sh, st[:-2]))
+    rs = max(cols, 1) if rows <= 1 else st[-2] // isz
+    return a, bs, rs
 
 
 def _tiles(dtype, N: int, M: int, D: int, Dv: int):
@@ -318,11 +324,10 @@ def scaled_dot_product_attention(
     # ---- lay out operands ----
     if max(N, M, D, Dv) > _INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
-    q = _rowmajor(q if q.dtype == cdt else q.astype(cdt), "query")
-    k = _rowmajor(k if k.dtype == cdt else k.astype(cdt), "key")
-    v = _rowmajor(v if v.dtype == cdt else v.astype(cdt), "value")
     nbd = len(bshape)
-    q_bs, k_bs, v_bs = _bstrides(q, nbd), _bstrides(k, nbd), _bstrides(v, nbd)
+    q, q_bs, q_rs = _operand(q if q.dtype == cdt else q.astype(cdt), nbd)
+    k, k_bs, k_rs = _operand(k if k.dtype == cdt else k.astype(cdt), nbd)
+    v, v_bs, v_rs = _operand(v if v.dtype == cdt else v.astype(cdt), nbd)
     mask_rs = mask_cs = 0
     m_bs = ()
     if m is not None:
@@ -332,7 +337,9 @@ def scaled_dot_product_attention(
             m = np.ascontiguousarray(m)
         mask_rs = m.strides[-2] // m.itemsize if m.shape[-2] != 1 else 0
         mask_cs = m.strides[-1] // m.itemsize if m.shape[-1] != 1 else 0
-        m_bs = _bstrides(m, nbd)
+        isz = m.itemsize
+        m_bs = (0,) * (nbd - m.ndim + 2) + tuple(
+            0 if n == 1 else x // isz for n, x in zip(m.shape[:-2], m.strides[:-2]))
 
     Bq, Bk = _tiles(cdt, N, M, D, Dv)
     nqb = -(-N // Bq)
@@ -350,7 +357,7 @@ def scaled_dot_product_attention(
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
     args = (q, k, v, m, out, weights, bshape, q_bs, k_bs, v_bs, m_bs, group,
-            _row_stride(q), _row_stride(k), _row_stride(v), mask_rs, mask_cs, mask_kind,
+            q_rs, k_rs, v_rs, mask_rs, mask_cs, mask_kind,
             N, M, D, Dv, causal, sc, Bq, Bk, nsplit, chunk, nthreads)
     if return_weights or Bq * Bk * max(D, Dv) > _BLAS_THREAD_THRESHOLD:
         with blas_single_threaded:

@@ -8,7 +8,9 @@
 Each case runs attncore, torch (when installed) and NumPy interleaved in one
 process, with the same thread count for all three, and reports medians over
 the repeats and the ratios torch/attncore and numpy/attncore (> 1 means
-attncore is faster).  This is a benchmark, never a test: timings on shared
+attncore is faster).  With several threads, each sample is preceded by a
+short idle pause (--settle) so that the worker threads one library leaves
+spinning (OpenBLAS, OpenMP runtimes) do not slow down the next one.  This is a benchmark, never a test: timings on shared
 machines are noisy, so only the ratios measured side by side mean much.
 
 For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
@@ -93,7 +95,7 @@ def _time(fn, number=1):
     return (time.perf_counter() - t0) / number
 
 
-def run_case(case, threads, repeats, with_numpy=True):
+def run_case(case, threads, repeats, with_numpy=True, settle=0.12):
     name, group, B, H, N, M, D, variant = case
     q, k, v, mask = make_inputs(B, H, N, M, D, variant)
     causal = variant == "causal"
@@ -126,6 +128,12 @@ def run_case(case, threads, repeats, with_numpy=True):
         samples = {key: [] for key in fns}
         for _ in range(repeats):  # interleaved
             for key, fn in fns.items():
+                if threads > 1 and settle:
+                    # let the previous library's idle workers stop spinning
+                    # (OpenBLAS spins ~0.1 s, OpenMP runtimes a while): they
+                    # would otherwise steal the cores from the next one
+                    time.sleep(settle)
+                    _time(fn, numbers[key])  # untimed: wake the threads, warm caches and clocks
                 samples[key].append(_time(fn, numbers[key]))
     med = {key: statistics.median(s) for key, s in samples.items()}
     row = {"case": name, "group": group, "threads": threads,
@@ -186,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--no-numpy", action="store_true")
     ap.add_argument("--no-peak", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--settle", type=float, default=0.12,
+                    help="seconds of idle time before each multi-threaded sample (default 0.12)")
     ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
                     help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
@@ -204,7 +214,7 @@ def main(argv=None):
                      "torch/ac", "numpy/ac", "GFLOP/s"))
     for threads in args.threads:
         for case in cases:
-            row = run_case(case, threads, args.repeats, not args.no_numpy)
+            row = run_case(case, threads, args.repeats, not args.no_numpy, args.settle)
             rows.append(row)
             ms = row["ms"]
             print(fmt.format(

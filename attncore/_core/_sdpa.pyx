@@ -246,7 +246,14 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
             buf = <floating *>malloc(nbuf * sizeof(floating))
             if buf == NULL:
                 errp[0] = -1
+            elif p.causal == 0 and p.mask_kind == 0:
+                # equal work items: a static schedule keeps each thread on the
+                # same items call after call (their K/V stay in its cache)
+                for w in prange(W, schedule='static'):
+                    _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+                free(buf)
             else:
+                # causal / masked items differ in cost: balance dynamically
                 for w in prange(W, schedule='dynamic'):
                     _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
                 free(buf)
