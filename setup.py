@@ -116,6 +116,10 @@ def extensions():
             depends=[os.path.join(SRC, f) for f in ("ac_math.h", "ac_additive.h",
                                                     "ac_additive_impl.h")],
         ),
+        Extension(
+            "attncore._core._linalg",
+            [os.path.join("attncore", "_core", "_linalg.pyx")],
+        ),
     ]
     return cythonize(
         exts,

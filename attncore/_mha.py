@@ -25,14 +25,10 @@ import numbers
 
 import numpy as np
 
-from ._threads import blas_single_threaded
+from ._linear import linear
 from .functional import as_float_array, parse_causal, scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
-
-# gemms below this many multiply-adds run on one BLAS thread: waking BLAS
-# threads costs more than they save (decoding steps project a few rows)
-_SMALL_GEMM = 2**23
 
 
 # --------------------------------------------------------------------------
@@ -971,14 +967,8 @@ class MultiHeadAttention:
 
     @staticmethod
     def _project(x2d, w, b):
-        if x2d.shape[0] * w.shape[0] * w.shape[1] < _SMALL_GEMM:
-            with blas_single_threaded:
-                y = np.matmul(x2d, w.T)
-        else:
-            y = np.matmul(x2d, w.T)
-        if b is not None:
-            y += b
-        return y
+        # on attncore's threads with single-threaded BLAS blocks (see _linear)
+        return linear(x2d, w, b)
 
     def _project_self(self, x2d):
         """(B*L, Nq+Nk+Nv): Q, K and V of one input, one gemm where the weights allow."""

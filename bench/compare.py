@@ -22,10 +22,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -33,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
-from threadpoolctl import threadpool_limits  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 try:
     import torch
@@ -88,13 +86,6 @@ def numpy_reference(q, k, v, mask=None, causal=False):
     return s @ v
 
 
-def _time(fn, number=1):
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number
-
-
 def run_case(case, threads, repeats, with_numpy=True, settle=0.12):
     name, group, B, H, N, M, D, variant = case
     q, k, v, mask = make_inputs(B, H, N, M, D, variant)
@@ -116,26 +107,7 @@ def run_case(case, threads, repeats, with_numpy=True, settle=0.12):
     small = B * H * N * M <= 64 * 2**20
     if with_numpy and small:
         fns["numpy"] = lambda: numpy_reference(q, k, v, mask, causal)
-    # calls per timing so that each sample lasts >= ~20 ms
-    if torch is not None:
-        torch.set_num_threads(threads)
-    numbers = {}
-    with threadpool_limits(limits=threads, user_api="blas"):
-        for key, fn in fns.items():
-            fn()  # warm-up
-            t = _time(fn)
-            numbers[key] = max(1, int(0.02 / max(t, 1e-7)))
-        samples = {key: [] for key in fns}
-        for _ in range(repeats):  # interleaved
-            for key, fn in fns.items():
-                if threads > 1 and settle:
-                    # let the previous library's idle workers stop spinning
-                    # (OpenBLAS spins ~0.1 s, OpenMP runtimes a while): they
-                    # would otherwise steal the cores from the next one
-                    time.sleep(settle)
-                    _time(fn, numbers[key])  # untimed: wake the threads, warm caches and clocks
-                samples[key].append(_time(fn, numbers[key]))
-    med = {key: statistics.median(s) for key, s in samples.items()}
+    med = interleaved_medians(fns, threads, repeats, settle=settle, torch=torch)
     row = {"case": name, "group": group, "threads": threads,
            "ms": {key: 1e3 * t for key, t in med.items()},
            "gflops_attncore": flops / med["attncore"] / 1e9,

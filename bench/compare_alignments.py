@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 import attncore
+from timing import interleaved_medians
 
 try:
     import torch
@@ -99,31 +97,13 @@ def attncore_fns(d, threads):
             "dot": lambda: dot(d["q"], d["k"], d["vals"])}
 
 
-def _time(fn, number=1):
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number
-
-
 def run_case(case, threads, repeats, d):
     fns = {"attncore": attncore_fns(d, threads)[case]}
     if torch is not None:
         fns["torch"] = torch_fns(d)[case]
     fns["numpy"] = {"additive": np_additive, "bilinear": np_bilinear, "dot": np_dot}[case]
     fns["numpy"] = (lambda f: (lambda: f(d)))(fns["numpy"])
-    if torch is not None:
-        torch.set_num_threads(threads)
-    with threadpool_limits(limits=threads, user_api="blas"):
-        numbers = {}
-        for key, fn in fns.items():
-            fn()
-            numbers[key] = max(1, int(0.02 / max(_time(fn), 1e-7)))
-        samples = {key: [] for key in fns}
-        for _ in range(repeats):
-            for key, fn in fns.items():
-                samples[key].append(_time(fn, numbers[key]))
-    med = {key: statistics.median(s) for key, s in samples.items()}
+    med = interleaved_medians(fns, threads, repeats, torch=torch)
     row = {"case": case, "threads": threads, "ms": {k: 1e3 * v for k, v in med.items()}}
     for other in ("torch", "numpy"):
         if other in med:

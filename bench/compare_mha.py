@@ -32,9 +32,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -42,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
-from threadpoolctl import threadpool_limits  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
 
 try:
     import torch
@@ -58,13 +56,6 @@ CASES = [
     ("decode E512 H8 B8 2048 cached", "decode", 512, 8, 8, 1, 2048),
 ]
 BARS = {"self": 1.3, "cross": 1.1, "decode": 1.2}
-
-
-def _time(fn, number=1):
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number
 
 
 def _setup_layer(kind, E, H, B, L, S, steps):
@@ -140,19 +131,9 @@ def _setup_layer(kind, E, H, B, L, S, steps):
 def run_case(case, threads, repeats, steps):
     name, kind, E, H, B, L, S = case
     fns, err = _setup_layer(kind, E, H, B, L, S, steps)
-    torch.set_num_threads(threads)
-    numbers = {}
-    with threadpool_limits(limits=threads):
-        for key, fn in fns.items():
-            fn()  # warm-up
-            t = _time(fn)
-            numbers[key] = max(1, int(0.05 / max(t, 1e-7)))
-        samples = {key: [] for key in fns}
-        for _ in range(repeats):  # interleaved
-            for key, fn in fns.items():
-                samples[key].append(_time(fn, numbers[key]))
+    med = interleaved_medians(fns, threads, repeats, sample_seconds=0.05, torch=torch)
     per = steps if kind == "decode" else 1
-    med = {key: statistics.median(s) / per for key, s in samples.items()}
+    med = {key: t / per for key, t in med.items()}
     return {"case": name, "kind": kind, "threads": threads,
             "ms": {key: 1e3 * t for key, t in med.items()},
             "torch_over_attncore": med["torch"] / med["attncore"], "bar": BARS[kind],

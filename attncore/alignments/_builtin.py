@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from .._linear import linear
 from ._base import Alignment
 
 __all__ = ["Dot", "ScaledDot", "Bilinear", "MLP"]
@@ -149,7 +150,7 @@ class Bilinear(Alignment):
         self.check_key_dim(keys.shape[-1])
         w = _cast(self.weight, keys.dtype, self._cache, "weight")
         B, S, Dk = keys.shape
-        return np.dot(keys.reshape(B * S, Dk), w.T).reshape(B, S, w.shape[0])
+        return linear(keys.reshape(B * S, Dk), w).reshape(B, S, w.shape[0])
 
     def score(self, query, prepared):
         self.check_query_dim(query.shape[-1])
@@ -228,7 +229,9 @@ class MLP(Alignment):
         if self.k_weight is None:
             kp = np.array(keys, dtype=dt, order="C", copy=True)
         else:
-            kp = np.dot(keys.reshape(B * S, Dk), self.param("k_weight", dt).T).reshape(B, S, A)
+            kp = linear(keys.reshape(B * S, Dk), self.param("k_weight", dt),
+                        self.param("bias", dt) if self.bias is not None else None).reshape(B, S, A)
+            return kp
         if self.bias is not None:
             kp += self.param("bias", dt)
         return kp
@@ -239,8 +242,8 @@ class MLP(Alignment):
         B, T, Dq = query.shape
         if self.q_weight is None:
             return np.ascontiguousarray(query)
-        return np.dot(query.reshape(B * T, Dq),
-                      self.param("q_weight", query.dtype).T).reshape(B, T, -1)
+        return linear(query.reshape(B * T, Dq),
+                      self.param("q_weight", query.dtype)).reshape(B, T, -1)
 
     def prepare(self, keys):
         return self.project_keys(keys)

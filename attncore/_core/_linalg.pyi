@@ -1,0 +1,7 @@
+# Stub for the compiled dense-layer helper (private; see attncore._linear).
+from typing import Optional
+
+import numpy as np
+
+def linear(x: np.ndarray, w: np.ndarray, bias: Optional[np.ndarray], out: np.ndarray,
+           nthreads: int) -> None: ...

@@ -1,0 +1,152 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Dense layers on attncore's own threads (private).
+
+``linear`` computes ``out = x @ w.T (+ bias)`` (PyTorch's Linear layout) by
+splitting the product into row (or column) blocks over an OpenMP team, each
+block one single-threaded gemm from ``scipy.linalg.cython_blas``.  The layers
+use it for their projections so that one call never has two thread pools
+(OpenBLAS' and OpenMP's) competing for the cores.
+"""
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cython.parallel cimport prange
+from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
+
+ctypedef fused floating:
+    float
+    double
+
+
+cdef inline void _gemm_block(const floating *x, Py_ssize_t x_rs, const floating *w,
+                             Py_ssize_t w_rs, const floating *bias, floating *out,
+                             Py_ssize_t o_rs, int r0, int r1, int c0, int c1,
+                             int K) noexcept nogil:
+    """out[r0:r1, c0:c1] = x[r0:r1] @ w[c0:c1].T (+ bias[c0:c1])."""
+    cdef char ta = b'T'
+    cdef char tb = b'N'
+    cdef int m = c1 - c0, n = r1 - r0, k = K
+    cdef int lda = <int>w_rs, ldb = <int>x_rs, ldc = <int>o_rs
+    cdef floating one = 1, beta = 0
+    cdef Py_ssize_t r, c
+    if m <= 0 or n <= 0:
+        return
+    if bias != NULL:
+        for r in range(r0, r1):
+            for c in range(c0, c1):
+                out[r * o_rs + c] = bias[c]
+        beta = 1
+    if K == 0:
+        if bias == NULL:
+            for r in range(r0, r1):
+                for c in range(c0, c1):
+                    out[r * o_rs + c] = 0
+        return
+    cdef int inc = 1
+    if n <= 2:
+        # a row or two (decoding): gemv streams w once; gemm would first
+        # copy (pack) all of w, which costs more than the product
+        for r in range(r0, r1):
+            if floating is float:
+                sgemv(&ta, &k, &m, &one, <float *>(w + c0 * w_rs), &lda,
+                      <float *>(x + r * x_rs), &inc, &beta, out + r * o_rs + c0, &inc)
+            else:
+                dgemv(&ta, &k, &m, &one, <double *>(w + c0 * w_rs), &lda,
+                      <double *>(x + r * x_rs), &inc, &beta, out + r * o_rs + c0, &inc)
+        return
+    if floating is float:
+        sgemm(&ta, &tb, &m, &n, &k, &one, <float *>(w + c0 * w_rs), &lda,
+              <float *>(x + r0 * x_rs), &ldb, &beta, out + r0 * o_rs + c0, &ldc)
+    else:
+        dgemm(&ta, &tb, &m, &n, &k, &one, <double *>(w + c0 * w_rs), &lda,
+              <double *>(x + r0 * x_rs), &ldb, &beta, out + r0 * o_rs + c0, &ldc)
+
+
+cdef void _run(const floating *x, Py_ssize_t x_rs, const floating *w, Py_ssize_t w_rs,
+               const floating *bias, floating *out, Py_ssize_t o_rs, int R, int C, int K,
+               int nthreads) noexcept nogil:
+    cdef int t, nblk, step
+    cdef bint by_rows = R >= C
+    if nthreads <= 1:
+        _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs, 0, R, 0, C, K)
+        return
+    # blocks: a few per thread, at least 16 rows / 64 columns each
+    if by_rows:
+        step = max(16, (R + 2 * nthreads - 1) // (2 * nthreads))
+        nblk = (R + step - 1) // step
+    else:
+        step = max(64, (C + 2 * nthreads - 1) // (2 * nthreads))
+        step = (step + 15) // 16 * 16
+        nblk = (C + step - 1) // step
+    for t in prange(nblk, schedule='dynamic', num_threads=nthreads):
+        if by_rows:
+            _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs,
+                        t * step, min(R, (t + 1) * step), 0, C, K)
+        else:
+            _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs,
+                        0, R, t * step, min(C, (t + 1) * step), K)
+
+
+cdef inline Py_ssize_t _rs(Py_buffer *b, int cols) noexcept nogil:
+    """Row stride in elements, valid as a BLAS leading dimension."""
+    cdef Py_ssize_t rs
+    if b.shape[0] <= 1:
+        return max(cols, 1)
+    rs = b.strides[0] // b.itemsize
+    return rs if rs >= max(cols, 1) else max(cols, 1)
+
+
+def linear(x, w, bias, out, int nthreads):
+    """out[...] = x @ w.T (+ bias), on ``nthreads`` OpenMP threads.
+
+    x: (R, K), w: (C, K), out: (R, C), all of one dtype (float32 / float64)
+    with contiguous rows; bias: None or a contiguous (C,) array.  The caller
+    keeps BLAS single-threaded around the call.
+    """
+    cdef Py_buffer bx, bw, bb, bo
+    cdef int got = 0, have_b = 0
+    cdef int R, C, K
+    PyObject_GetBuffer(x, &bx, PyBUF_RECORDS_RO)
+    got = 1
+    try:
+        PyObject_GetBuffer(w, &bw, PyBUF_RECORDS_RO)
+        got = 2
+        PyObject_GetBuffer(out, &bo, PyBUF_RECORDS)
+        got = 3
+        if bias is not None:
+            PyObject_GetBuffer(bias, &bb, PyBUF_RECORDS_RO)
+            have_b = 1
+        if bx.ndim != 2 or bw.ndim != 2 or bo.ndim != 2:
+            raise ValueError("linear: x, w and out must be 2-D")
+        R = <int>bx.shape[0]
+        K = <int>bx.shape[1]
+        C = <int>bw.shape[0]
+        if bw.shape[1] != K or bo.shape[0] != R or bo.shape[1] != C:
+            raise ValueError("linear: shapes do not match")
+        if (bx.itemsize != bw.itemsize or bx.itemsize != bo.itemsize
+                or (have_b and bb.itemsize != bx.itemsize)):
+            raise TypeError("linear: x, w, bias and out must share one dtype")
+        if ((K > 1 and (bx.strides[1] != bx.itemsize or bw.strides[1] != bw.itemsize))
+                or (C > 1 and bo.strides[1] != bo.itemsize)
+                or (have_b and C > 1 and bb.strides[0] != bb.itemsize)):
+            raise ValueError("linear: rows must be contiguous")
+        if R == 0 or C == 0:
+            return
+        if bx.itemsize == 4:
+            with nogil:
+                _run(<const float *>bx.buf, _rs(&bx, K), <const float *>bw.buf, _rs(&bw, K),
+                     <const float *>bb.buf if have_b else NULL, <float *>bo.buf,
+                     _rs(&bo, C), R, C, K, nthreads)
+        elif bx.itemsize == 8:
+            with nogil:
+                _run(<const double *>bx.buf, _rs(&bx, K), <const double *>bw.buf, _rs(&bw, K),
+                     <const double *>bb.buf if have_b else NULL, <double *>bo.buf,
+                     _rs(&bo, C), R, C, K, nthreads)
+        else:
+            raise TypeError("linear: float32 or float64 expected")
+    finally:
+        if have_b:
+            PyBuffer_Release(&bb)
+        if got >= 3:
+            PyBuffer_Release(&bo)
+        if got >= 2:
+            PyBuffer_Release(&bw)
+        PyBuffer_Release(&bx)

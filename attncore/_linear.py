@@ -1,0 +1,59 @@
+"""``linear``: the layers' projections, on attncore's own threads.
+
+``x @ w.T + b`` with ``w`` in PyTorch's (out_features, in_features) layout.
+Large products are split into row (or column) blocks over an OpenMP team,
+each block a single-threaded BLAS gemm, instead of being handed to a
+multi-threaded BLAS: a layer call then never has OpenBLAS' thread pool and
+OpenMP's competing for the same cores (OpenBLAS workers keep spinning for
+~0.1 s after each call, which stalls a following OpenMP region badly on a
+machine with few cores).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._core import _linalg
+from ._threads import blas_single_threaded, resolve_num_threads
+
+__all__ = ["linear"]
+
+# below this many multiply-adds the product runs on one thread
+_SERIAL_MACS = 1 << 17
+# OpenBLAS would start threads above this many multiply-adds (see functional)
+_BLAS_THREAD_THRESHOLD = 65536 * 4
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """``a`` (2-D) with contiguous rows and a BLAS-valid row stride."""
+    if a.ndim != 2:
+        raise ValueError(f"linear expects 2-D operands, got shape {a.shape}")
+    isz = a.itemsize
+    r, c = a.shape
+    if (c > 1 and a.strides[1] != isz) or (r > 1 and a.strides[0] < c * isz) \
+            or any(s % isz for s in a.strides):
+        return np.ascontiguousarray(a)
+    return a
+
+
+def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
+           num_threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``x2d @ w.T (+ b)`` as a new C-contiguous (R, C) array.
+
+    x2d (R, K) and w (C, K) must share a float32 / float64 dtype (b too).
+    """
+    x2d = _rows(x2d)
+    w = _rows(w)
+    R, K = x2d.shape
+    C = w.shape[0]
+    if out is None:
+        out = np.empty((R, C), dtype=x2d.dtype)
+    if b is not None:
+        b = np.ascontiguousarray(b)
+    macs = R * C * K
+    nthreads = 1 if macs < _SERIAL_MACS else resolve_num_threads(num_threads)
+    if nthreads > 1 or macs > _BLAS_THREAD_THRESHOLD:
+        with blas_single_threaded:
+            _linalg.linear(x2d, w, b, out, nthreads)
+    else:
+        _linalg.linear(x2d, w, b, out, nthreads)
+    return out

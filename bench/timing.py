@@ -1,0 +1,43 @@
+"""The one timing method of the side-by-side comparison scripts.
+
+``interleaved_medians`` runs every contender in one process, interleaved
+repeat by repeat, with the same thread budget (threadpoolctl for BLAS and
+OpenMP, ``torch.set_num_threads`` for torch), and returns the median seconds
+per call of each.  Before each multi-threaded sample it idles briefly and
+runs the contender untimed once more, so that worker threads another library
+left spinning (OpenBLAS spins ~0.1 s, OpenMP runtimes a while) do not steal
+the cores, and clocks and caches are warm again.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from threadpoolctl import threadpool_limits
+
+
+def time_calls(fn, number=1):
+    """Mean seconds per call over ``number`` back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
+
+
+def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.12, torch=None):
+    """Median seconds per call for each callable in ``fns`` (a dict)."""
+    if torch is not None:
+        torch.set_num_threads(threads)
+    with threadpool_limits(limits=threads):
+        numbers = {}
+        for key, fn in fns.items():
+            fn()  # warm-up
+            numbers[key] = max(1, int(sample_seconds / max(time_calls(fn), 1e-7)))
+        samples = {key: [] for key in fns}
+        for _ in range(repeats):
+            for key, fn in fns.items():
+                if threads > 1 and settle:
+                    time.sleep(settle)
+                    time_calls(fn, numbers[key])  # untimed: wake threads, warm caches
+                samples[key].append(time_calls(fn, numbers[key]))
+    return {key: statistics.median(s) for key, s in samples.items()}
