@@ -107,13 +107,13 @@ def extensions():
             "attncore._core._sdpa",
             [os.path.join("attncore", "_core", "_sdpa.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in ("ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h", "ac_small_x86.h")],
+            depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h", "ac_small_x86.h")],
         ),
         Extension(
             "attncore._core._additive",
             [os.path.join("attncore", "_core", "_additive.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in ("ac_math.h", "ac_additive.h",
+            depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_math.h", "ac_additive.h",
                                                     "ac_additive_impl.h")],
         ),
         Extension(

@@ -26,8 +26,8 @@ ctypedef fused floating:
     double
 
 cdef extern from "ac_additive.h" nogil:
-    ctypedef void (*ac_add_sgemm_t)(char *, char *, int *, int *, int *, float *, float *, int *, float *, int *, float *, float *, int *) noexcept nogil
-    ctypedef void (*ac_add_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
+    ctypedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *, float *, int *, float *, int *, float *, float *, int *) noexcept nogil
+    ctypedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
     ctypedef struct ac_add_params:
         int M, A, Dv
         Py_ssize_t qp_rs, kp_rs, val_rs, w_rs, o_rs
@@ -35,11 +35,11 @@ cdef extern from "ac_additive.h" nogil:
     void ac_additive_block_f32(const ac_add_params *p, const float *qp, int nq,
                                const float *kp, const float *v, const uint8_t *mask,
                                const float *values, float *W, float *out, int *idx,
-                               int factored, ac_add_sgemm_t gemm)
+                               int factored, ac_sgemm_t gemm)
     void ac_additive_block_f64(const ac_add_params *p, const double *qp, int nq,
                                const double *kp, const double *v, const uint8_t *mask,
                                const double *values, double *W, double *out, int *idx,
-                               int factored, ac_add_dgemm_t gemm)
+                               int factored, ac_dgemm_t gemm)
     float ac_tanhf(float x)
     double ac_tanh(double x)
 
@@ -74,10 +74,10 @@ cdef inline void _item(const ac_add_params *p, const _Ops *ops, Py_ssize_t it,
         W = (<floating *>ops.w) + (b * ops.T + i0) * p.M
     if floating is float:
         ac_additive_block_f32(p, qp, nq, kp, <const float *>ops.v, mask, values, W, out,
-                              idx, ops.factored, <ac_add_sgemm_t>sgemm)
+                              idx, ops.factored, <ac_sgemm_t>sgemm)
     else:
         ac_additive_block_f64(p, qp, nq, kp, <const double *>ops.v, mask, values, W, out,
-                              idx, ops.factored, <ac_add_dgemm_t>dgemm)
+                              idx, ops.factored, <ac_dgemm_t>dgemm)
 
 
 cdef int _run(const ac_add_params *p, const _Ops *ops, Py_ssize_t nb, int nthreads,

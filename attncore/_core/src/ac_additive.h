@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include "ac_common.h"
 #include "ac_math.h"
 
 /* ------------------------------------------------------------------ tanh */
@@ -79,22 +80,6 @@ AC_INLINE double ac_tanh(double x)
     return copysign(r, x);
 }
 
-#ifndef AC_ADD_CLONES
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    (__GNUC__ >= 11) && defined(__linux__) && !defined(AC_NO_CLONES)
-#define AC_ADD_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define AC_ADD_CLONES
-#endif
-#endif
-
-typedef void (*ac_add_sgemm_t)(char *, char *, int *, int *, int *, float *,
-                               float *, int *, float *, int *, float *, float *,
-                               int *);
-typedef void (*ac_add_dgemm_t)(char *, char *, int *, int *, int *, double *,
-                               double *, int *, double *, int *, double *,
-                               double *, int *);
-
 typedef struct {
     int M;                 /* keys per batch element                     */
     int A;                 /* attention (hidden) size                    */
@@ -110,7 +95,7 @@ typedef struct {
 #define AC_SUF f32
 #define AC_TANH ac_tanhf
 #define AC_EXP ac_expf
-#define AC_GEMM_T ac_add_sgemm_t
+#define AC_GEMM_T ac_sgemm_t
 #include "ac_additive_impl.h"
 #undef AC_T
 #undef AC_SUF
@@ -122,7 +107,7 @@ typedef struct {
 #define AC_SUF f64
 #define AC_TANH ac_tanh
 #define AC_EXP ac_exp
-#define AC_GEMM_T ac_add_dgemm_t
+#define AC_GEMM_T ac_dgemm_t
 #include "ac_additive_impl.h"
 #undef AC_T
 #undef AC_SUF

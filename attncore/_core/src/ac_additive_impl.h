@@ -13,7 +13,7 @@
  * Four keys per pass share the loads of qp and v; the loop over A is one
  * `omp simd` reduction per key (vectorized tanh, no temporaries).
  */
-AC_ADD_CLONES
+AC_CLONES
 static void AC_ADD_FN(ac_add_scores)(const AC_T *qp, ptrdiff_t qp_rs, int nq,
                                      const AC_T *kp, ptrdiff_t kp_rs,
                                      const int *idx, int nvalid,
@@ -64,7 +64,7 @@ static void AC_ADD_FN(ac_add_scores)(const AC_T *qp, ptrdiff_t qp_rs, int nq,
  * The caller uses this form only when |qp| and |kp| are small enough that
  * e^{2 qp} e^{2 kp} cannot overflow (see _alignment_layer).
  */
-AC_ADD_CLONES
+AC_CLONES
 static void AC_ADD_FN(ac_add_scores_exp)(const AC_T *eq, ptrdiff_t qp_rs, int nq,
                                          const AC_T *ek, ptrdiff_t kp_rs,
                                          const int *idx, int nvalid,
@@ -106,7 +106,7 @@ static void AC_ADD_FN(ac_add_scores_exp)(const AC_T *eq, ptrdiff_t qp_rs, int nq
 }
 
 /* out[i, :] += sum over valid keys j of W[i, j] * values[j, :] */
-AC_ADD_CLONES
+AC_CLONES
 static void AC_ADD_FN(ac_add_context_sparse)(const AC_T *W, ptrdiff_t w_rs, int nq,
                                              const int *idx, int nvalid,
                                              const AC_T *values, ptrdiff_t val_rs,

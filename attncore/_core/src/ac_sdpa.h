@@ -28,15 +28,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include "ac_common.h"
 #include "ac_math.h"
 #include "ac_small_x86.h"
-
-typedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *,
-                           float *, int *, float *, int *, float *, float *,
-                           int *);
-typedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *,
-                           double *, int *, double *, int *, double *,
-                           double *, int *);
 
 enum { AC_MASK_NONE = 0, AC_MASK_BOOL = 1, AC_MASK_ADD = 2 };
 enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 };
@@ -58,13 +52,6 @@ static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
                         ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
     return i + off + 1;
 }
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    (__GNUC__ >= 11) && defined(__linux__) && !defined(AC_NO_CLONES)
-#define AC_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define AC_CLONES
-#endif
 
 /* query blocks of at most this many rows use direct loops, not BLAS */
 #ifndef AC_SMALL_ROWS
