@@ -16,7 +16,7 @@ import time
 from threadpoolctl import threadpool_limits
 
 
-def time_calls(fn, number=1):
+def seconds_per_call(fn, number=1):
     """Mean seconds per call over ``number`` back-to-back calls."""
     t0 = time.perf_counter()
     for _ in range(number):
@@ -32,12 +32,12 @@ def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.
         numbers = {}
         for key, fn in fns.items():
             fn()  # warm-up
-            numbers[key] = max(1, int(sample_seconds / max(time_calls(fn), 1e-7)))
+            numbers[key] = max(1, int(sample_seconds / max(seconds_per_call(fn), 1e-7)))
         samples = {key: [] for key in fns}
         for _ in range(repeats):
             for key, fn in fns.items():
                 if threads > 1 and settle:
                     time.sleep(settle)
-                    time_calls(fn, numbers[key])  # untimed: wake threads, warm caches
-                samples[key].append(time_calls(fn, numbers[key]))
+                    seconds_per_call(fn, numbers[key])  # untimed: wake threads, warm caches
+                samples[key].append(seconds_per_call(fn, numbers[key]))
     return {key: statistics.median(s) for key, s in samples.items()}
