@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Literal
 
 import numpy as np
@@ -139,12 +140,40 @@ def _operand(a: np.ndarray, nbd: int):
     return a, bs, rs
 
 
-def _tiles(dtype, N: int, M: int, D: int, Dv: int):
-    Bk = 512 if dtype == np.float32 else 256
+def _l2_bytes() -> int:
+    """Per-core L2 size (Linux sysconf), 1 MiB when unknown."""
+    try:
+        n = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        n = 0
+    return n if n and n > 0 else 1 << 20
+
+
+_L2 = _l2_bytes()
+
+
+def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int):
+    """(query block, key block) sizes.
+
+    Key blocks of 512 (float32; 256 for float64, halved for D + Dv > 256).
+    Query blocks as tall as keep the thread's score tile and accumulator in
+    three quarters of its L2 (the key / value tiles stream through BLAS'
+    packing), at most 256 rows (128 under a causal mask up to N = 1024,
+    where taller diagonal blocks waste more than they save: measured), then
+    halved while the work items would not give every thread two.
+    """
+    isz = np.dtype(dtype).itemsize
+    Bk = 512 if isz == 4 else 256
     if D + Dv > 256:
         Bk //= 2
-    Bq = 32 if N < 192 else (64 if N < 768 else 128)
-    return max(1, min(Bq, N)), max(1, min(Bk, M))
+    Bk = max(1, min(Bk, M))
+    Bq = 128 if (causal and N <= 1024) else 256
+    budget = 3 * _L2 // 4
+    while Bq > 32 and isz * Bq * (Bk + Dv) > budget:
+        Bq //= 2
+    while Bq > 32 and nb * -(-N // Bq) < 2 * nthreads:
+        Bq //= 2
+    return max(1, min(Bq, N)), Bk
 
 
 # --------------------------------------------------------------------------
@@ -341,11 +370,11 @@ def scaled_dot_product_attention(
         m_bs = (0,) * (nbd - m.ndim + 2) + tuple(
             0 if n == 1 else x // isz for n, x in zip(m.shape[:-2], m.strides[:-2]))
 
-    Bq, Bk = _tiles(cdt, N, M, D, Dv)
-    nqb = -(-N // Bq)
-    work = nb * nqb
     if 2.0 * nb * N * M * (D + Dv) < _SERIAL_FLOPS:
         nthreads = 1
+    Bq, Bk = _tiles(cdt, N, M, D, Dv, causal, nb, nthreads)
+    nqb = -(-N // Bq)
+    work = nb * nqb
     nsplit, chunk = 1, M
     if not return_weights and work < nthreads and M >= 1024:
         nsplit = min(-(-nthreads // work), -(-M // 256))

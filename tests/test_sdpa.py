@@ -273,8 +273,10 @@ def test_many_python_threads():
     for t in threads:
         t.join()
     assert not errors
+    # agreement to float rounding: BLAS may round differently from another
+    # calling thread (its packing buffers differ), never more than that
     for r in results:
-        np.testing.assert_allclose(r, expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(r, expected, rtol=2e-5, atol=2e-6)
 
 
 # ---------------------------------------------------------------- errors

@@ -29,7 +29,7 @@ cdef extern from "ac_sdpa.h" nogil:
     ctypedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
     ctypedef struct ac_params:
         int N, M, D, Dv
-        int Bq, Bk
+        int Bq, Bk, ldS
         Py_ssize_t q_rs, k_rs, v_rs
         Py_ssize_t mask_rs, mask_cs
         int mask_kind
@@ -171,9 +171,9 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
         mb = (<const uint8_t *>ops.mask) + ops.mo[b]
     elif p.mask_kind == 2:
         mf = (<const floating *>ops.mask) + ops.mo[b]
-    cdef Py_ssize_t Bq = p.Bq, Bk = p.Bk, Dv = p.Dv
+    cdef Py_ssize_t Bq = p.Bq, Dv = p.Dv
     cdef floating *S = buf
-    cdef floating *acc = S + Bq * Bk
+    cdef floating *acc = S + Bq * p.ldS
     cdef floating *m = acc + Bq * Dv
     cdef floating *l = m + Bq
     cdef floating *alpha = l + Bq
@@ -210,13 +210,22 @@ cdef inline void _merge_item(const ac_params *p, _Ops *ops, Py_ssize_t t,
            Bq * (Dv + 2), pbad + w0 * Bq, Bq, (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv)
 
 
+cdef inline void *_align64(void *raw) noexcept nogil:
+    """The first 64-byte boundary after raw (a block malloc'ed 64 bytes
+    larger than needed); NULL for NULL."""
+    if raw == NULL:
+        return NULL
+    return <void *>(<char *>raw + (64 - (<size_t>raw & 63)))
+
+
 cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
                     Py_ssize_t chunk, int nthreads, floating dummy) noexcept nogil:
     """Returns 0 on success, -1 when memory ran out."""
     cdef Py_ssize_t nqb = (p.N + p.Bq - 1) // p.Bq
     cdef Py_ssize_t W = nb * nqb * nsplit
     cdef Py_ssize_t Bq = p.Bq
-    cdef Py_ssize_t nbuf = Bq * p.Bk + Bq * p.Dv + 4 * Bq + Bq
+    cdef Py_ssize_t nbuf = Bq * p.ldS + Bq * p.Dv + 4 * Bq + Bq
+    cdef void *raw = NULL
     cdef floating *buf = NULL
     cdef floating *part = NULL
     cdef int *pbad = NULL
@@ -231,19 +240,22 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
             free(pbad)
             return -1
     if nthreads <= 1:
-        buf = <floating *>malloc(nbuf * sizeof(floating))
+        raw = malloc(nbuf * sizeof(floating) + 64)
+        buf = <floating *>_align64(raw)
         if buf == NULL:
             err = -1
         else:
             for w in range(W):
                 _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
-            free(buf)
+            free(raw)
         if nsplit > 1 and err == 0:
             for t in range(nb * nqb):
                 _merge_item(p, ops, t, nqb, nsplit, part, pbad)
     else:
         with parallel(num_threads=nthreads):
-            buf = <floating *>malloc(nbuf * sizeof(floating))
+            # assigned in the parallel block, so private to each thread
+            raw = malloc(nbuf * sizeof(floating) + 64)
+            buf = <floating *>_align64(raw)
             if buf == NULL:
                 errp[0] = -1
             elif p.causal == 0 and p.mask_kind == 0:
@@ -251,12 +263,12 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
                 # same items call after call (their K/V stay in its cache)
                 for w in prange(W, schedule='static'):
                     _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
-                free(buf)
+                free(raw)
             else:
                 # causal / masked items differ in cost: balance dynamically
                 for w in prange(W, schedule='dynamic'):
                     _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
-                free(buf)
+                free(raw)
         if nsplit > 1 and err == 0:
             for t in prange(nb * nqb, schedule='static', num_threads=nthreads):
                 _merge_item(p, ops, t, nqb, nsplit, part, pbad)
@@ -400,6 +412,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape,
         p.Dv = Dv
         p.Bq = Bq
         p.Bk = Bk
+        p.ldS = (Bk + 15) // 16 * 16
         p.q_rs = q_rs
         p.k_rs = k_rs
         p.v_rs = v_rs

@@ -38,6 +38,10 @@ enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 }
 typedef struct {
     int N, M, D, Dv;          /* query rows, key rows, qk dim, value dim     */
     int Bq, Bk;               /* tile sizes                                  */
+    int ldS;                  /* row stride of the score tile: Bk rounded up
+                                 to 64 bytes, so that every row starts
+                                 aligned and the vectorized reductions sum
+                                 in the same order whatever the buffer     */
     ptrdiff_t q_rs, k_rs, v_rs;   /* row strides (elements)                  */
     ptrdiff_t mask_rs, mask_cs;   /* mask strides (elements; 0 = broadcast)  */
     int mask_kind;            /* AC_MASK_*                                   */

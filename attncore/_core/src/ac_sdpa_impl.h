@@ -50,7 +50,7 @@ AC_INLINE int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
 }
 
 /*
- * Mask + causal + online softmax on one score tile S (nq x nk, ld Bk) whose
+ * Mask + causal + online softmax on one score tile S (nq x nk, ld ldS) whose
  * first key column is j0.  Updates m, l, writes alpha (the factor the
  * accumulator rows must be scaled by) and ORs NaN flags into bad.  On return
  * S holds P (zeros where masked).
@@ -61,10 +61,10 @@ AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
                                           int nk, AC_T *S, AC_T *m, AC_T *l,
                                           AC_T *alpha, int *bad)
 {
-    const int Bk = p->Bk;
+    const int ldS = p->ldS;
     const AC_T ninf = -INFINITY;
     for (int r = 0; r < nq; r++) {
-        AC_T *row = S + (ptrdiff_t)r * Bk;
+        AC_T *row = S + (ptrdiff_t)r * ldS;
         const ptrdiff_t i = i0 + r;
         int ncol = nk;
         if (p->causal) {
@@ -178,7 +178,7 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
     ptrdiff_t ke, AC_T *S, AC_T *acc, AC_T *m, AC_T *l, AC_T *alpha,
     int *bad, AC_GEMM_T gemm)
 {
-    const int Bk = p->Bk, Dv = p->Dv;
+    const int Bk = p->Bk, ldS = p->ldS, Dv = p->Dv;
     for (int r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
@@ -205,16 +205,16 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
             if (ac_avx512_ok)
                 ac_scores_small_f32_avx512(nq, nk, p->D, (AC_T)p->scale,
                                            q + i0 * p->q_rs, p->q_rs,
-                                           k + j0 * p->k_rs, p->k_rs, S, Bk);
+                                           k + j0 * p->k_rs, p->k_rs, S, ldS);
             else
 #endif
             AC_FN(ac_scores_small)(nq, nk, p->D, (AC_T)p->scale,
                                    q + i0 * p->q_rs, p->q_rs,
-                                   k + j0 * p->k_rs, p->k_rs, S, Bk);
+                                   k + j0 * p->k_rs, p->k_rs, S, ldS);
         } else {
             char ta = 'T', tb = 'N';
             int mm = nk, nn = nq, kk = p->D;
-            int lda = (int)p->k_rs, ldb = (int)p->q_rs, ldc = Bk;
+            int lda = (int)p->k_rs, ldb = (int)p->q_rs, ldc = ldS;
             AC_T al = (AC_T)p->scale, be = 0;
             gemm(&ta, &tb, &mm, &nn, &kk, &al, (AC_T *)(k + j0 * p->k_rs),
                  &lda, (AC_T *)(q + i0 * p->q_rs), &ldb, &be, S, &ldc);
@@ -233,16 +233,16 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
         if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
             if (ac_avx512_ok)
-                ac_pv_small_f32_avx512(nq, nk, Dv, S, Bk, v + j0 * p->v_rs,
+                ac_pv_small_f32_avx512(nq, nk, Dv, S, ldS, v + j0 * p->v_rs,
                                        p->v_rs, acc, first);
             else
 #endif
-            AC_FN(ac_pv_small)(nq, nk, Dv, S, Bk, v + j0 * p->v_rs, p->v_rs,
+            AC_FN(ac_pv_small)(nq, nk, Dv, S, ldS, v + j0 * p->v_rs, p->v_rs,
                                acc, first);
         } else {
             char ta = 'N', tb = 'N';
             int mm = Dv, nn = nq, kk = nk;
-            int lda = (int)p->v_rs, ldb = Bk, ldc = Dv;
+            int lda = (int)p->v_rs, ldb = ldS, ldc = Dv;
             AC_T one = 1, be = first ? 0 : 1;
             gemm(&ta, &tb, &mm, &nn, &kk, &one, (AC_T *)(v + j0 * p->v_rs),
                  &lda, S, &ldb, &be, acc, &ldc);
