@@ -43,12 +43,15 @@ _SERIAL_FLOPS = 250_000
 # argument checks shared by the package
 # --------------------------------------------------------------------------
 def as_float_array(x, name: str) -> np.ndarray:
-    """``x`` as an array of float16 / float32 / float64, else TypeError."""
+    """``x`` as an array of float16 / float32 / float64 in native byte order
+    (non-native arrays are converted), else TypeError."""
     a = x if isinstance(x, np.ndarray) else np.asarray(x)
     dt = a.dtype
     if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
         raise TypeError(
             f"{name} must be a float16, float32 or float64 array, got dtype {dt}")
+    if not dt.isnative:  # e.g. '>f4' from a file: the kernels read native floats
+        a = a.astype(dt.newbyteorder("="))
     return a
 
 
@@ -360,7 +363,7 @@ def scaled_dot_product_attention(
     mask_rs = mask_cs = 0
     m_bs = ()
     if m is not None:
-        if mask_kind == 2 and m.dtype != cdt:
+        if mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
             m = m.astype(cdt)
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)

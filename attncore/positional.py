@@ -76,6 +76,11 @@ def _positions(length_or_positions) -> np.ndarray:
         if n < 0:
             raise ValueError(f"length_or_positions as a length must be >= 0, got {n}")
         return np.arange(n, dtype=np.float64)
+    if isinstance(x, numbers.Real):
+        # a bare float is ambiguous (a length? one position?): make it explicit
+        raise TypeError(
+            f"length_or_positions must be an int length or an array of positions, got "
+            f"{type(x).__name__} {x!r}; pass int({x!r}) for a length or [{x!r}] for one position")
     p = np.asarray(x)
     if p.dtype.kind not in "iuf":
         raise TypeError("length_or_positions must be an int length or an array of integer or "

@@ -144,3 +144,12 @@ def test_errors():
         add_positional_encoding(np.zeros((3, 4), np.int64))
     with pytest.raises(TypeError, match="offset must be an int or a float"):
         add_positional_encoding(x, offset="1")
+
+
+def test_float_scalar_length_is_rejected():
+    with pytest.raises(TypeError, match=r"length_or_positions must be an int length.*pass int\(5.0\)"):
+        sinusoidal_encoding(5.0, 4)
+    # one position as an explicit array is fine
+    np.testing.assert_allclose(sinusoidal_encoding(np.array([5.0]), 4)[0],
+                               [np.sin(5.0), np.cos(5.0), np.sin(5.0 / 100.0), np.cos(5.0 / 100.0)],
+                               rtol=1e-6)

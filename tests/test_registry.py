@@ -204,6 +204,22 @@ def test_broken_plugin_one_warning_error_when_requested(fake_eps, fake_module, v
     assert alignments.available(details=True)["broken"]["status"].startswith("broken")
 
 
+def test_registration_beats_a_broken_entry_point_of_the_same_name(fake_eps, fake_module, cleanup):
+    fake_eps.append(_ep("mine2", "ac_no_such_module_xyz:Thing", "broken-dist"))
+    cleanup.append("mine2")
+
+    class Mine(Half):
+        pass
+
+    alignments.register("mine2", Mine)   # before the first scan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the shadowed broken plugin is not even reported
+        alignments.available()
+    assert alignments.get("mine2") is Mine
+    alignments.refresh()                 # and again after a rescan
+    assert alignments.get("mine2") is Mine
+
+
 def test_disable_autoload(fake_eps, fake_module, monkeypatch):
     fake_eps.append(_ep("half_ep", "ac_fake_plugin:Half", "fake-dist"))
     monkeypatch.setenv(alignments.DISABLE_ENV, "1")

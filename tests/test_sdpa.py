@@ -427,3 +427,17 @@ def test_read_only_inputs():
     # broadcast views (read-only, zero strides) work too
     kb = np.broadcast_to(k[:1], (2, 30, 8))
     np.testing.assert_allclose(sdpa(q, kb, v), ref(q, kb, v)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_non_native_byte_order():
+    """Big-endian arrays (as read from some files) give the same results."""
+    q, k, v = qkv((2, 7, 8), (2, 9, 8), (2, 9, 5), np.float32)
+    mask = np.random.default_rng(4).standard_normal((7, 9)).astype(">f8")
+    expected = ref(q, k, v, mask.astype(np.float64))[0]
+    for dt in (">f4", ">f8"):
+        qb, kb, vb = (a.astype(dt) for a in (q, k, v))
+        out = sdpa(qb, kb, vb, mask)
+        assert out.dtype.isnative and out.dtype.itemsize == np.dtype(dt).itemsize
+        np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+    out16 = sdpa(q.astype(">f2"), k.astype(">f2"), v.astype(">f2"))
+    assert out16.dtype == np.float16

@@ -134,6 +134,10 @@ def _scan():
                 warnings.warn(f"attncore: entry point {name!r} of {_describe_ep(group[0])} "
                               "is shadowed by the built-in alignment of that name and is "
                               "ignored", RuntimeWarning, stacklevel=3)
+            elif name in _registered:
+                # an explicit registration wins over any entry point of that
+                # name: a broken one must not shadow it
+                continue
             else:
                 mod = group[0].value.split(":")[0].strip()
                 top = mod.split(".")[0]
