@@ -247,7 +247,8 @@ def scaled_dot_product_attention(
       key under ``'lower_right'`` with N > M) gives output 0 and weights 0,
       as PyTorch >= 2.5.  This is decided from the mask and causal
       structure; NaN in query, keys, values or mask entries that take part
-      propagates to the affected outputs.  ``M == 0`` gives an all-zero
+      propagates to the affected outputs, while inf / NaN in the keys or
+      values of a key a query does not attend never reach that query.  ``M == 0`` gives an all-zero
       output; ``N == 0`` an empty one.
     * dtypes: float32 and float64 are computed natively; float16 is
       computed in float32 and returned as float16.  Mixed float dtypes

@@ -441,3 +441,29 @@ def test_non_native_byte_order():
         np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
     out16 = sdpa(q.astype(">f2"), k.astype(">f2"), v.astype(">f2"))
     assert out16.dtype == np.float16
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+@pytest.mark.parametrize("N", [300, 3])
+def test_nonfinite_values_of_unattended_keys_do_not_leak(bad, N):
+    """inf / NaN in a value row only reaches the queries that attend that key,
+    whatever the thread count, the tile sizes or the kernel path."""
+    q, k, v = qkv((1, 1, N, 16), (1, 1, 300, 16), (1, 1, 300, 16), np.float32)
+    v[0, 0, 200] = bad
+    km = np.ones(300, bool)
+    km[200] = False
+    cases = [(dict(attn_mask=km), np.zeros(N, bool))]
+    if N == 300:  # upper-left causal: rows >= 200 attend key 200
+        cases.append((dict(is_causal=True), np.arange(N) >= 200))
+    for kw, reached in cases:
+        for nt in (1, 2, 8):
+            for rw in (False, True):
+                res = sdpa(q, k, v, num_threads=nt, return_weights=rw, **kw)
+                out = res[0] if rw else res
+                assert np.array_equal(~np.isfinite(out).all(-1)[0, 0], reached), (kw, nt, rw)
+                clean = np.isfinite(out).all(-1)[0, 0]
+                v2 = v.copy()
+                v2[0, 0, 200] = 0
+                np.testing.assert_allclose(out[0, 0, clean], ref(q, k, v2, **(
+                    {"mask": km} if "attn_mask" in kw else {"causal": 1}))[0][0, 0, clean],
+                    rtol=2e-5, atol=2e-6)

@@ -166,6 +166,69 @@ AC_INLINE void AC_FN(ac_pv_small)(int nq, int nk, int Dv, const AC_T *S,
 }
 
 /*
+ * inf / NaN in the values of keys a query does not attend.  The products
+ * below multiply whole tiles, so such a value would reach a query through
+ * 0 * inf = NaN.  When a tile holds masked entries (a mask, or the causal
+ * diagonal) and its value rows hold a non-finite number, the P.V product
+ * of that tile is taken entry by entry over the attended keys only.  The
+ * check is a read of the value tile, cheap next to the product, and only
+ * on tiles that have masked entries.
+ */
+AC_INLINE int AC_FN(ac_tile_has_masked)(const ac_params *p, ptrdiff_t i0,
+                                        ptrdiff_t j0, int nk)
+{
+    if (p->mask_kind != AC_MASK_NONE) return 1;
+    if (p->causal) return j0 + nk > ac_causal_limit(p, i0);
+    return 0;
+}
+
+AC_INLINE int AC_FN(ac_rows_nonfinite)(const AC_T *v, int nk, int Dv,
+                                       ptrdiff_t v_rs)
+{
+    for (int j = 0; j < nk; j++) {
+        const AC_T *vj = v + j * v_rs;
+        AC_T z = 0;
+#pragma omp simd reduction(+ : z)
+        for (int d = 0; d < Dv; d++) z += vj[d] * 0; /* NaN iff inf or NaN */
+        if (z != z) return 1;
+    }
+    return 0;
+}
+
+/* acc rows (+)= sum over the keys row i0 + r attends of P[r, c] v_{j0+c} */
+static void AC_FN(ac_pv_attended)(const ac_params *p, const uint8_t *mb,
+                                  const AC_T *mf, ptrdiff_t i0, int nq,
+                                  ptrdiff_t j0, int nk, const AC_T *S,
+                                  int ldS, const AC_T *v, AC_T *acc,
+                                  ptrdiff_t acc_rs, int first)
+{
+    const int Dv = p->Dv;
+    const ptrdiff_t cs = p->mask_cs;
+    const AC_T ninf = -INFINITY;
+    for (int r = 0; r < nq; r++) {
+        AC_T *ar = acc + r * acc_rs;
+        if (first)
+            for (int d = 0; d < Dv; d++) ar[d] = 0;
+        const ptrdiff_t i = i0 + r;
+        int ncol = nk;
+        if (p->causal) {
+            ptrdiff_t lim = ac_causal_limit(p, i) - j0;
+            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+        }
+        const AC_T *Sr = S + (ptrdiff_t)r * ldS;
+        for (int c = 0; c < ncol; c++) {
+            const ptrdiff_t j = j0 + c;
+            if (mb && !mb[i * p->mask_rs + j * cs]) continue;
+            if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
+            const AC_T pc = Sr[c];
+            const AC_T *vj = v + j * p->v_rs;
+#pragma omp simd
+            for (int d = 0; d < Dv; d++) ar[d] += pc * vj[d];
+        }
+    }
+}
+
+/*
  * Attention of query rows [i0, i0+nq) over keys [ks, ke).  q, k, v, mb, mf
  * point at the start of this batch element.  Leaves the unnormalized
  * accumulator in acc (nq x Dv, contiguous), the running max in m, the
@@ -230,7 +293,11 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
                 }
             }
         }
-        if (nq <= AC_SMALL_ROWS) {
+        if (AC_FN(ac_tile_has_masked)(p, i0, j0, nk) &&
+            AC_FN(ac_rows_nonfinite)(v + j0 * p->v_rs, nk, Dv, p->v_rs)) {
+            AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, j0, nk, S, ldS, v, acc,
+                                  Dv, first);
+        } else if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
             if (ac_avx512_ok)
                 ac_pv_small_f32_avx512(nq, nk, Dv, S, ldS, v + j0 * p->v_rs,
@@ -382,7 +449,11 @@ static AC_CLONES void AC_FN(ac_weights_block)(
 #pragma omp simd
         for (int c = 0; c < ncol; c++) row[c] *= inv;
     }
-    {
+    if (AC_FN(ac_tile_has_masked)(p, i0, 0, M) &&
+        AC_FN(ac_rows_nonfinite)(v, M, Dv, p->v_rs)) {
+        AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, 0, M, W, M, v,
+                              out + i0 * o_rs, o_rs, 1);
+    } else {
         char ta = 'N', tb = 'N';
         int mm = Dv, nn = nq, kk = M;
         int lda = (int)p->v_rs, ldb = M, ldc = (int)o_rs;
