@@ -27,6 +27,8 @@ def _rows(a: np.ndarray) -> np.ndarray:
     """``a`` (2-D) with contiguous rows and a BLAS-valid row stride."""
     if a.ndim != 2:
         raise ValueError(f"linear expects 2-D operands, got shape {a.shape}")
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
     isz = a.itemsize
     r, c = a.shape
     if (c > 1 and a.strides[1] != isz) or (r > 1 and a.strides[0] < c * isz) \

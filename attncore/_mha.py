@@ -50,6 +50,8 @@ def _layer_dtype(dtype) -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dt.kind == "f" and not dt.isnative:
+        dt = dt.newbyteorder("=")
     if dt not in (np.float32, np.float64):
         raise TypeError(f"dtype must be float32 or float64, got {dt}")
     return dt

@@ -61,7 +61,12 @@ def compute_dtype(*dtypes):
     float16 results are computed in float32 and returned as float16.
     """
     d0 = dtypes[0]
-    rt = d0 if all(d is d0 for d in dtypes) else np.result_type(*dtypes)
+    for d in dtypes:
+        if d is not d0:
+            rt = np.result_type(*dtypes)
+            break
+    else:
+        rt = d0
     if rt == np.float16:
         return np.dtype(np.float32), rt
     return rt, rt
@@ -111,19 +116,15 @@ def _broadcast_batch(shapes, names):
     return tuple(out)
 
 
-def _operand(a: np.ndarray, nbd: int):
-    """Lay out one operand for the kernel.
-
-    Returns ``(a, batch_strides, row_stride)``: ``a`` itself when its rows
-    can be handed to BLAS (last axis contiguous, row stride >= row length),
-    else a C-contiguous copy; the element strides of its batch axes aligned
-    right to ``nbd`` batch dimensions (0 where it broadcasts); its row stride
-    in elements.
-    """
+def _rows_ok(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when the kernel can read it in place (last axis
+    contiguous, row stride at least the row length, element-aligned
+    strides), else a C-contiguous copy."""
+    if a.flags.c_contiguous:
+        return a
     isz = a.itemsize
     st = a.strides
-    shape = a.shape
-    rows, cols = shape[-2], shape[-1]
+    rows, cols = a.shape[-2], a.shape[-1]
     ok = True
     for x in st:
         if x % isz:
@@ -133,14 +134,7 @@ def _operand(a: np.ndarray, nbd: int):
         ok = False
     if ok and rows > 1 and (st[-2] < cols * isz or st[-2] // isz > _INT32_MAX):
         ok = False
-    if not ok:
-        a = np.ascontiguousarray(a)
-        st = a.strides
-    sh = shape[:-2]
-    bs = (0,) * (nbd - len(sh)) + tuple(
-        0 if n == 1 else x // isz for n, x in zip(sh, st[:-2]))
-    rs = max(cols, 1) if rows <= 1 else st[-2] // isz
-    return a, bs, rs
+    return a if ok else np.ascontiguousarray(a)
 
 
 def _l2_bytes() -> int:
@@ -165,7 +159,7 @@ def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthread
     where taller diagonal blocks waste more than they save: measured), then
     halved while the work items would not give every thread two.
     """
-    isz = np.dtype(dtype).itemsize
+    isz = dtype.itemsize
     Bk = 512 if isz == 4 else 256
     if D + Dv > 256:
         Bk //= 2
@@ -357,22 +351,14 @@ def scaled_dot_product_attention(
     # ---- lay out operands ----
     if max(N, M, D, Dv) > _INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
-    nbd = len(bshape)
-    q, q_bs, q_rs = _operand(q if q.dtype == cdt else q.astype(cdt), nbd)
-    k, k_bs, k_rs = _operand(k if k.dtype == cdt else k.astype(cdt), nbd)
-    v, v_bs, v_rs = _operand(v if v.dtype == cdt else v.astype(cdt), nbd)
-    mask_rs = mask_cs = 0
-    m_bs = ()
+    q = _rows_ok(q if q.dtype == cdt else q.astype(cdt))
+    k = _rows_ok(k if k.dtype == cdt else k.astype(cdt))
+    v = _rows_ok(v if v.dtype == cdt else v.astype(cdt))
     if m is not None:
         if mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
             m = m.astype(cdt)
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
-        mask_rs = m.strides[-2] // m.itemsize if m.shape[-2] != 1 else 0
-        mask_cs = m.strides[-1] // m.itemsize if m.shape[-1] != 1 else 0
-        isz = m.itemsize
-        m_bs = (0,) * (nbd - m.ndim + 2) + tuple(
-            0 if n == 1 else x // isz for n, x in zip(m.shape[:-2], m.strides[:-2]))
 
     if 2.0 * nb * N * M * (D + Dv) < _SERIAL_FLOPS:
         nthreads = 1
@@ -389,8 +375,7 @@ def scaled_dot_product_attention(
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
-    args = (q, k, v, m, out, weights, bshape, q_bs, k_bs, v_bs, m_bs, group,
-            q_rs, k_rs, v_rs, mask_rs, mask_cs, mask_kind,
+    args = (q, k, v, m, out, weights, bshape, group, mask_kind,
             N, M, D, Dv, causal, sc, Bq, Bk, nsplit, chunk, nthreads)
     if return_weights or Bq * Bk * max(D, Dv) > _BLAS_THREAD_THRESHOLD:
         with blas_single_threaded:

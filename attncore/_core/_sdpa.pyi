@@ -9,10 +9,7 @@ def cpu_features() -> dict[str, bool]: ...
 def sdpa(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray],
     out: np.ndarray, weights: Optional[np.ndarray], bshape: tuple[int, ...],
-    q_bs: tuple[int, ...], k_bs: tuple[int, ...], v_bs: tuple[int, ...],
-    m_bs: tuple[int, ...], group: int,
-    q_rs: int, k_rs: int, v_rs: int, mask_rs: int, mask_cs: int, mask_kind: int,
-    N: int, M: int, D: int, Dv: int, causal: int, scale: float,
-    Bq: int, Bk: int, nsplit: int, chunk: int, nthreads: int,
+    group: int, mask_kind: int, N: int, M: int, D: int, Dv: int, causal: int,
+    scale: float, Bq: int, Bk: int, nsplit: int, chunk: int, nthreads: int,
 ) -> None: ...
 def exp_array(x: np.ndarray) -> np.ndarray: ...

@@ -304,28 +304,28 @@ cdef void _run_weights(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nthread
 # --------------------------------------------------------------------------
 # Python entry point
 # --------------------------------------------------------------------------
-cdef int _fill_offsets(tuple bshape, tuple bstrides, Py_ssize_t group,
-                       Py_ssize_t *out) except -1:
-    """Element offset of every batch element (C order over bshape).
+cdef int _fill_offsets(const Py_buffer *buf, Py_ssize_t nd, const Py_ssize_t *shp,
+                       Py_ssize_t group, Py_ssize_t *out) noexcept nogil:
+    """Element offset of every batch element (C order over the batch shape
+    shp[0:nd]) of the operand in buf, broadcast to that shape.
 
-    bstrides holds one element stride per batch axis (0 where the operand
-    broadcasts).  group > 1 maps the last batch axis (query heads) to
-    key/value head index // group (grouped-query attention).
+    The operand's batch axes (all but its last two) align right with shp;
+    missing and size-1 axes broadcast (stride 0).  group > 1 maps the last
+    batch axis (query heads) to key/value head index // group (grouped-query
+    attention).
     """
-    cdef Py_ssize_t nd = len(bshape)
-    cdef Py_ssize_t shp[32]
     cdef Py_ssize_t st[32]
     cdef Py_ssize_t idx[32]
-    cdef Py_ssize_t d, b, nb = 1, off = 0
-    if nd > 32:
-        raise ValueError("at most 32 batch dimensions are supported")
-    if len(bstrides) != nd:
-        raise ValueError("bstrides must have one entry per batch dimension")
+    cdef Py_ssize_t d, b, nb = 1, off = 0, j
+    cdef Py_ssize_t nbd = buf.ndim - 2
     for d in range(nd):
-        shp[d] = bshape[d]
-        st[d] = bstrides[d]
+        st[d] = 0
         idx[d] = 0
         nb *= shp[d]
+    for d in range(nbd):
+        j = nd - nbd + d
+        if buf.shape[d] != 1:
+            st[j] = buf.strides[d] // buf.itemsize
     for b in range(nb):
         out[b] = off
         # advance the odometer
@@ -347,43 +347,49 @@ cdef int _fill_offsets(tuple bshape, tuple bstrides, Py_ssize_t group,
     return 0
 
 
-def sdpa(q, k, v, mask, out, weights, tuple bshape,
-         tuple q_bs, tuple k_bs, tuple v_bs, tuple m_bs, Py_ssize_t group,
-         Py_ssize_t q_rs, Py_ssize_t k_rs, Py_ssize_t v_rs,
-         Py_ssize_t mask_rs, Py_ssize_t mask_cs, int mask_kind,
+cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
+    """Row stride (elements) of the last two axes, valid as a BLAS ld."""
+    cdef Py_ssize_t rows = buf.shape[buf.ndim - 2], cols = buf.shape[buf.ndim - 1]
+    if rows <= 1:
+        return cols if cols > 1 else 1
+    return buf.strides[buf.ndim - 2] // buf.itemsize
+
+
+def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
          int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads):
     """Run the kernel on prepared operands (see attncore.functional).
 
-    q, k, v: float32 or float64 arrays (same dtype), last axis contiguous,
-    batch element b (C order over bshape) at base + offset(b), row i at
-    + i * row_stride.  *_bs: per-batch-axis element strides (0 = broadcast);
-    key/value head index is query head // group.  mask: None, a bool array
-    (read as bytes) or an additive array of the compute dtype.  out:
-    C-contiguous (nb, N, Dv).  weights: None for the flash path, else
-    C-contiguous (nb, N, M), filled with the attention weights.
+    q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
+    last axis is contiguous and whose row stride is at least the row length;
+    their batch axes (all but the last two) broadcast to ``bshape`` by NumPy
+    rules, and key/value head index (last batch axis) is query head // group.
+    mask: None, a bool array (read as bytes) or an additive array of the
+    compute dtype, at least 2-D, broadcastable to bshape + (N, M), strides
+    multiples of its item size.  out: C-contiguous (nb, N, Dv).  weights:
+    None for the flash path, else C-contiguous (nb, N, M), filled with the
+    attention weights.
     """
     cdef Py_buffer bq, bk, bv, bm, bo, bw
     cdef int have_m = 0, have_w = 0, got = 0
     cdef ac_params p
     cdef _Ops ops
-    cdef Py_ssize_t nb = 1, d
+    cdef Py_ssize_t nb = 1, d, nd = len(bshape)
+    cdef Py_ssize_t shp[32]
     cdef Py_ssize_t *offs = NULL
     cdef int err = 0
     cdef bint is64
-    for d in range(len(bshape)):
-        nb *= <Py_ssize_t>bshape[d]
+    if nd > 32:
+        raise ValueError("at most 32 batch dimensions are supported")
+    for d in range(nd):
+        shp[d] = bshape[d]
+        nb *= shp[d]
     if nb == 0 or N == 0:
         return
     offs = <Py_ssize_t *>malloc(4 * nb * sizeof(Py_ssize_t))
     if offs == NULL:
         raise MemoryError()
     try:
-        _fill_offsets(bshape, q_bs, 1, offs)
-        _fill_offsets(bshape, k_bs, group, offs + nb)
-        _fill_offsets(bshape, v_bs, group, offs + 2 * nb)
-        if mask is not None:
-            _fill_offsets(bshape, m_bs, 1, offs + 3 * nb)
         PyObject_GetBuffer(q, &bq, PyBUF_RECORDS_RO)
         got = 1
         PyObject_GetBuffer(k, &bk, PyBUF_RECORDS_RO)
@@ -406,6 +412,12 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape,
             raise TypeError("kernel dtype must be float32 or float64")
         if bk.itemsize != bq.itemsize or bv.itemsize != bq.itemsize or bo.itemsize != bq.itemsize:
             raise TypeError("query, key, value and out must share one dtype")
+        if (bq.ndim < 2 or bk.ndim < 2 or bv.ndim < 2 or bq.ndim - 2 > nd or bk.ndim - 2 > nd
+                or bv.ndim - 2 > nd or (have_m and (bm.ndim < 2 or bm.ndim - 2 > nd))):
+            raise ValueError("operand ranks do not match the batch shape")
+        _fill_offsets(&bq, nd, shp, 1, offs)
+        _fill_offsets(&bk, nd, shp, group, offs + nb)
+        _fill_offsets(&bv, nd, shp, group, offs + 2 * nb)
         p.N = N
         p.M = M
         p.D = D
@@ -413,11 +425,17 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape,
         p.Bq = Bq
         p.Bk = Bk
         p.ldS = (Bk + 15) // 16 * 16
-        p.q_rs = q_rs
-        p.k_rs = k_rs
-        p.v_rs = v_rs
-        p.mask_rs = mask_rs
-        p.mask_cs = mask_cs
+        p.q_rs = _row_stride(&bq)
+        p.k_rs = _row_stride(&bk)
+        p.v_rs = _row_stride(&bv)
+        p.mask_rs = 0
+        p.mask_cs = 0
+        if have_m:
+            _fill_offsets(&bm, nd, shp, 1, offs + 3 * nb)
+            if bm.shape[bm.ndim - 2] != 1:
+                p.mask_rs = bm.strides[bm.ndim - 2] // bm.itemsize
+            if bm.shape[bm.ndim - 1] != 1:
+                p.mask_cs = bm.strides[bm.ndim - 1] // bm.itemsize
         p.mask_kind = mask_kind if have_m else 0
         p.causal = causal
         p.scale = scale
