@@ -21,12 +21,12 @@ are seen by the next call.
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 
 from ._linear import linear
-from .functional import as_float_array, parse_causal, scaled_dot_product_attention
+from .functional import (as_float_array, parse_causal, parse_float_dtype,
+                         parse_positive_int, scaled_dot_product_attention)
 
 __all__ = ["MultiHeadAttention", "KVCache"]
 
@@ -34,27 +34,8 @@ __all__ = ["MultiHeadAttention", "KVCache"]
 # --------------------------------------------------------------------------
 # small checks
 # --------------------------------------------------------------------------
-def _pos_int(x, name: str, allow_none: bool = False):
-    if x is None and allow_none:
-        return None
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 1, got {type(x).__name__} {x!r}")
-    x = int(x)
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return x
-
-
 def _layer_dtype(dtype) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dt.kind == "f" and not dt.isnative:
-        dt = dt.newbyteorder("=")
-    if dt not in (np.float32, np.float64):
-        raise TypeError(f"dtype must be float32 or float64, got {dt}")
-    return dt
+    return parse_float_dtype(dtype, "dtype", (4, 8))
 
 
 def _to_numpy(t, name: str) -> np.ndarray:
@@ -119,11 +100,11 @@ class KVCache:
 
     def __init__(self, batch_size, max_length, num_kv_heads, head_dim, v_head_dim,
                  dtype=np.float32):
-        self.batch_size = _pos_int(batch_size, "batch_size")
-        self.max_length = _pos_int(max_length, "max_length")
-        self.num_kv_heads = _pos_int(num_kv_heads, "num_kv_heads")
-        self.head_dim = _pos_int(head_dim, "head_dim")
-        self.v_head_dim = _pos_int(v_head_dim, "v_head_dim")
+        self.batch_size = parse_positive_int(batch_size, "batch_size")
+        self.max_length = parse_positive_int(max_length, "max_length")
+        self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = parse_positive_int(head_dim, "head_dim")
+        self.v_head_dim = parse_positive_int(v_head_dim, "v_head_dim")
         self.dtype = _layer_dtype(dtype)
         shape = (self.batch_size, self.num_kv_heads, self.max_length)
         self._k = np.zeros(shape + (self.head_dim,), dtype=self.dtype)
@@ -248,12 +229,12 @@ class MultiHeadAttention:
     # ------------------------------------------------------------ creation
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
                  bias=True, out_dim=None, dtype=np.float32, rng=None):
-        embed_dim = _pos_int(embed_dim, "embed_dim")
-        num_heads = _pos_int(num_heads, "num_heads")
-        kdim = _pos_int(kdim, "kdim", True) or embed_dim
-        vdim = _pos_int(vdim, "vdim", True) or embed_dim
-        out_dim = _pos_int(out_dim, "out_dim", True) or embed_dim
-        num_kv_heads = _pos_int(num_kv_heads, "num_kv_heads", True) or num_heads
+        embed_dim = parse_positive_int(embed_dim, "embed_dim")
+        num_heads = parse_positive_int(num_heads, "num_heads")
+        kdim = parse_positive_int(kdim, "kdim", True) or embed_dim
+        vdim = parse_positive_int(vdim, "vdim", True) or embed_dim
+        out_dim = parse_positive_int(out_dim, "out_dim", True) or embed_dim
+        num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads", True) or num_heads
         if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} and "
@@ -289,8 +270,8 @@ class MultiHeadAttention:
                 raise ValueError(
                     f"{nm} must be a non-empty 2-D array (out_features, in_features), got "
                     f"shape {w.shape}")
-        H = _pos_int(num_heads, "num_heads")
-        Hkv = _pos_int(num_kv_heads, "num_kv_heads", True) or H
+        H = parse_positive_int(num_heads, "num_heads")
+        Hkv = parse_positive_int(num_kv_heads, "num_kv_heads", True) or H
         if H % Hkv:
             raise ValueError(
                 f"num_kv_heads must divide num_heads, got num_kv_heads={Hkv} and num_heads={H}")
@@ -505,7 +486,7 @@ class MultiHeadAttention:
                             f"state dict (mapping), got {type(sd).__name__}")
         if num_heads is None:
             raise ValueError("from_torch: num_heads is required with a state dict")
-        H = _pos_int(num_heads, "num_heads")
+        H = parse_positive_int(num_heads, "num_heads")
         sd = dict(sd)
         # strip a common prefix ("decoder.layers.0.self_attn.")
         anchor = [k for k in sd if k.endswith("out_proj.weight")]

@@ -55,6 +55,31 @@ def as_float_array(x, name: str) -> np.ndarray:
     return a
 
 
+def parse_positive_int(x, name: str, allow_none: bool = False):
+    """``x`` as an int >= 1 (``None`` passes when ``allow_none``)."""
+    if x is None and allow_none:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {type(x).__name__} {x!r}")
+    x = int(x)
+    if x < 1:
+        raise ValueError(f"{name} must be >= 1, got {x}")
+    return x
+
+
+def parse_float_dtype(dtype, name: str = "dtype", itemsizes=(2, 4, 8)) -> np.dtype:
+    """``dtype`` as a native-byte-order float dtype of one of ``itemsizes``."""
+    names = [f"float{8 * n}" for n in itemsizes]
+    allowed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be {allowed}, got {dtype!r}") from None
+    if dt.kind != "f" or dt.itemsize not in itemsizes:
+        raise TypeError(f"{name} must be {allowed}, got {dt}")
+    return dt if dt.isnative else dt.newbyteorder("=")
+
+
 def compute_dtype(*dtypes):
     """(compute dtype, result dtype) for NumPy's promotion of the inputs.
 

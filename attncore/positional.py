@@ -23,21 +23,12 @@ import numbers
 
 import numpy as np
 
-from .functional import as_float_array
+from .functional import as_float_array, parse_float_dtype, parse_positive_int
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding"]
 
 _LAYOUTS = ("interleaved", "split")
 _MODES = ("add", "concat")
-
-
-def _check_dim(dim) -> int:
-    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral):
-        raise TypeError(f"dim must be an int >= 1, got {type(dim).__name__} {dim!r}")
-    dim = int(dim)
-    if dim < 1:
-        raise ValueError(f"dim must be >= 1, got {dim}")
-    return dim
 
 
 def _check_base(base) -> float:
@@ -53,16 +44,6 @@ def _check_layout(layout) -> str:
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be 'interleaved' or 'split', got {layout!r}")
     return layout
-
-
-def _out_dtype(dtype) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}") from None
-    if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
-        raise TypeError(f"dtype must be float16, float32 or float64, got {dt}")
-    return dt
 
 
 def _positions(length_or_positions) -> np.ndarray:
@@ -150,10 +131,10 @@ def sinusoidal_encoding(length_or_positions, dim, *, base=10000.0, layout="inter
     >>> pe = sinusoidal_encoding(50, 512)                    # (50, 512) float32
     >>> step = sinusoidal_encoding(np.array([17]), 512)      # position 17 only
     """
-    dim = _check_dim(dim)
+    dim = parse_positive_int(dim, "dim")
     base = _check_base(base)
     layout = _check_layout(layout)
-    dt = _out_dtype(dtype)
+    dt = parse_float_dtype(dtype)
     pos = _positions(length_or_positions)
     return _table(pos, dim, base, layout).astype(dt, copy=False)
 

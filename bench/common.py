@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import numpy as np
 
 import attncore
+
+from .timing import seconds_per_call
 
 __all__ = ["THREADS", "DTYPES", "TIMEOUT", "n_threads", "api_threads", "require",
            "memo", "rng", "ThreadLimited", "numpy_attention", "numpy_softmax",
@@ -169,13 +170,6 @@ def numpy_attention(q, k, v, mask=None, causal=False, scale=None, return_weights
 # --------------------------------------------------------------------------
 # in-run ratio
 # --------------------------------------------------------------------------
-def _clock(fn, number):
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number
-
-
 def speedup(reference, candidate, repeats=7, min_sample=0.01, number=None):
     """Median time of ``reference`` / median time of ``candidate``.
 
@@ -186,10 +180,10 @@ def speedup(reference, candidate, repeats=7, min_sample=0.01, number=None):
     fns = (reference, candidate)
     numbers = []
     for fn in fns:
-        t = _clock(fn, 1)  # warm-up and calibration
+        t = seconds_per_call(fn, 1)  # warm-up and calibration
         numbers.append(number or max(1, min(1000, int(min_sample / max(t, 1e-7)) + 1)))
     samples = ([], [])
     for _ in range(repeats):
         for fn, num, out in zip(fns, numbers, samples):
-            out.append(_clock(fn, num))
+            out.append(seconds_per_call(fn, num))
     return statistics.median(samples[0]) / statistics.median(samples[1])
