@@ -29,6 +29,7 @@ cdef extern from "ac_sdpa.h" nogil:
     ctypedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
     ctypedef struct ac_params:
         int N, M, D, Dv
+        Py_ssize_t s_len
         int Bq, Bk, ldS
         Py_ssize_t q_rs, k_rs, v_rs
         Py_ssize_t mask_rs, mask_cs
@@ -62,6 +63,11 @@ cdef extern from "ac_sdpa.h" nogil:
                               double *W, double *out, Py_ssize_t o_rs, ac_dgemm_t gemm)
     void ac_cpu_init()
     int ac_avx512_ok
+    int ac_best_path
+    int ac_kernel_path
+    int ac_set_kernel_path(int path)
+    int ac_fused_panel_rows()
+    Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
 
@@ -69,9 +75,44 @@ cdef extern from "ac_sdpa.h" nogil:
 ac_cpu_init()
 
 
+_PATHS = ("portable", "avx2", "avx512")
+
+
 def cpu_features():
     """Instruction-set paths chosen at run time."""
-    return {"avx512_small_rows": bool(ac_avx512_ok)}
+    return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
+            "avx512_small_rows": bool(ac_avx512_ok),
+            "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0}
+
+
+def kernel_path():
+    """The float32 kernel path in use: 'avx512', 'avx2' or 'portable'."""
+    return _PATHS[ac_kernel_path]
+
+
+def set_kernel_path(path):
+    """Select the float32 kernel path (private; for tests and benchmarks).
+
+    path: 'avx512', 'avx2', 'portable' or None (the best this CPU runs).
+    Process-wide: meant for test set-up, not for use while other threads
+    call attncore.  Raises ValueError for an unknown name or a path this
+    CPU cannot run.  Returns the previous path.
+    """
+    prev = _PATHS[ac_kernel_path]
+    if path is None:
+        ac_set_kernel_path(-1)
+        return prev
+    if path not in _PATHS:
+        raise ValueError(f"kernel path must be one of {_PATHS} or None, got {path!r}")
+    if ac_set_kernel_path(_PATHS.index(path)) != 0:
+        raise ValueError(f"this CPU cannot run the {path!r} kernel path "
+                         f"(best available: {_PATHS[ac_best_path]!r})")
+    return prev
+
+
+def available_kernel_paths():
+    """The kernel paths this CPU can run, best last."""
+    return _PATHS[:ac_best_path + 1]
 
 
 # --------------------------------------------------------------------------
@@ -173,7 +214,7 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
         mf = (<const floating *>ops.mask) + ops.mo[b]
     cdef Py_ssize_t Bq = p.Bq, Dv = p.Dv
     cdef floating *S = buf
-    cdef floating *acc = S + Bq * p.ldS
+    cdef floating *acc = S + p.s_len
     cdef floating *m = acc + Bq * Dv
     cdef floating *l = m + Bq
     cdef floating *alpha = l + Bq
@@ -224,7 +265,7 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
     cdef Py_ssize_t nqb = (p.N + p.Bq - 1) // p.Bq
     cdef Py_ssize_t W = nb * nqb * nsplit
     cdef Py_ssize_t Bq = p.Bq
-    cdef Py_ssize_t nbuf = Bq * p.ldS + Bq * p.Dv + 4 * Bq + Bq
+    cdef Py_ssize_t nbuf = p.s_len + Bq * p.Dv + 4 * Bq + Bq
     cdef void *raw = NULL
     cdef floating *buf = NULL
     cdef floating *part = NULL
@@ -425,6 +466,10 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         p.Bq = Bq
         p.Bk = Bk
         p.ldS = (Bk + 15) // 16 * 16
+        p.s_len = Bq * p.ldS
+        if is64 == False and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
+            p.s_len = AC_FUSED_SCRATCH(D, Dv)
+        p.s_len = (p.s_len + 15) // 16 * 16
         p.q_rs = _row_stride(&bq)
         p.k_rs = _row_stride(&bk)
         p.v_rs = _row_stride(&bv)

@@ -38,6 +38,8 @@ enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 }
 typedef struct {
     int N, M, D, Dv;          /* query rows, key rows, qk dim, value dim     */
     int Bq, Bk;               /* tile sizes                                  */
+    ptrdiff_t s_len;          /* floats of score scratch per thread (the
+                                 fused kernel's panel scratch included)    */
     int ldS;                  /* row stride of the score tile: Bk rounded up
                                  to 64 bytes, so that every row starts
                                  aligned and the vectorized reductions sum
@@ -62,6 +64,13 @@ static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
 #define AC_SMALL_ROWS 4
 #endif
 
+static int ac_fused_range_f32(const ac_params *p, const float *q,
+                              const float *k, const float *v,
+                              const uint8_t *mb, const float *mf,
+                              ptrdiff_t i0, int nq, ptrdiff_t ks,
+                              ptrdiff_t ke, float *scratch, float *acc,
+                              float *m, float *l, int *bad);
+
 /* instantiate for float and double */
 #define AC_T float
 #define AC_IS_F32 1
@@ -74,6 +83,9 @@ static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
 #undef AC_SUF
 #undef AC_EXP
 #undef AC_GEMM_T
+
+/* the fused float32 kernel (uses the float helpers above) */
+#include "ac_fused_x86.h"
 
 #define AC_T double
 #define AC_IS_F32 0

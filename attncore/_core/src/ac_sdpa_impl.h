@@ -242,6 +242,13 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
     int *bad, AC_GEMM_T gemm)
 {
     const int Bk = p->Bk, ldS = p->ldS, Dv = p->Dv;
+#if AC_IS_F32
+    /* the fused kernel (no BLAS, nothing of K / V packed) where the CPU
+       has one; a handful of rows stay with the direct loops below */
+    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS)
+        return ac_fused_range_f32(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc,
+                                  m, l, bad);
+#endif
     for (int r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         l[r] = 0;

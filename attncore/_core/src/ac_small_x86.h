@@ -21,12 +21,34 @@
 #define AC_HAVE_X86_SMALL 1
 #include <immintrin.h>
 
-static int ac_avx512_ok = 0;
+/* kernel paths: the portable loops + BLAS, AVX2 + FMA, AVX-512 */
+enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2 };
+static int ac_best_path = AC_PATH_PORTABLE; /* the best this CPU runs     */
+static int ac_kernel_path = AC_PATH_PORTABLE; /* the one in use           */
+static int ac_avx512_ok = 0;                  /* small-row AVX-512 loops  */
 
 static void ac_cpu_init(void)
 {
     __builtin_cpu_init();
-    ac_avx512_ok = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
+        ac_best_path = AC_PATH_AVX512;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        ac_best_path = AC_PATH_AVX2;
+    else
+        ac_best_path = AC_PATH_PORTABLE;
+    ac_kernel_path = ac_best_path;
+    ac_avx512_ok = ac_kernel_path == AC_PATH_AVX512;
+}
+
+/* select a path (-1: the best); 0 on success, -1 if this CPU lacks it */
+static int ac_set_kernel_path(int path)
+{
+    if (path < 0) path = ac_best_path;
+    if (path > ac_best_path) return -1;
+    ac_kernel_path = path;
+    ac_avx512_ok = path == AC_PATH_AVX512;
+    return 0;
 }
 
 #define AC_AVX512 __attribute__((target("avx512f")))
@@ -137,8 +159,12 @@ static AC_AVX512 void ac_pv_small_f32_avx512(
 
 #else
 #define AC_HAVE_X86_SMALL 0
+enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2 };
+static const int ac_best_path = AC_PATH_PORTABLE;
+static const int ac_kernel_path = AC_PATH_PORTABLE;
 static const int ac_avx512_ok = 0;
 static void ac_cpu_init(void) {}
+static int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
 #endif
 
 #endif /* AC_SMALL_X86_H */

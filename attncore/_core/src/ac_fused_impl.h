@@ -1,0 +1,348 @@
+/*
+ * ac_fused_impl.h -- body of the fused float32 attention kernel, included
+ * once per instruction set by ac_fused_x86.h with these macros defined:
+ *
+ *   AC_ISA     name suffix (avx512 / avx2)       AC_TGT  target attribute
+ *   VEC        vector type, AC_W lanes              AC_P    panel rows (2 AC_W)
+ *   AC_KU      keys per score micro-tile         AC_DU   value columns per
+ *                                                        P.V micro-tile
+ *   VZERO VLOAD VSTORE VSET1 VFMA VMAX VADD VSUB VMUL   vector operations
+ *   VEXP2(x)   2^x for x <= 0 (NaN propagates, below -125 gives exactly 0)
+ *   VCAUSAL(v, lane0, t)   lanes whose row index (lane0 + lane) <= t -> -inf
+ *   VZERO_IF_NINF(v)       lanes equal to -inf -> 0
+ *
+ * Layout: queries in SIMD lanes.  A panel of P query rows is packed once,
+ * transposed and pre-scaled by scale * log2(e): QT[d][P].  Keys and values
+ * are read in place (row-major, any row stride) through scalar broadcasts,
+ * so nothing of K or V is ever packed or copied.  Per key tile of up to
+ * AC_BK keys:
+ *   ST[j][P] = QT^T k_j                       (micro-tiles of AC_KU keys,
+ *                                              running max in registers)
+ *   mask / causal -> -inf, float mask added (times log2 e)
+ *   m' = max(m, tile max);  P = 2^(ST - m');  l = l 2^(m - m') + sum P
+ *   OT[d][P] = OT 2^(m - m') + sum_j v_j[d] P[j]   (micro-tiles of AC_DU
+ *                                              value columns)
+ * Row statistics are per lane, so the softmax needs no horizontal
+ * reductions at all.  The base-2 exponent (log2 e folded into the query
+ * scale) saves the argument reduction of exp.
+ */
+#define AC_FCAT3(a, b, c) a##_##b##_##c
+#define AC_FCAT(a, b, c) AC_FCAT3(a, b, c)
+#define AC_F(name) AC_FCAT(name, f32, AC_ISA)
+
+/* score micro-tile: KU keys x P query lanes, ST rows j (ld P) */
+#define AC_DEF_QK(KU, NAME)                                                        \
+static AC_TGT inline void AC_F(NAME)(const float *QT, int D,            \
+                                          const float *kr, ptrdiff_t k_rs,   \
+                                          float *ST, VEC *mx0, VEC *mx1)     \
+{                                                                            \
+    VEC a0[KU], a1[KU];                                                      \
+    _Pragma("GCC unroll 16")                                                 \
+    for (int u = 0; u < KU; u++) { a0[u] = VZERO(); a1[u] = VZERO(); }       \
+    const float *kp[KU];                                                     \
+    _Pragma("GCC unroll 16")                                                 \
+    for (int u = 0; u < KU; u++) kp[u] = kr + u * k_rs;                      \
+    for (int d = 0; d < D; d++) {                                            \
+        const VEC q0 = VLOAD(QT + (ptrdiff_t)d * AC_P);                      \
+        const VEC q1 = VLOAD(QT + (ptrdiff_t)d * AC_P + AC_W);                  \
+        _Pragma("GCC unroll 16")                                             \
+        for (int u = 0; u < KU; u++) {                                       \
+            const VEC b = VSET1(kp[u][d]);                                   \
+            a0[u] = VFMA(q0, b, a0[u]);                                      \
+            a1[u] = VFMA(q1, b, a1[u]);                                      \
+        }                                                                    \
+    }                                                                        \
+    VEC m0 = *mx0, m1 = *mx1;                                                \
+    _Pragma("GCC unroll 16")                                                 \
+    for (int u = 0; u < KU; u++) {                                           \
+        VSTORE(ST + u * AC_P, a0[u]);                                        \
+        VSTORE(ST + u * AC_P + AC_W, a1[u]);                                    \
+        m0 = VMAX(a0[u], m0);                                                \
+        m1 = VMAX(a1[u], m1);                                                \
+    }                                                                        \
+    *mx0 = m0;                                                               \
+    *mx1 = m1;                                                               \
+}
+
+/* P.V micro-tile: OT rows d0..d0+DU-1 (ld P) scaled by alpha, plus the
+ * nk keys of this tile */
+#define AC_DEF_PV(DU, NAME)                                                        \
+static AC_TGT inline void AC_F(NAME)(const float *PT, int nk,           \
+                                          const float *vc, ptrdiff_t v_rs,   \
+                                          float *OT, VEC al0, VEC al1)       \
+{                                                                            \
+    VEC a0[DU], a1[DU];                                                      \
+    _Pragma("GCC unroll 16")                                                 \
+    for (int u = 0; u < DU; u++) {                                           \
+        a0[u] = VMUL(VLOAD(OT + u * AC_P), al0);                             \
+        a1[u] = VMUL(VLOAD(OT + u * AC_P + AC_W), al1);                         \
+    }                                                                        \
+    for (int j = 0; j < nk; j++) {                                           \
+        const VEC p0 = VLOAD(PT + (ptrdiff_t)j * AC_P);                      \
+        const VEC p1 = VLOAD(PT + (ptrdiff_t)j * AC_P + AC_W);                  \
+        const float *vj = vc + (ptrdiff_t)j * v_rs;                          \
+        _Pragma("GCC unroll 16")                                             \
+        for (int u = 0; u < DU; u++) {                                       \
+            const VEC b = VSET1(vj[u]);                                      \
+            a0[u] = VFMA(p0, b, a0[u]);                                      \
+            a1[u] = VFMA(p1, b, a1[u]);                                      \
+        }                                                                    \
+    }                                                                        \
+    _Pragma("GCC unroll 16")                                                 \
+    for (int u = 0; u < DU; u++) {                                           \
+        VSTORE(OT + u * AC_P, a0[u]);                                        \
+        VSTORE(OT + u * AC_P + AC_W, a1[u]);                                    \
+    }                                                                        \
+}
+
+AC_DEF_QK(AC_KU, ac_qkmain)
+AC_DEF_QK(1, ac_qk1)
+AC_DEF_PV(AC_DU, ac_pvmain)
+AC_DEF_PV(1, ac_pv1)
+
+/*
+ * Attention of the query rows [i0, i0 + nr) (nr <= P) over keys [ks, ke):
+ * the unnormalized accumulator goes to acc (nr x Dv, ld Dv, natural
+ * layout), the running max (natural-log units) to m, the sum to l, and bad
+ * is cleared (NaN travels through l: a NaN score makes l NaN).  Returns 1
+ * if a key tile was processed.  scratch: AC_FUSED_SCRATCH floats, 64-byte
+ * aligned.
+ */
+static AC_TGT int AC_F(ac_fused_panel)(
+    const ac_params *p, const float *q, const float *k, const float *v,
+    const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr, ptrdiff_t ks,
+    ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad)
+{
+    const int D = p->D, Dv = p->Dv;
+    float *QT = scratch;
+    float *ST = QT + (ptrdiff_t)D * AC_P;
+    float *OT = ST + (ptrdiff_t)AC_BK * AC_P;
+    const float log2e = 1.44269504088896341f;
+    const float qs = (float)p->scale * log2e;
+    const float ninf = -INFINITY;
+
+    /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond nr */
+    for (int r = 0; r < AC_P; r++) {
+        if (r < nr) {
+            const float *qr = q + (i0 + r) * p->q_rs;
+            for (int d = 0; d < D; d++) QT[(ptrdiff_t)d * AC_P + r] = qs * qr[d];
+        } else {
+            for (int d = 0; d < D; d++) QT[(ptrdiff_t)d * AC_P + r] = 0;
+        }
+    }
+    memset(OT, 0, sizeof(float) * (size_t)Dv * AC_P);
+
+    VEC m0 = VSET1(ninf), m1 = VSET1(ninf);
+    VEC l0 = VZERO(), l1 = VZERO();
+    ptrdiff_t kend = ke;
+    if (p->causal) {
+        ptrdiff_t lim = ac_causal_limit(p, i0 + nr - 1);
+        if (lim < kend) kend = lim;
+    }
+    const ptrdiff_t off = (p->causal == AC_CAUSAL_LOWER_RIGHT)
+                              ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
+    int processed = 0;
+    for (ptrdiff_t jb = ks; jb < kend; jb += AC_BK) {
+        int nk = (int)((kend - jb < AC_BK) ? (kend - jb) : AC_BK);
+        ptrdiff_t j0 = jb;
+        if (p->mask_kind != AC_MASK_NONE) {
+            int lo, hi;
+            if (!ac_tile_range_f32(p, mb, mf, i0, nr, jb, nk, &lo, &hi))
+                continue; /* whole tile masked out */
+            j0 = jb + lo;
+            nk = hi - lo;
+        }
+        /* causal: does the tile reach past the first row's diagonal? */
+        const int diag = p->causal && (j0 + nk > ac_causal_limit(p, i0));
+        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag;
+
+        /* ---- scores ---- */
+        VEC t0 = VSET1(ninf), t1 = VSET1(ninf);
+        {
+            const float *kr = k + j0 * p->k_rs;
+            int j = 0;
+            for (; j + AC_KU <= nk; j += AC_KU)
+                AC_F(ac_qkmain)(QT, D, kr + j * p->k_rs, p->k_rs,
+                                   ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+            for (; j < nk; j++)
+                AC_F(ac_qk1)(QT, D, kr + j * p->k_rs, p->k_rs,
+                             ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+        }
+        int holes = 0; /* entries of the tile hidden by mask / causal */
+        if (!plain) {
+            /* mask and causal structure, then the tile max again */
+            int touched = 0;
+            const ptrdiff_t cs = p->mask_cs;
+            if (p->mask_kind != AC_MASK_NONE && p->mask_rs == 0) {
+                /* one mask row for every query row (key padding) */
+                for (int c = 0; c < nk; c++) {
+                    float *sr = ST + (ptrdiff_t)c * AC_P;
+                    const ptrdiff_t j = j0 + c;
+                    if (mb) {
+                        if (!mb[j * cs]) {
+                            VSTORE(sr, VSET1(ninf));
+                            VSTORE(sr + AC_W, VSET1(ninf));
+                            holes = 1;
+                        }
+                    } else {
+                        const float mv = mf[j * cs];
+                        if (mv == ninf) {
+                            VSTORE(sr, VSET1(ninf));
+                            VSTORE(sr + AC_W, VSET1(ninf));
+                            holes = 1;
+                        } else if (mv != 0) {
+                            const VEC a = VSET1(mv * log2e);
+                            VSTORE(sr, VADD(VLOAD(sr), a));
+                            VSTORE(sr + AC_W, VADD(VLOAD(sr + AC_W), a));
+                            touched = 1;
+                        }
+                    }
+                }
+            } else if (p->mask_kind != AC_MASK_NONE) {
+                for (int r = 0; r < nr; r++) {
+                    const ptrdiff_t i = i0 + r;
+                    float *sc = ST + r;
+                    if (mb) {
+                        const uint8_t *mr = mb + i * p->mask_rs + j0 * cs;
+                        for (int c = 0; c < nk; c++)
+                            if (!mr[c * cs]) {
+                                sc[(ptrdiff_t)c * AC_P] = ninf;
+                                holes = 1;
+                            }
+                    } else {
+                        const float *mr = mf + i * p->mask_rs + j0 * cs;
+                        for (int c = 0; c < nk; c++) {
+                            const float mv = mr[c * cs];
+                            float *e = sc + (ptrdiff_t)c * AC_P;
+                            if (mv == ninf) {
+                                *e = ninf;
+                                holes = 1;
+                            } else {
+                                *e += mv * log2e;
+                            }
+                        }
+                        touched = 1;
+                    }
+                }
+            }
+            if (diag) {
+                /* key j is hidden from rows i with j >= i + off + 1 */
+                for (int c = 0; c < nk; c++) {
+                    float *sr = ST + (ptrdiff_t)c * AC_P;
+                    const ptrdiff_t t = j0 + c - off - 1 - i0;
+                    if (t < 0) continue;
+                    VSTORE(sr, VCAUSAL(VLOAD(sr), 0, t));
+                    VSTORE(sr + AC_W, VCAUSAL(VLOAD(sr + AC_W), AC_W, t));
+                }
+                holes = 1;
+            }
+            if (holes || touched) {
+                t0 = VSET1(ninf);
+                t1 = VSET1(ninf);
+                for (int c = 0; c < nk; c++) {
+                    t0 = VMAX(VLOAD(ST + (ptrdiff_t)c * AC_P), t0);
+                    t1 = VMAX(VLOAD(ST + (ptrdiff_t)c * AC_P + AC_W), t1);
+                }
+            }
+        }
+
+        /* ---- online softmax, per lane ---- */
+        const VEC n0 = VMAX(t0, m0), n1 = VMAX(t1, m1);
+        const VEC s0 = VZERO_IF_NINF(n0), s1 = VZERO_IF_NINF(n1);
+        const VEC al0 = VEXP2(VSUB(m0, s0)), al1 = VEXP2(VSUB(m1, s1));
+        VEC u0 = VZERO(), u1 = VZERO(), w0 = VZERO(), w1 = VZERO();
+        {
+            int c = 0;
+            for (; c + 2 <= nk; c += 2) {
+                float *sr = ST + (ptrdiff_t)c * AC_P;
+                const VEC e0 = VEXP2(VSUB(VLOAD(sr), s0));
+                const VEC e1 = VEXP2(VSUB(VLOAD(sr + AC_W), s1));
+                const VEC e2 = VEXP2(VSUB(VLOAD(sr + AC_P), s0));
+                const VEC e3 = VEXP2(VSUB(VLOAD(sr + AC_P + AC_W), s1));
+                VSTORE(sr, e0);
+                VSTORE(sr + AC_W, e1);
+                VSTORE(sr + AC_P, e2);
+                VSTORE(sr + AC_P + AC_W, e3);
+                u0 = VADD(u0, e0);
+                u1 = VADD(u1, e1);
+                w0 = VADD(w0, e2);
+                w1 = VADD(w1, e3);
+            }
+            for (; c < nk; c++) {
+                float *sr = ST + (ptrdiff_t)c * AC_P;
+                const VEC e0 = VEXP2(VSUB(VLOAD(sr), s0));
+                const VEC e1 = VEXP2(VSUB(VLOAD(sr + AC_W), s1));
+                VSTORE(sr, e0);
+                VSTORE(sr + AC_W, e1);
+                u0 = VADD(u0, e0);
+                u1 = VADD(u1, e1);
+            }
+        }
+        l0 = VADD(VMUL(l0, al0), VADD(u0, w0));
+        l1 = VADD(VMUL(l1, al1), VADD(u1, w1));
+        m0 = n0;
+        m1 = n1;
+
+        /* ---- P.V ---- */
+        const float *vr = v + j0 * p->v_rs;
+        if (holes && ac_rows_nonfinite_f32(vr, nk, Dv, p->v_rs)) {
+            /* inf / NaN among these values: multiply attended keys only,
+               so that 0 * inf never reaches a query */
+            for (int d = 0; d < Dv; d++) {
+                float *od = OT + (ptrdiff_t)d * AC_P;
+                VSTORE(od, VMUL(VLOAD(od), al0));
+                VSTORE(od + AC_W, VMUL(VLOAD(od + AC_W), al1));
+            }
+            const ptrdiff_t cs = p->mask_cs;
+            for (int r = 0; r < nr; r++) {
+                const ptrdiff_t i = i0 + r;
+                int ncol = nk;
+                if (p->causal) {
+                    ptrdiff_t lim = ac_causal_limit(p, i) - j0;
+                    if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+                }
+                for (int c = 0; c < ncol; c++) {
+                    const ptrdiff_t j = j0 + c;
+                    if (mb && !mb[i * p->mask_rs + j * cs]) continue;
+                    if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
+                    const float pc = ST[(ptrdiff_t)c * AC_P + r];
+                    const float *vj = v + j * p->v_rs;
+                    for (int d = 0; d < Dv; d++) OT[(ptrdiff_t)d * AC_P + r] += pc * vj[d];
+                }
+            }
+        } else {
+            int d = 0;
+            for (; d + AC_DU <= Dv; d += AC_DU)
+                AC_F(ac_pvmain)(ST, nk, vr + d, p->v_rs,
+                                   OT + (ptrdiff_t)d * AC_P, al0, al1);
+            for (; d < Dv; d++)
+                AC_F(ac_pv1)(ST, nk, vr + d, p->v_rs,
+                             OT + (ptrdiff_t)d * AC_P, al0, al1);
+        }
+        processed = 1;
+    }
+
+    /* ---- row statistics and accumulator back to natural layout ---- */
+    {
+        float mm[AC_P], ll[AC_P];
+        VSTORE(mm, m0);
+        VSTORE(mm + AC_W, m1);
+        VSTORE(ll, l0);
+        VSTORE(ll + AC_W, l1);
+        const float ln2 = 0.693147180559945309f;
+        for (int r = 0; r < nr; r++) {
+            m[r] = mm[r] * ln2;
+            l[r] = ll[r];
+            bad[r] = 0;
+        }
+        for (int r = 0; r < nr; r++) {
+            float *ar = acc + (ptrdiff_t)r * Dv;
+            for (int d = 0; d < Dv; d++) ar[d] = OT[(ptrdiff_t)d * AC_P + r];
+        }
+    }
+    return processed;
+}
+
+#undef AC_F
+#undef AC_FCAT
+#undef AC_FCAT3

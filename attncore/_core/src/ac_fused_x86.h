@@ -1,0 +1,230 @@
+/*
+ * ac_fused_x86.h -- the fused float32 attention kernel (ac_fused_impl.h)
+ * for AVX-512 and for AVX2 + FMA, and the run-time choice between them and
+ * the portable path (BLAS products + portable loops in ac_sdpa_impl.h).
+ *
+ * Blockings (measured on AMD Zen 4, whose AVX-512 runs on a 256-bit
+ * datapath, and meant for 512-bit cores as well):
+ *   AVX-512: panels of 32 query rows (2 zmm), 8 keys per score micro-tile
+ *            and 8 value columns per P.V micro-tile: 16 accumulators, 2
+ *            vector loads + 8 broadcasts per 16 FMAs.
+ *   AVX2:    panels of 16 query rows (2 ymm), 6 keys / 6 columns: 12
+ *            accumulators out of 16 registers.
+ * Key tiles hold AC_BK keys.
+ *
+ * Included by ac_sdpa.h after the float instantiation of ac_sdpa_impl.h
+ * (it uses ac_tile_range_f32 and ac_rows_nonfinite_f32).
+ */
+#ifndef AC_FUSED_X86_H
+#define AC_FUSED_X86_H
+
+#ifndef AC_BK
+#define AC_BK 128
+#endif
+/* floats of scratch one panel needs (largest panel: 32 rows) */
+#define AC_FUSED_SCRATCH(D, Dv) ((ptrdiff_t)((D) + AC_BK + (Dv)) * 32)
+
+#if AC_HAVE_X86_SMALL
+#define AC_HAVE_FUSED 1
+
+/* ---------------------------------------------------------------- AVX-512 */
+#define AC_ISA avx512
+#define AC_TGT __attribute__((target("avx512f,avx2,fma")))
+#define VEC __m512
+#define AC_W 16
+#define AC_P 32
+#define AC_KU 8
+#define AC_DU 8
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(a) _mm512_loadu_ps(a)
+#define VSTORE(a, x) _mm512_storeu_ps((a), (x))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VEXP2(x) ac_exp2_avx512(x)
+#define VCAUSAL(x, lane0, t) ac_causal_avx512((x), (lane0), (t))
+#define VZERO_IF_NINF(x) ac_zero_ninf_avx512(x)
+
+/* 2^x for x <= 0: degree-5 minimax polynomial on [-1/2, 1/2] (about 2 ulp),
+ * scaled by 2^round(x); below -125 exactly 0 (no subnormal weights); NaN
+ * propagates. */
+static AC_TGT inline __m512 ac_exp2_avx512(__m512 x)
+{
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 y = _mm512_set1_ps(1.3276885729283094e-3f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.67568438500166e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550713092088699e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022117257118225e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931469440460205e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(y, n));
+}
+
+static AC_TGT inline __m512 ac_causal_avx512(__m512 x, int lane0, ptrdiff_t t)
+{
+    const int tt = t > 64 ? 64 : (int)t;
+    const __m512i iota = _mm512_add_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(lane0));
+    const __mmask16 hide = _mm512_cmple_epi32_mask(iota, _mm512_set1_epi32(tt));
+    return _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
+}
+
+static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
+{
+    const __mmask16 k = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return _mm512_mask_mov_ps(x, k, _mm512_setzero_ps());
+}
+
+#include "ac_fused_impl.h"
+
+#undef AC_ISA
+#undef AC_TGT
+#undef VEC
+#undef AC_W
+#undef AC_P
+#undef AC_KU
+#undef AC_DU
+#undef VZERO
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VFMA
+#undef VMAX
+#undef VADD
+#undef VSUB
+#undef VMUL
+#undef VEXP2
+#undef VCAUSAL
+#undef VZERO_IF_NINF
+
+/* ------------------------------------------------------------ AVX2 + FMA */
+#define AC_ISA avx2
+#define AC_TGT __attribute__((target("avx2,fma")))
+#define VEC __m256
+#define AC_W 8
+#define AC_P 16
+#define AC_KU 6
+#define AC_DU 6
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(a) _mm256_loadu_ps(a)
+#define VSTORE(a, x) _mm256_storeu_ps((a), (x))
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VMAX(a, b) _mm256_max_ps((a), (b))
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VEXP2(x) ac_exp2_avx2(x)
+#define VCAUSAL(x, lane0, t) ac_causal_avx2((x), (lane0), (t))
+#define VZERO_IF_NINF(x) ac_zero_ninf_avx2(x)
+
+static AC_TGT inline __m256 ac_exp2_avx2(__m256 x)
+{
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-125.0f), _CMP_LT_OQ);
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 y = _mm256_set1_ps(1.3276885729283094e-3f);
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.67568438500166e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550713092088699e-2f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.4022117257118225e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931469440460205e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0000001192092896f));
+    /* 2^n in the exponent field; n is in [-125, 0] wherever it is used */
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static AC_TGT inline __m256 ac_causal_avx2(__m256 x, int lane0, ptrdiff_t t)
+{
+    const int tt = t > 64 ? 64 : (int)t;
+    const __m256i iota = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(lane0));
+    const __m256 hide = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(tt + 1), iota));
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), hide);
+}
+
+static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
+{
+    const __m256 k = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return _mm256_andnot_ps(k, x);
+}
+
+#include "ac_fused_impl.h"
+
+#undef AC_ISA
+#undef AC_TGT
+#undef VEC
+#undef AC_W
+#undef AC_P
+#undef AC_KU
+#undef AC_DU
+#undef VZERO
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VFMA
+#undef VMAX
+#undef VADD
+#undef VSUB
+#undef VMUL
+#undef VEXP2
+#undef VCAUSAL
+#undef VZERO_IF_NINF
+
+/* -------------------------------------------------------------- dispatch */
+/* query rows per panel of the path in use (the driver sizes blocks by it) */
+static int ac_fused_panel_rows(void)
+{
+    return ac_kernel_path == AC_PATH_AVX512 ? 32 : 16;
+}
+
+/* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
+ * the same contract as ac_sdpa_range_f32. */
+static int ac_fused_range_f32(const ac_params *p, const float *q,
+                              const float *k, const float *v,
+                              const uint8_t *mb, const float *mf,
+                              ptrdiff_t i0, int nq, ptrdiff_t ks,
+                              ptrdiff_t ke, float *scratch, float *acc,
+                              float *m, float *l, int *bad)
+{
+    const int P = ac_fused_panel_rows();
+    int processed = 0;
+    for (int r0 = 0; r0 < nq; r0 += P) {
+        const int nr = (nq - r0 < P) ? nq - r0 : P;
+        float *a = acc + (ptrdiff_t)r0 * p->Dv;
+        if (ac_kernel_path == AC_PATH_AVX512)
+            processed |= ac_fused_panel_f32_avx512(p, q, k, v, mb, mf, i0 + r0, nr, ks, ke,
+                                                   scratch, a, m + r0, l + r0, bad + r0);
+        else
+            processed |= ac_fused_panel_f32_avx2(p, q, k, v, mb, mf, i0 + r0, nr, ks, ke,
+                                                 scratch, a, m + r0, l + r0, bad + r0);
+    }
+    return processed;
+}
+
+#else
+#define AC_HAVE_FUSED 0
+static int ac_fused_panel_rows(void) { return 16; }
+static int ac_fused_range_f32(const ac_params *p, const float *q,
+                              const float *k, const float *v,
+                              const uint8_t *mb, const float *mf,
+                              ptrdiff_t i0, int nq, ptrdiff_t ks,
+                              ptrdiff_t ke, float *scratch, float *acc,
+                              float *m, float *l, int *bad)
+{
+    (void)p; (void)q; (void)k; (void)v; (void)mb; (void)mf; (void)i0;
+    (void)nq; (void)ks; (void)ke; (void)scratch; (void)acc; (void)m;
+    (void)l; (void)bad;
+    return 0;
+}
+#endif
+
+#endif /* AC_FUSED_X86_H */
