@@ -25,7 +25,7 @@ import numpy as np
 
 from . import alignments as _alignments
 from ._core import _additive
-from ._threads import blas_single_threaded, resolve_num_threads
+from ._threads import blas_parallel_threads, resolve_num_threads
 from .alignments._base import Alignment
 from .alignments._builtin import MLP, Bilinear, Dot, ScaledDot
 from .functional import as_float_array, compute_dtype, scaled_dot_product_attention
@@ -417,12 +417,9 @@ class Attention:
         block = max(1, min(16, -(-(B * T) // (4 * nthreads)), T))
         items = B * (-(-T // block))
         nthreads = max(1, min(nthreads, items))
+        nthreads = blas_parallel_threads(nthreads)
         args = (qp, kp, v, memory._mask_u8, values, out, weights, block, nthreads, factored)
-        if nthreads > 1:
-            with blas_single_threaded:
-                _additive.additive_attention(*args)
-        else:
-            _additive.additive_attention(*args)
+        _additive.additive_attention(*args)
         if Dv == 0:
             out = out[..., :0]
         return out, weights

@@ -13,14 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from ._core import _linalg
-from ._threads import blas_single_threaded, resolve_num_threads
+from ._threads import blas_parallel_threads, resolve_num_threads
 
 __all__ = ["linear"]
 
 # below this many multiply-adds the product runs on one thread
 _SERIAL_MACS = 1 << 17
 # OpenBLAS would start threads above this many multiply-adds (see functional)
-_BLAS_THREAD_THRESHOLD = 65536 * 4
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
@@ -53,9 +52,6 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
         b = np.ascontiguousarray(b)
     macs = R * C * K
     nthreads = 1 if macs < _SERIAL_MACS else resolve_num_threads(num_threads)
-    if nthreads > 1 or macs > _BLAS_THREAD_THRESHOLD:
-        with blas_single_threaded:
-            _linalg.linear(x2d, w, b, out, nthreads)
-    else:
-        _linalg.linear(x2d, w, b, out, nthreads)
+    # each thread holds its own BLAS to one thread (thread-locally, in C)
+    _linalg.linear(x2d, w, b, out, blas_parallel_threads(nthreads))
     return out

@@ -4,10 +4,13 @@ One place decides how many OpenMP threads a call uses, and keeps the BLAS
 that scipy provides single-threaded while attncore's own threads call it
 (BLAS inside a parallel region must not start threads of its own).
 
-The BLAS limit is reference-counted: several Python threads may run attncore
-at once; the first one in sets the limit, the last one out restores it.  A
-cached :class:`threadpoolctl.ThreadpoolController` keeps this at a couple of
-microseconds per call instead of the ~200 us of a fresh ``threadpool_limits``.
+The BLAS limit is thread-local: every thread of a kernel region (and the
+calling thread of a serial one) sets its own BLAS thread count to 1 through
+the library's thread-local setter and restores it on the way out, in C,
+inside the region.  No process-wide state changes: another thread of the
+program that runs a matrix product meanwhile, or asks threadpoolctl, sees
+the counts it set itself.  The float32 attention kernel on x86 calls no
+BLAS at all.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import threading
 
 from ._core import _sdpa
 
-__all__ = ["resolve_num_threads", "blas_single_threaded"]
+__all__ = ["resolve_num_threads", "blas_parallel_threads", "blas_hold_supported"]
 
 
 def resolve_num_threads(num_threads) -> int:
@@ -47,71 +50,79 @@ def resolve_num_threads(num_threads) -> int:
 
 
 _lock = threading.Lock()
-_depth = 0
-_limiter = None
-_controller = None
+_unheld = None  # BLAS controllers without a thread-local setter
 
 
-def _get_controller():
-    global _controller
-    if _controller is None:
+def _blas_controllers():
+    try:
         from threadpoolctl import ThreadpoolController
 
-        _controller = ThreadpoolController()
-    return _controller
+        return [lc for lc in ThreadpoolController().lib_controllers if lc.user_api == "blas"]
+    except Exception:  # no threadpoolctl-visible BLAS: nothing to hold
+        return []
 
 
-_blas_libs = None
+def _local_setter(lc):
+    """Address of the library's thread-local thread-count setter, or None."""
+    import ctypes
+
+    names = {"openblas": ("openblas_set_num_threads_local",),
+             "mkl": ("MKL_Set_Num_Threads_Local", "mkl_set_num_threads_local")}
+    for name in names.get(lc.internal_api, ()):
+        fn = getattr(lc.dynlib, name, None)
+        if fn is not None:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
 
 
-def _get_blas_libs():
-    """The controller's BLAS libraries (cached; empty if threadpoolctl finds none)."""
-    global _blas_libs
-    if _blas_libs is None:
-        try:
-            _blas_libs = [lc for lc in _get_controller().lib_controllers if lc.user_api == "blas"]
-        except Exception:  # no threadpoolctl-visible BLAS: nothing to limit
-            _blas_libs = []
-    return _blas_libs
+def _setup():
+    """Find the BLAS libraries once and install their thread-local setters in
+    the kernels; remember the libraries that have none."""
+    global _unheld
+    with _lock:
+        if _unheld is not None:
+            return _unheld
+        from ._core import _additive, _linalg
+
+        addrs, unheld = [], []
+        for lc in _blas_controllers():
+            addr = _local_setter(lc)
+            if addr:
+                addrs.append(addr)
+            else:
+                unheld.append(lc)
+        for mod in (_sdpa, _linalg, _additive):
+            mod.set_blas_local(tuple(addrs[:8]))
+        _unheld = unheld
+        return unheld
 
 
-class _BlasSingleThreaded:
-    """Context manager: BLAS runs on one thread inside (reference-counted).
+def blas_parallel_threads(nthreads: int) -> int:
+    """Threads a kernel region that calls BLAS may use.
 
-    Talks to each BLAS library's controller directly (get / set the thread
-    count, under a microsecond each) rather than through
-    ``ThreadpoolController.limit``, which queries every library's info and
-    costs ~20 us per enter/exit -- too much for per-token decoding calls.
+    Each thread of such a region holds the BLAS to one thread with the
+    library's thread-local setter (OpenBLAS >= 0.3.27, MKL), which changes
+    nothing for any other thread of the program.  A BLAS without one (an
+    older OpenBLAS, BLIS, ...) that runs several threads cannot be held
+    that way, and attncore never changes its process-wide count: such a
+    region then runs on one attncore thread and lets the BLAS use its own
+    threads, so the cores are never oversubscribed.
     """
-
-    __slots__ = ()
-
-    def __enter__(self):
-        global _depth, _limiter
-        with _lock:
-            if _depth == 0:
-                saved = []
-                for lc in _get_blas_libs():
-                    try:
-                        n = lc.get_num_threads()
-                        if n is not None and n != 1:
-                            lc.set_num_threads(1)
-                            saved.append((lc, n))
-                    except Exception:  # pragma: no cover - a library that cannot be limited
-                        pass
-                _limiter = saved
-            _depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        global _depth, _limiter
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _limiter:
-                for lc, n in _limiter:
-                    lc.set_num_threads(n)
-                _limiter = None
-        return False
+    unheld = _unheld if _unheld is not None else _setup()
+    if nthreads <= 1 or not unheld:
+        return nthreads
+    for lc in unheld:
+        try:
+            n = lc.get_num_threads()
+        except Exception:  # pragma: no cover - a library that cannot be queried
+            n = None
+        if n is None or n > 1:
+            return 1
+    return nthreads
 
 
-blas_single_threaded = _BlasSingleThreaded()
+def blas_hold_supported() -> bool:
+    """True when every BLAS library found can be held to one thread per
+    thread (thread-locally)."""
+    unheld = _unheld if _unheld is not None else _setup()
+    return not unheld

@@ -19,20 +19,19 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from ._core import _sdpa
-from ._threads import blas_single_threaded, resolve_num_threads
+from ._threads import blas_parallel_threads, resolve_num_threads
 
 __all__ = ["scaled_dot_product_attention"]
 
 _INT32_MAX = 2**31 - 1
-# OpenBLAS starts threads only above m*n*k = 65536 * 4; below that a gemm
-# is single-threaded anyway and the thread limit need not be taken.
-_BLAS_THREAD_THRESHOLD = 65536 * 4
+# query blocks of at most this many rows take the direct loops (decoding)
+_SMALL_ROWS = 4
 # below this many flops a call runs serially, without an OpenMP region
 # (measured: at ~1e6 flops two threads already beat one when K/V stream
 # from L3; at ~2e5 the OpenMP start-up is as large as the work)
@@ -175,7 +174,8 @@ _L2 = _l2_bytes()
 
 
 def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int):
-    """(query block, key block) sizes.
+    """(query block, key block) sizes of the BLAS path (float64, the
+    portable float32 path, return_weights).
 
     Key blocks of 512 (float32; 256 for float64, halved for D + Dv > 256).
     Query blocks as tall as keep the thread's score tile and accumulator in
@@ -196,6 +196,56 @@ def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthread
     while Bq > 32 and nb * -(-N // Bq) < 2 * nthreads:
         Bq //= 2
     return max(1, min(Bq, N)), Bk
+
+
+class Plan(NamedTuple):
+    """How one call runs: query / key block sizes, key splits, threads."""
+
+    Bq: int
+    Bk: int
+    nsplit: int
+    chunk: int
+    nthreads: int
+    fused: bool
+
+
+def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
+         return_weights: bool = False, kernel_path: str | None = None) -> Plan:
+    """Blocking, key splits and thread count of one attention call (pure).
+
+    The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
+    in panels of 32 / 16 rows, no BLAS) takes query blocks of two panels,
+    fewer when there would not be two per thread; a handful of query rows
+    (decoding) and everything else use the BLAS path's tiles (``_tiles``).
+    Decoding-like calls with fewer work items than threads split the keys
+    (flash decoding) into chunks of at least 256 keys.  Work below
+    ``_SERIAL_FLOPS`` runs on the calling thread alone.
+    """
+    if kernel_path is None:
+        kernel_path = _sdpa.kernel_path()
+    if 2.0 * nb * N * M * (D + Dv) < _SERIAL_FLOPS:
+        nthreads = 1
+    fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
+             and N > _SMALL_ROWS)
+    if fused:
+        panel = 32 if kernel_path == "avx512" else 16
+        Bq = 2 * panel
+        while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
+            Bq //= 2
+        Bq = min(Bq, N)
+        Bk = max(1, min(512, M))  # only sizes the key splits here
+    else:
+        Bq, Bk = _tiles(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads)
+    nqb = -(-N // Bq)
+    work = nb * nqb
+    nsplit, chunk = 1, M
+    if not return_weights and work < nthreads and M >= 1024:
+        nsplit = min(-(-nthreads // work), -(-M // 256))
+        chunk = -(-M // nsplit)
+        chunk = -(-chunk // Bk) * Bk
+        nsplit = -(-M // chunk)
+    nthreads = max(1, min(nthreads, work * nsplit))
+    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused)
 
 
 # --------------------------------------------------------------------------
@@ -385,28 +435,16 @@ def scaled_dot_product_attention(
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
 
-    if 2.0 * nb * N * M * (D + Dv) < _SERIAL_FLOPS:
-        nthreads = 1
-    Bq, Bk = _tiles(cdt, N, M, D, Dv, causal, nb, nthreads)
-    nqb = -(-N // Bq)
-    work = nb * nqb
-    nsplit, chunk = 1, M
-    if not return_weights and work < nthreads and M >= 1024:
-        nsplit = min(-(-nthreads // work), -(-M // 256))
-        chunk = -(-M // nsplit)
-        chunk = -(-chunk // Bk) * Bk
-        nsplit = -(-M // chunk)
-    nthreads = max(1, min(nthreads, work * nsplit))
+    pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights)
+    # the fused kernel and the direct loops of a few rows call no BLAS
+    uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
+    nthreads = blas_parallel_threads(pl.nthreads) if uses_blas else pl.nthreads
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
     args = (q, k, v, m, out, weights, bshape, group, mask_kind,
-            N, M, D, Dv, causal, sc, Bq, Bk, nsplit, chunk, nthreads)
-    if return_weights or Bq * Bk * max(D, Dv) > _BLAS_THREAD_THRESHOLD:
-        with blas_single_threaded:
-            _sdpa.sdpa(*args)
-    else:
-        _sdpa.sdpa(*args)
+            N, M, D, Dv, causal, sc, pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads)
+    _sdpa.sdpa(*args)
 
     out = out.reshape(out_shape)
     if rdt != cdt:

@@ -21,6 +21,8 @@ from libc.stdlib cimport malloc, free
 from libc.stdint cimport uint8_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
+from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
+
 ctypedef fused floating:
     float
     double
@@ -97,8 +99,10 @@ cdef int _run(const ac_add_params *p, const _Ops *ops, Py_ssize_t nb, int nthrea
         if scratch == NULL or idx == NULL:
             err = -1
         else:
+            ac_blas_hold()
             for it in range(items):
                 _item(p, ops, it, nqb, scratch, idx)
+            ac_blas_release()
         free(scratch)
         free(idx)
     else:
@@ -108,11 +112,18 @@ cdef int _run(const ac_add_params *p, const _Ops *ops, Py_ssize_t nb, int nthrea
             if scratch == NULL or idx == NULL:
                 errp[0] = -1
             else:
+                ac_blas_hold()
                 for it in prange(items, schedule='dynamic'):
                     _item(p, ops, it, nqb, scratch, idx)
+                ac_blas_release()
             free(scratch)
             free(idx)
     return err
+
+
+def set_blas_local(tuple addresses):
+    """Install the BLAS libraries' thread-local thread-count setters."""
+    set_blas_local_fns(addresses)
 
 
 def additive_attention(const floating[:, :, ::1] qp, const floating[:, :, ::1] kp,

@@ -8,8 +8,10 @@ use it for their projections so that one call never has two thread pools
 (OpenBLAS' and OpenMP's) competing for the cores.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_RO, PyBUF_RECORDS
-from cython.parallel cimport prange
+from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
+
+from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
 
 ctypedef fused floating:
     float
@@ -66,7 +68,9 @@ cdef void _run(const floating *x, Py_ssize_t x_rs, const floating *w, Py_ssize_t
     cdef int t, nblk, step
     cdef bint by_rows = R >= C
     if nthreads <= 1:
+        ac_blas_hold()
         _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs, 0, R, 0, C, K)
+        ac_blas_release()
         return
     # blocks: a few per thread, at least 16 rows / 64 columns each
     if by_rows:
@@ -76,13 +80,16 @@ cdef void _run(const floating *x, Py_ssize_t x_rs, const floating *w, Py_ssize_t
         step = max(64, (C + 2 * nthreads - 1) // (2 * nthreads))
         step = (step + 15) // 16 * 16
         nblk = (C + step - 1) // step
-    for t in prange(nblk, schedule='dynamic', num_threads=nthreads):
-        if by_rows:
-            _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs,
-                        t * step, min(R, (t + 1) * step), 0, C, K)
-        else:
-            _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs,
-                        0, R, t * step, min(C, (t + 1) * step), K)
+    with parallel(num_threads=nthreads):
+        ac_blas_hold()
+        for t in prange(nblk, schedule='dynamic'):
+            if by_rows:
+                _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs,
+                            t * step, min(R, (t + 1) * step), 0, C, K)
+            else:
+                _gemm_block(x, x_rs, w, w_rs, bias, out, o_rs,
+                            0, R, t * step, min(C, (t + 1) * step), K)
+        ac_blas_release()
 
 
 cdef inline Py_ssize_t _rs(Py_buffer *b, int cols) noexcept nogil:
@@ -92,6 +99,11 @@ cdef inline Py_ssize_t _rs(Py_buffer *b, int cols) noexcept nogil:
         return max(cols, 1)
     rs = b.strides[0] // b.itemsize
     return rs if rs >= max(cols, 1) else max(cols, 1)
+
+
+def set_blas_local(tuple addresses):
+    """Install the BLAS libraries' thread-local thread-count setters."""
+    set_blas_local_fns(addresses)
 
 
 def linear(x, w, bias, out, int nthreads):

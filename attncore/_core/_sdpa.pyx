@@ -18,7 +18,8 @@ from libc.stdint cimport uint8_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from attncore._core._openmp cimport (
-    AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs)
+    AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs, ac_blas_hold,
+    ac_blas_release, set_blas_local_fns)
 
 ctypedef fused floating:
     float
@@ -118,6 +119,12 @@ def available_kernel_paths():
 # --------------------------------------------------------------------------
 # OpenMP facts
 # --------------------------------------------------------------------------
+def set_blas_local(tuple addresses):
+    """Install the BLAS libraries' thread-local thread-count setters
+    (attncore._threads does this once)."""
+    set_blas_local_fns(addresses)
+
+
 def openmp_enabled():
     """True when the extension was compiled with OpenMP."""
     return bool(AC_OPENMP_ENABLED)
@@ -286,8 +293,10 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
         if buf == NULL:
             err = -1
         else:
+            ac_blas_hold()
             for w in range(W):
                 _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+            ac_blas_release()
             free(raw)
         if nsplit > 1 and err == 0:
             for t in range(nb * nqb):
@@ -302,13 +311,17 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
             elif p.causal == 0 and p.mask_kind == 0:
                 # equal work items: a static schedule keeps each thread on the
                 # same items call after call (their K/V stay in its cache)
+                ac_blas_hold()
                 for w in prange(W, schedule='static'):
                     _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+                ac_blas_release()
                 free(raw)
             else:
                 # causal / masked items differ in cost: balance dynamically
+                ac_blas_hold()
                 for w in prange(W, schedule='dynamic'):
                     _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+                ac_blas_release()
                 free(raw)
         if nsplit > 1 and err == 0:
             for t in prange(nb * nqb, schedule='static', num_threads=nthreads):
@@ -318,28 +331,40 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
     return err
 
 
+cdef inline void _weights_item(const ac_params *p, _Ops *ops, Py_ssize_t w, Py_ssize_t nqb,
+                               floating dummy) noexcept nogil:
+    """One query block of the weights-returning path."""
+    cdef Py_ssize_t b = w // nqb
+    cdef Py_ssize_t qb = w - b * nqb
+    cdef Py_ssize_t i0 = qb * p.Bq
+    cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
+    cdef const uint8_t *mb = NULL
+    cdef const floating *mf = NULL
+    if p.mask_kind == 1:
+        mb = (<const uint8_t *>ops.mask) + ops.mo[b]
+    elif p.mask_kind == 2:
+        mf = (<const floating *>ops.mask) + ops.mo[b]
+    _weights(p, (<const floating *>ops.q) + ops.qo[b], (<const floating *>ops.k) + ops.ko[b],
+             (<const floating *>ops.v) + ops.vo[b], mb, mf, i0, nq,
+             (<floating *>ops.w) + (b * p.N + i0) * p.M,
+             (<floating *>ops.out) + b * p.N * p.Dv, p.Dv)
+
+
 cdef void _run_weights(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nthreads,
                        floating dummy) noexcept nogil:
     cdef Py_ssize_t nqb = (p.N + p.Bq - 1) // p.Bq
-    cdef Py_ssize_t w, b, qb, i0
-    cdef int nq
-    cdef const uint8_t *mb
-    cdef const floating *mf
-    for w in prange(nb * nqb, schedule='dynamic', num_threads=nthreads):
-        b = w // nqb
-        qb = w - b * nqb
-        i0 = qb * p.Bq
-        nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
-        mb = NULL
-        mf = NULL
-        if p.mask_kind == 1:
-            mb = (<const uint8_t *>ops.mask) + ops.mo[b]
-        elif p.mask_kind == 2:
-            mf = (<const floating *>ops.mask) + ops.mo[b]
-        _weights(p, (<const floating *>ops.q) + ops.qo[b], (<const floating *>ops.k) + ops.ko[b],
-                 (<const floating *>ops.v) + ops.vo[b], mb, mf, i0, nq,
-                 (<floating *>ops.w) + (b * p.N + i0) * p.M,
-                 (<floating *>ops.out) + b * p.N * p.Dv, p.Dv)
+    cdef Py_ssize_t w
+    if nthreads <= 1:
+        ac_blas_hold()
+        for w in range(nb * nqb):
+            _weights_item(p, ops, w, nqb, dummy)
+        ac_blas_release()
+        return
+    with parallel(num_threads=nthreads):
+        ac_blas_hold()
+        for w in prange(nb * nqb, schedule='dynamic'):
+            _weights_item(p, ops, w, nqb, dummy)
+        ac_blas_release()
 
 
 # --------------------------------------------------------------------------

@@ -33,8 +33,14 @@
 #define VEC __m512
 #define AC_W 16
 #define AC_P 32
-#define AC_KU 8
-#define AC_DU 8
+#ifndef AC_KU512
+#define AC_KU512 8
+#endif
+#ifndef AC_DU512
+#define AC_DU512 8
+#endif
+#define AC_KU AC_KU512
+#define AC_DU AC_DU512
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(a) _mm512_loadu_ps(a)
 #define VSTORE(a, x) _mm512_storeu_ps((a), (x))
