@@ -21,6 +21,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join("attncore", "_core", "src")
+SDPA_HEADERS = ("ac_common.h", "ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h", "ac_small_x86.h",
+                "ac_fused_x86.h", "ac_fused_impl.h")
 
 
 def _flag(name):
@@ -107,7 +109,7 @@ def extensions():
             "attncore._core._sdpa",
             [os.path.join("attncore", "_core", "_sdpa.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_math.h", "ac_sdpa.h", "ac_sdpa_impl.h", "ac_small_x86.h")],
+            depends=[os.path.join(SRC, f) for f in SDPA_HEADERS],
         ),
         Extension(
             "attncore._core._additive",
@@ -119,6 +121,8 @@ def extensions():
         Extension(
             "attncore._core._linalg",
             [os.path.join("attncore", "_core", "_linalg.pyx")],
+            include_dirs=[SRC],
+            depends=[os.path.join(SRC, f) for f in SDPA_HEADERS],
         ),
     ]
     return cythonize(

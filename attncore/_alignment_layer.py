@@ -34,6 +34,10 @@ __all__ = ["Attention", "Memory"]
 
 # below this many tanh evaluations the additive kernel runs on one thread
 _SERIAL_TANH = 1 << 17
+# OpenBLAS (and MKL) run a product below this many multiply-adds on the
+# calling thread alone; the additive kernel's weights @ values products stay
+# below it for the shapes of seq2seq models (16 rows x S keys x Dv)
+_BLAS_SERIAL_MACS = 65536 * 4
 # The additive kernel's factored form, tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y})
 # with e^{2x} per query and e^{2y} per key precomputed, needs one division per
 # term instead of a full tanh.  It is used while every projected query and key
@@ -417,7 +421,10 @@ class Attention:
         block = max(1, min(16, -(-(B * T) // (4 * nthreads)), T))
         items = B * (-(-T // block))
         nthreads = max(1, min(nthreads, items))
-        nthreads = blas_parallel_threads(nthreads)
+        if block * S * values.shape[-1] >= _BLAS_SERIAL_MACS:
+            # products this large may start BLAS threads: only where the
+            # BLAS can be held to one thread per thread (attncore._threads)
+            nthreads = blas_parallel_threads(nthreads)
         args = (qp, kp, v, memory._mask_u8, values, out, weights, block, nthreads, factored)
         _additive.additive_attention(*args)
         if Dv == 0:

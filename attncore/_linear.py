@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import _linalg
+from ._core import _linalg, _sdpa
 from ._threads import blas_parallel_threads, resolve_num_threads
 
 __all__ = ["linear"]
@@ -52,6 +52,9 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
         b = np.ascontiguousarray(b)
     macs = R * C * K
     nthreads = 1 if macs < _SERIAL_MACS else resolve_num_threads(num_threads)
-    # each thread holds its own BLAS to one thread (thread-locally, in C)
-    _linalg.linear(x2d, w, b, out, blas_parallel_threads(nthreads))
+    if x2d.dtype != np.float32 or _sdpa.kernel_path() == "portable":
+        # the BLAS path: only where the BLAS can be held to one thread per
+        # thread does it run on several (see attncore._threads)
+        nthreads = blas_parallel_threads(nthreads)
+    _linalg.linear(x2d, w, b, out, nthreads)
     return out

@@ -4,13 +4,13 @@ One place decides how many OpenMP threads a call uses, and keeps the BLAS
 that scipy provides single-threaded while attncore's own threads call it
 (BLAS inside a parallel region must not start threads of its own).
 
-The BLAS limit is thread-local: every thread of a kernel region (and the
-calling thread of a serial one) sets its own BLAS thread count to 1 through
-the library's thread-local setter and restores it on the way out, in C,
-inside the region.  No process-wide state changes: another thread of the
-program that runs a matrix product meanwhile, or asks threadpoolctl, sees
-the counts it set itself.  The float32 attention kernel on x86 calls no
-BLAS at all.
+No process-wide state changes during a call: another thread of the program
+that runs a matrix product meanwhile, or asks threadpoolctl, sees the
+counts it set itself.  The float32 kernels on x86 call no BLAS at all.
+Where BLAS is called (float64, return_weights, CPUs without AVX2), every
+thread of a kernel region holds its own BLAS to one thread through a truly
+thread-local setter, in C, inside the region; where the BLAS has none, the
+region runs on one attncore thread instead (see blas_parallel_threads).
 """
 from __future__ import annotations
 
@@ -63,11 +63,20 @@ def _blas_controllers():
 
 
 def _local_setter(lc):
-    """Address of the library's thread-local thread-count setter, or None."""
+    """Address of the library's thread-local thread-count setter, or None.
+
+    MKL's ``mkl_set_num_threads_local`` is thread-local.  OpenBLAS exports
+    ``openblas_set_num_threads_local`` from 0.3.27 on, but in its pthreads
+    builds (the wheels of NumPy and SciPy) it changes the count every
+    thread's calls use -- measured with OpenBLAS 0.3.30: while one thread
+    holds it at 1, a matrix product on another thread runs on one thread --
+    so it is used only in OpenBLAS' OpenMP builds.
+    """
     import ctypes
 
-    names = {"openblas": ("openblas_set_num_threads_local",),
-             "mkl": ("MKL_Set_Num_Threads_Local", "mkl_set_num_threads_local")}
+    names = {"mkl": ("MKL_Set_Num_Threads_Local", "mkl_set_num_threads_local")}
+    if lc.internal_api == "openblas" and getattr(lc, "threading_layer", "") == "openmp":
+        names["openblas"] = ("openblas_set_num_threads_local",)
     for name in names.get(lc.internal_api, ()):
         fn = getattr(lc.dynlib, name, None)
         if fn is not None:
@@ -101,12 +110,15 @@ def blas_parallel_threads(nthreads: int) -> int:
     """Threads a kernel region that calls BLAS may use.
 
     Each thread of such a region holds the BLAS to one thread with the
-    library's thread-local setter (OpenBLAS >= 0.3.27, MKL), which changes
-    nothing for any other thread of the program.  A BLAS without one (an
-    older OpenBLAS, BLIS, ...) that runs several threads cannot be held
-    that way, and attncore never changes its process-wide count: such a
-    region then runs on one attncore thread and lets the BLAS use its own
-    threads, so the cores are never oversubscribed.
+    library's thread-local setter (MKL, OpenBLAS built with OpenMP), which
+    changes nothing for any other thread of the program.  A BLAS without a
+    truly thread-local one (OpenBLAS' pthreads builds, as in the NumPy and
+    SciPy wheels; BLIS; ...) that runs several threads cannot be held that
+    way, and attncore never changes its process-wide count: such a region
+    then runs on one attncore thread and lets the BLAS use its own threads
+    (as many as the program set), so the cores are never oversubscribed.
+    The float32 kernels on x86 (AVX2 or AVX-512) call no BLAS at all; this
+    concerns float64, ``return_weights`` and CPUs without AVX2.
     """
     unheld = _unheld if _unheld is not None else _setup()
     if nthreads <= 1 or not unheld:

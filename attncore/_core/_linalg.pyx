@@ -11,7 +11,76 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_
 from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
 
+from libc.stdlib cimport malloc, free
+
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
+
+cdef extern from "ac_sdpa.h" nogil:
+    void ac_cpu_init()
+    int ac_kernel_path
+    int ac_set_kernel_path(int path)
+    int ac_fused_panel_rows()
+    int AC_LINEAR_SMALL
+    Py_ssize_t AC_LINEAR_SCRATCH(int K)
+    int ac_linear_rows_f32(const float *x, Py_ssize_t x_rs, int r0, int nr, const float *w,
+                           Py_ssize_t w_rs, const float *bias, float *out, Py_ssize_t o_rs,
+                           int c0, int c1, int K, float *scratch)
+
+ac_cpu_init()
+
+
+def set_kernel_path(int path):
+    """Select the float32 path (0 portable / BLAS, 1 AVX2, 2 AVX-512, -1
+    the best); False if this CPU lacks it.  Private: attncore._kernels."""
+    return ac_set_kernel_path(path) == 0
+
+
+cdef int _run_fused(const float *x, Py_ssize_t x_rs, const float *w, Py_ssize_t w_rs,
+                    const float *bias, float *out, Py_ssize_t o_rs, int R, int C, int K,
+                    int nthreads) noexcept nogil:
+    """float32 without BLAS (x86 fused path): row panels x column blocks
+    over the team.  0 on success, -1 when scratch memory ran out."""
+    cdef int P = ac_fused_panel_rows()
+    cdef int rstep = R if R <= AC_LINEAR_SMALL else P
+    cdef int nrb = (R + rstep - 1) // rstep
+    cdef int ncb = 1, cstep, nitems, t, rb, cb, r0, c0
+    cdef float *scratch = NULL
+    cdef int err = 0
+    cdef int *errp = &err
+    if nthreads > 1 and nrb < 2 * nthreads:
+        ncb = min((2 * nthreads + nrb - 1) // nrb, (C + 63) // 64)
+        ncb = max(ncb, 1)
+    cstep = (C + ncb - 1) // ncb
+    cstep = (cstep + 15) // 16 * 16
+    ncb = (C + cstep - 1) // cstep
+    nitems = nrb * ncb
+    if nthreads <= 1 or nitems <= 1:
+        scratch = <float *>malloc(AC_LINEAR_SCRATCH(K) * sizeof(float))
+        if scratch == NULL:
+            return -1
+        for t in range(nitems):
+            rb = t // ncb
+            cb = t - rb * ncb
+            r0 = rb * rstep
+            c0 = cb * cstep
+            ac_linear_rows_f32(x, x_rs, r0, min(rstep, R - r0), w, w_rs, bias, out, o_rs,
+                               c0, min(C, c0 + cstep), K, scratch)
+        free(scratch)
+        return 0
+    with parallel(num_threads=nthreads):
+        scratch = <float *>malloc(AC_LINEAR_SCRATCH(K) * sizeof(float))
+        if scratch == NULL:
+            errp[0] = -1
+        else:
+            for t in prange(nitems, schedule='static'):
+                rb = t // ncb
+                cb = t - rb * ncb
+                r0 = rb * rstep
+                c0 = cb * cstep
+                ac_linear_rows_f32(x, x_rs, r0, min(rstep, R - r0), w, w_rs, bias, out, o_rs,
+                                   c0, min(C, c0 + cstep), K, scratch)
+            free(scratch)
+    return err
 
 ctypedef fused floating:
     float
@@ -111,11 +180,15 @@ def linear(x, w, bias, out, int nthreads):
 
     x: (R, K), w: (C, K), out: (R, C), all of one dtype (float32 / float64)
     with contiguous rows; bias: None or a contiguous (C,) array.  The caller
-    keeps BLAS single-threaded around the call.
+    ``nthreads`` must be 1 when the BLAS path (float64, or float32 without
+    AVX2) would run on threads whose BLAS cannot be held to one thread
+    (attncore._threads.blas_parallel_threads).  The float32 path on x86
+    calls no BLAS.
     """
     cdef Py_buffer bx, bw, bb, bo
     cdef int got = 0, have_b = 0
     cdef int R, C, K
+    cdef int err = 0
     PyObject_GetBuffer(x, &bx, PyBUF_RECORDS_RO)
     got = 1
     try:
@@ -142,7 +215,14 @@ def linear(x, w, bias, out, int nthreads):
             raise ValueError("linear: rows must be contiguous")
         if R == 0 or C == 0:
             return
-        if bx.itemsize == 4:
+        if bx.itemsize == 4 and ac_kernel_path != 0:
+            with nogil:
+                err = _run_fused(<const float *>bx.buf, _rs(&bx, K), <const float *>bw.buf,
+                                 _rs(&bw, K), <const float *>bb.buf if have_b else NULL,
+                                 <float *>bo.buf, _rs(&bo, C), R, C, K, nthreads)
+            if err:
+                raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+        elif bx.itemsize == 4:
             with nogil:
                 _run(<const float *>bx.buf, _rs(&bx, K), <const float *>bw.buf, _rs(&bw, K),
                      <const float *>bb.buf if have_b else NULL, <float *>bo.buf,

@@ -343,6 +343,46 @@ static AC_TGT int AC_F(ac_fused_panel)(
     return processed;
 }
 
+
+/*
+ * Dense layer rows on the same micro-kernel: out[r0 + r][c] = x_r . w_c
+ * (+ bias[c]) for r < nr <= P and c in [c0, c1).  The x rows are packed
+ * transposed into XT (K x P) and act as the "queries"; the rows of w are
+ * read in place through broadcasts like keys.  T: AC_KU x P scratch.
+ */
+static AC_TGT void AC_F(ac_linear_panel)(const float *x, ptrdiff_t x_rs, int nr,
+                                         const float *w, ptrdiff_t w_rs,
+                                         const float *bias, float *out,
+                                         ptrdiff_t o_rs, int c0, int c1, int K,
+                                         float *XT, float *T)
+{
+    for (int r = 0; r < AC_P; r++) {
+        if (r < nr) {
+            const float *xr = x + r * x_rs;
+            for (int d = 0; d < K; d++) XT[(ptrdiff_t)d * AC_P + r] = xr[d];
+        } else {
+            for (int d = 0; d < K; d++) XT[(ptrdiff_t)d * AC_P + r] = 0;
+        }
+    }
+    VEC t0 = VZERO(), t1 = VZERO();
+    int c = c0;
+    for (; c < c1; c += AC_KU) {
+        const int nc = (c1 - c < AC_KU) ? c1 - c : AC_KU;
+        if (nc == AC_KU) {
+            AC_F(ac_qkmain)(XT, K, w + c * w_rs, w_rs, T, &t0, &t1);
+        } else {
+            for (int u = 0; u < nc; u++)
+                AC_F(ac_qk1)(XT, K, w + (c + u) * w_rs, w_rs, T + u * AC_P, &t0, &t1);
+        }
+        for (int u = 0; u < nc; u++) {
+            const float b = bias ? bias[c + u] : 0.0f;
+            const float *tu = T + u * AC_P;
+            float *oc = out + c + u;
+            for (int r = 0; r < nr; r++) oc[r * o_rs] = tu[r] + b;
+        }
+    }
+}
+
 #undef AC_F
 #undef AC_FCAT
 #undef AC_FCAT3

@@ -1,0 +1,50 @@
+"""Which compiled code path the float32 kernels take (private).
+
+``'avx512'`` and ``'avx2'``: the fused kernels (attention and dense layers
+without BLAS: queries / rows in SIMD lanes, keys / weights read in place),
+chosen at import for the best instruction set the CPU runs.
+``'portable'``: BLAS products plus portable loops (also every float64 call).
+
+:func:`set_kernel_path` forces a path so that a machine with AVX-512 also
+tests the others.  It is process-wide state meant for test set-up and
+benchmarks, not for use while other threads run attncore.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from ._core import _linalg, _sdpa
+
+__all__ = ["kernel_path", "set_kernel_path", "available_kernel_paths", "forced_kernel_path"]
+
+_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+
+
+def kernel_path() -> str:
+    """The float32 path in use: 'avx512', 'avx2' or 'portable'."""
+    return _sdpa.kernel_path()
+
+
+def available_kernel_paths() -> tuple:
+    """The paths this CPU runs, best last."""
+    return tuple(_sdpa.available_kernel_paths())
+
+
+def set_kernel_path(path: str | None) -> str:
+    """Force a path ('avx512', 'avx2', 'portable'; None = the best this CPU
+    runs); returns the previous one.  ValueError for an unknown name or a
+    path the CPU cannot run."""
+    prev = _sdpa.set_kernel_path(path)
+    _linalg.set_kernel_path(-1 if path is None else _CODES[path])
+    return prev
+
+
+@contextmanager
+def forced_kernel_path(path: str | None) -> Iterator[str]:
+    """Context manager around :func:`set_kernel_path`."""
+    prev = set_kernel_path(path)
+    try:
+        yield kernel_path()
+    finally:
+        set_kernel_path(prev)
