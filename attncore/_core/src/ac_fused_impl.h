@@ -32,7 +32,7 @@
 
 /* score micro-tile: KU keys x P query lanes, ST rows j (ld P) */
 #define AC_DEF_QK(KU, NAME)                                                        \
-static AC_TGT inline void AC_F(NAME)(const float *QT, int D,            \
+static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *QT, int D,        \
                                           const float *kr, ptrdiff_t k_rs,   \
                                           float *ST, VEC *mx0, VEC *mx1)     \
 {                                                                            \
@@ -67,7 +67,7 @@ static AC_TGT inline void AC_F(NAME)(const float *QT, int D,            \
 /* P.V micro-tile: OT rows d0..d0+DU-1 (ld P) scaled by alpha, plus the
  * nk keys of this tile */
 #define AC_DEF_PV(DU, NAME)                                                        \
-static AC_TGT inline void AC_F(NAME)(const float *PT, int nk,           \
+static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *PT, int nk,       \
                                           const float *vc, ptrdiff_t v_rs,   \
                                           float *OT, VEC al0, VEC al1)       \
 {                                                                            \
