@@ -1,0 +1,250 @@
+"""Every float32 kernel path (AVX-512, AVX2 + FMA, portable BLAS) against the
+float64 reference: odd tile remainders, every mask kind and causal
+alignment, GQA, strided inputs, the NaN / inf rules, threads, and the dense
+layer kernel.  Paths the CPU lacks are skipped, so an AVX-512 machine tests
+all three."""
+import threading
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore import _kernels
+from attncore._core import _sdpa
+from attncore._linear import linear
+
+from reference import attention as ref
+
+PATHS = ["avx512", "avx2", "portable"]
+TOL32 = dict(rtol=3e-5, atol=3e-6)
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param not in _kernels.available_kernel_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    with _kernels.forced_kernel_path(request.param):
+        yield request.param
+
+
+def rand(shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def check(q, k, v, mask=None, causal=0, group=1, scale=None, **kw):
+    causal_arg = {0: False, 1: True, 2: "lower_right"}[causal]
+    out = attncore.scaled_dot_product_attention(q, k, v, mask, is_causal=causal_arg, scale=scale,
+                                                enable_gqa=group > 1, **kw)
+    expected = ref(q, k, v, mask, causal=causal, scale=scale, group=group)[0]
+    np.testing.assert_allclose(out, expected, **TOL32)
+    return out
+
+
+def test_switch_reports_and_restores():
+    best = _kernels.kernel_path()
+    assert best == _kernels.available_kernel_paths()[-1]
+    with _kernels.forced_kernel_path("portable"):
+        assert _kernels.kernel_path() == "portable"
+        assert _sdpa.cpu_features()["kernel_path"] == "portable"
+    assert _kernels.kernel_path() == best
+    with pytest.raises(ValueError, match="kernel path"):
+        _kernels.set_kernel_path("sse9")
+
+
+# ------------------------------------------------------------ tile remainders
+@pytest.mark.parametrize("N,M", [(5, 1), (5, 7), (17, 129), (31, 255), (33, 257), (64, 128),
+                                 (65, 300), (97, 1), (130, 513)])
+@pytest.mark.parametrize("D,Dv", [(1, 1), (3, 9), (16, 7), (64, 64), (100, 33), (129, 17)])
+def test_remainders(path, N, M, D, Dv):
+    q, k, v = rand((2, N, D), 1), rand((2, M, D), 2), rand((2, M, Dv), 3)
+    check(q, k, v)
+
+
+@pytest.mark.parametrize("D", [1, 2, 7, 8, 15, 31, 63, 127, 200, 255, 256, 257, 383, 511, 512])
+def test_every_head_size_exact(path, D):
+    q, k, v = rand((1, 2, 37, D), 4), rand((1, 2, 45, D), 5), rand((1, 2, 45, 512 + 1 - D), 6)
+    check(q, k, v)
+
+
+# ------------------------------------------------------------ masks and causal
+MASKS = ["none", "bool_full", "bool_keypad", "bool_rows", "float_full", "float_keypad",
+         "float_row_broadcast", "neg_inf_stretches"]
+
+
+def make_mask(kind, B, H, N, M, seed=7):
+    rng = np.random.default_rng(seed)
+    if kind == "none":
+        return None
+    if kind == "bool_full":
+        return rng.random((B, H, N, M)) > 0.4
+    if kind == "bool_keypad":
+        m = np.ones((B, 1, 1, M), bool)
+        m[0, ..., M - M // 3:] = False
+        m[-1, ..., : M // 5] = False
+        return m
+    if kind == "bool_rows":
+        return rng.random((B, H, N, 1)) > 0.2
+    if kind == "float_full":
+        return np.where(rng.random((B, H, N, M)) > 0.3, rng.standard_normal((B, H, N, M)),
+                        -np.inf).astype(np.float32)
+    if kind == "float_keypad":
+        return np.where(rng.random((B, 1, 1, M)) > 0.3, rng.standard_normal((B, 1, 1, M)),
+                        -np.inf).astype(np.float32)
+    if kind == "float_row_broadcast":
+        return rng.standard_normal((1, 1, N, M)).astype(np.float32)
+    if kind == "neg_inf_stretches":
+        m = np.zeros((B, 1, N, M), np.float32)
+        m[..., 10:200] = -np.inf
+        m[..., 3, :] = -np.inf  # one query row with nothing to attend
+        return m
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("causal", [0, 1, 2])
+@pytest.mark.parametrize("N,M", [(70, 300), (300, 70), (129, 129)])
+def test_masks_and_causal(path, mask_kind, causal, N, M):
+    B, H, D = 2, 2, 24
+    q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, D), 3)
+    out = check(q, k, v, make_mask(mask_kind, B, H, N, M), causal)
+    assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("Hk", [1, 2, 4])
+def test_gqa(path, Hk):
+    q, k, v = rand((2, 8, 50, 32), 1), rand((2, Hk, 90, 32), 2), rand((2, Hk, 90, 16), 3)
+    check(q, k, v, group=8 // Hk)
+
+
+def test_strided_inputs(path):
+    base = rand((2, 200, 3, 40), 1)                    # (B, L, H, D) rows, stride 120
+    q = base.transpose(0, 2, 1, 3)[..., :33]
+    k = rand((2, 3, 300, 66), 2)[:, :, ::2, 1::2]      # row stride 132, column step 2
+    v = rand((2, 3, 150, 20), 3)[:, :, ::-1]           # negative row stride
+    check(q, k, v, scale=0.2)
+
+
+def test_float16(path):
+    q, k, v = (rand((2, 3, 70, 32), s, np.float16) for s in (1, 2, 3))
+    out = attncore.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out.astype(np.float64), ref(q, k, v, causal=1)[0],
+                               rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------ NaN / inf rules
+def test_nan_in_attended_query_propagates(path):
+    q, k, v = rand((1, 40, 16), 1), rand((1, 300, 16), 2), rand((1, 300, 16), 3)
+    q[0, 7, 3] = np.nan
+    out = attncore.scaled_dot_product_attention(q, k, v)
+    assert np.all(np.isnan(out[0, 7]))
+    others = np.delete(out[0], 7, axis=0)
+    np.testing.assert_allclose(others, np.delete(ref(q, k, v)[0][0], 7, axis=0), **TOL32)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_nonfinite_in_unattended_keys_and_values_never_leak(path, bad, causal):
+    N, M = 64, 300
+    q, k, v = rand((1, N, 16), 1), rand((1, M, 16), 2), rand((1, M, 16), 3)
+    mask = np.ones((1, 1, M), bool)
+    mask[..., 200:260] = False
+    k[0, 210] = bad
+    v[0, 220] = bad
+    if causal:
+        v[0, N + 5] = bad   # beyond every query's diagonal
+        k[0, N + 9] = bad
+    out = attncore.scaled_dot_product_attention(q, k, v, mask, is_causal=bool(causal))
+    assert np.all(np.isfinite(out))
+    clean_k, clean_v = k.copy(), v.copy()
+    clean_k[~np.isfinite(clean_k)] = 0
+    clean_v[~np.isfinite(clean_v)] = 0
+    np.testing.assert_allclose(out, ref(q, clean_k, clean_v, mask, causal=causal)[0], **TOL32)
+
+
+def test_nan_in_attended_value_propagates_only_to_its_queries(path):
+    N, M = 40, 100
+    q, k, v = rand((1, N, 8), 1), rand((1, M, 8), 2), rand((1, M, 8), 3)
+    v[0, 30, 2] = np.nan
+    out = attncore.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert np.all(np.isnan(out[0, 30:, 2]))          # queries that attend key 30
+    assert np.all(np.isfinite(out[0, :30]))          # queries that do not
+
+
+def test_special_values_agree_with_portable_path(path):
+    """Scores of -inf / +inf from the inputs (not the mask): every path
+    gives what the portable BLAS path gives."""
+    q, k, v = rand((1, 1, 40, 16), 1), rand((1, 1, 200, 16), 2), rand((1, 1, 200, 16), 3)
+    q[..., 3, :] = -np.inf
+    k[..., 50, :] = np.inf
+    q[..., 9, 0] = np.inf
+    out = attncore.scaled_dot_product_attention(q, k, v)
+    with _kernels.forced_kernel_path("portable"):
+        expected = attncore.scaled_dot_product_attention(q, k, v)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    fin = np.isfinite(expected)
+    np.testing.assert_allclose(out[fin], expected[fin], **TOL32)
+
+
+# ------------------------------------------------------------ threads
+@pytest.mark.parametrize("shape", [(1, 8, 1, 5000, 64), (1, 2, 300, 3000, 32), (3, 4, 130, 90, 48)])
+def test_threads_and_key_splits(path, shape):
+    B, H, N, M, D = shape
+    q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, D), 3)
+    expected = ref(q, k, v)[0]
+    for t in (1, 2, 3):
+        np.testing.assert_allclose(
+            attncore.scaled_dot_product_attention(q, k, v, num_threads=t), expected, **TOL32)
+
+
+def test_concurrent_python_threads_give_serial_results(path):
+    args = [(rand((2, 4, 100, 32), s), rand((2, 4, 150, 32), s + 1), rand((2, 4, 150, 32), s + 2))
+            for s in range(0, 24, 3)]
+    serial = [attncore.scaled_dot_product_attention(*a, num_threads=1) for a in args]
+    results = [None] * len(args)
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                results[i] = attncore.scaled_dot_product_attention(*args[i], num_threads=1 + i % 2)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for got, want, a in zip(results, serial, args):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got, ref(*a)[0], **TOL32)
+
+
+# ------------------------------------------------------------ direct kernel entry
+@pytest.mark.parametrize("Bq,Bk,nsplit", [(3, 5, 1), (5, 7, 3), (37, 5, 3), (33, 64, 2)])
+@pytest.mark.parametrize("causal", [0, 2])
+def test_kernel_entry_odd_tiles(path, Bq, Bk, nsplit, causal):
+    N, M, D, Dv = 41, 90, 13, 11
+    q, k, v = rand((2, N, D), 1), rand((2, M, D), 2), rand((2, M, Dv), 3)
+    mask = np.random.default_rng(4).random((2, 1, M)) > 0.3
+    chunk = -(-M // nsplit)
+    out = np.empty((2, N, Dv), np.float32)
+    _sdpa.sdpa(q, k, v, mask, out, None, (2,), 1, 1, N, M, D, Dv, causal, 0.3,
+               Bq, Bk, nsplit, chunk, 2)
+    np.testing.assert_allclose(out, ref(q, k, v, mask, causal=causal, scale=0.3)[0], **TOL32)
+
+
+# ------------------------------------------------------------ dense layer kernel
+@pytest.mark.parametrize("R", [1, 2, 5, 8, 9, 31, 33, 100])
+@pytest.mark.parametrize("C,K", [(1, 1), (7, 13), (16, 64), (17, 100), (130, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(path, R, C, K, with_bias):
+    x, w = rand((R, K), 1), rand((C, K), 2)
+    b = rand((C,), 3) if with_bias else None
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    if with_bias:
+        expected += b
+    for t in (1, 2):
+        np.testing.assert_allclose(linear(x, w, b, num_threads=t), expected, rtol=3e-5, atol=3e-5)
