@@ -1,14 +1,21 @@
-"""Side-by-side timing of attncore against PyTorch and a NumPy reference.
+"""Side-by-side timing of attncore against PyTorch, ONNX Runtime and NumPy.
 
     python bench/compare.py                 # every case at 1 and 2 threads
     python bench/compare.py --threads 1 2 4 --repeats 15 --cases prefill decode
     python bench/compare.py --json results.json
+    python bench/compare.py --concurrency   # Python threads calling at once
     python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
 
-Each case runs attncore, torch (when installed) and NumPy interleaved in one
-process, with the same thread count for all three, and reports medians over
-the repeats and the ratios torch/attncore and numpy/attncore (> 1 means
-attncore is faster).  With several threads, each sample is preceded by a
+Each case runs attncore, torch SDPA, ONNX Runtime's contrib
+``com.microsoft.MultiHeadAttention`` ("ort mha") and standard ``Attention``
+operator ("ort attn", opset 23) -- see ``bench/peers.py`` -- and NumPy,
+interleaved in one process, with the same thread count for all
+(``intra_op_num_threads`` for ONNX Runtime), and reports medians over the
+repeats, the ratio best-peer/attncore (> 1 means attncore is faster than
+the fastest of torch and the two ONNX Runtime operators), attncore's
+GFLOP/s and the float32 matrix-product rate (sgemm 2048^3 through NumPy's
+BLAS at the same thread count) measured in the same run.  The header names
+the CPU model.  With several threads, each sample is preceded by a
 short idle pause (--settle) so that the worker threads one library leaves
 spinning (OpenBLAS, OpenMP runtimes) do not slow down the next one.  This is a benchmark, never a test: timings on shared
 machines are noisy, so only the ratios measured side by side mean much.
@@ -31,7 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
+import attncore._kernels  # noqa: E402,F401
 from timing import interleaved_medians  # noqa: E402
+
+import peers  # noqa: E402
 
 try:
     import torch
@@ -44,10 +54,12 @@ except ImportError:  # torch is a benchmark extra
 CASES = [
     ("prefill 1x8x1024x64", "prefill", 1, 8, 1024, 1024, 64, "none"),
     ("prefill 4x12x512x64", "prefill", 4, 12, 512, 512, 64, "none"),
+    ("prefill 1x8x1024x128", "prefill", 1, 8, 1024, 1024, 128, "none"),
     ("prefill 1x8x4096x64", "prefill", 1, 8, 4096, 4096, 64, "none"),
     ("prefill 1x16x2048x128", "prefill", 1, 16, 2048, 2048, 128, "none"),
     ("causal 1x8x1024x64", "causal", 1, 8, 1024, 1024, 64, "causal"),
     ("causal 4x12x512x64", "causal", 4, 12, 512, 512, 64, "causal"),
+    ("causal 1x8x2048x64", "causal", 1, 8, 2048, 2048, 64, "causal"),
     ("causal 1x8x4096x64", "causal", 1, 8, 4096, 4096, 64, "causal"),
     ("causal 1x16x2048x128", "causal", 1, 16, 2048, 2048, 128, "causal"),
     ("masked25 4x12x512x64", "masked", 4, 12, 512, 512, 64, "keypad"),
@@ -104,6 +116,10 @@ def run_case(case, threads, repeats, with_numpy=True, settle=0.12):
                 return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, is_causal=causal)
 
         fns["torch"] = run_torch
+    for key, build in (("ort mha", peers.ort_mha), ("ort attn", peers.ort_attention)):
+        fn = build(q, k, v, mask, causal, threads) if peers.available() else None
+        if fn is not None:
+            fns[key] = fn
     small = B * H * N * M <= 64 * 2**20
     if with_numpy and small:
         fns["numpy"] = lambda: numpy_reference(q, k, v, mask, causal)
@@ -114,6 +130,9 @@ def run_case(case, threads, repeats, with_numpy=True, settle=0.12):
            "gbps_attncore": nbytes / med["attncore"] / 1e9}
     if "torch" in med:
         row["torch_over_attncore"] = med["torch"] / med["attncore"]
+    best = [med[key] for key in ("torch", "ort mha", "ort attn") if key in med]
+    if best:
+        row["best_peer_over_attncore"] = min(best) / med["attncore"]
     if "numpy" in med:
         row["numpy_over_attncore"] = med["numpy"] / med["attncore"]
     return row
@@ -149,12 +168,71 @@ def peak_memory(N=16384, D=64, threads=1):
     return growth, out_bytes
 
 
+def cpu_model():
+    """The CPU's model name (Linux /proc/cpuinfo; platform otherwise)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def header():
-    lines = [f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-             f"python {platform.python_version()}",
-             f"attncore {attncore.__version__}, numpy {np.__version__}"
-             + (f", torch {torch.__version__}" if torch is not None else ", torch not installed")]
+    ort = peers.ort.__version__ if peers.available() else "not installed"
+    lines = [f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
+             f"attncore {attncore.__version__} (kernel path {attncore._kernels.kernel_path()}), "
+             f"numpy {np.__version__}"
+             + (f", torch {torch.__version__}" if torch is not None else ", torch not installed")
+             + f", onnxruntime {ort}"]
     return "\n".join(lines)
+
+
+def sgemm_rate(threads):
+    """sgemm GFLOP/s at ``threads`` (NumPy's BLAS), in this process."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads, user_api="blas"):
+        return peers.sgemm_gflops(2048)
+
+
+def concurrency(repeats=5, shape=(1, 8, 768, 768, 64)):
+    """Throughput of Python threads calling at num_threads=1 at once, over
+    the same calls made one after the other (2 and 4 threads)."""
+    import threading
+    import time
+
+    B, H, N, M, D = shape
+    q, k, v, _ = make_inputs(B, H, N, M, D, "none")
+
+    def call():
+        attncore.scaled_dot_product_attention(q, k, v, num_threads=1)
+
+    def serial(n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        return time.perf_counter() - t0
+
+    def together(nt, n):
+        ths = [threading.Thread(target=lambda: [call() for _ in range(n)]) for _ in range(nt)]
+        t0 = time.perf_counter()
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        return time.perf_counter() - t0
+
+    call()
+    out = {}
+    for nt in (2, 4):
+        ratios = []
+        for _ in range(repeats):
+            ratios.append(serial(nt * 6) / together(nt, 6))
+        out[nt] = sorted(ratios)[len(ratios) // 2]
+    return out
 
 
 def main(argv=None):
@@ -168,6 +246,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--settle", type=float, default=0.12,
                     help="seconds of idle time before each multi-threaded sample (default 0.12)")
+    ap.add_argument("--concurrency", action="store_true",
+                    help="also time Python threads calling at num_threads=1 at once")
     ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
                     help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
@@ -181,21 +261,33 @@ def main(argv=None):
     cases = [c for c in CASES if not args.cases or any(w in c[0] for w in args.cases)]
     print(header())
     rows = []
-    fmt = "{:<26} {:>3} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8}"
-    print(fmt.format("case (BxHxNxMxD)", "thr", "attncore", "torch", "numpy",
-                     "torch/ac", "numpy/ac", "GFLOP/s"))
+    fmt = "{:<24} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}"
+    print(fmt.format("case (BxHxNxMxD)", "thr", "attncore", "torch", "ort mha", "ort attn",
+                     "numpy", "best/ac", "GFLOP/s", "sgemm", "%sgemm"))
+
+    def cell(ms, key):
+        return f"{ms[key]:.3f}" if key in ms else "-"
+
     for threads in args.threads:
+        sg = sgemm_rate(threads)
+        rows.append({"case": "sgemm 2048^3", "threads": threads, "gflops": sg})
         for case in cases:
             row = run_case(case, threads, args.repeats, not args.no_numpy, args.settle)
+            row["sgemm_gflops"] = sg
             rows.append(row)
             ms = row["ms"]
             print(fmt.format(
-                row["case"], threads, f"{ms['attncore']:.3f}",
-                f"{ms['torch']:.3f}" if "torch" in ms else "-",
-                f"{ms['numpy']:.3f}" if "numpy" in ms else "-",
-                f"{row['torch_over_attncore']:.2f}" if "torch_over_attncore" in row else "-",
-                f"{row['numpy_over_attncore']:.2f}" if "numpy_over_attncore" in row else "-",
-                f"{row['gflops_attncore']:.1f}"), flush=True)
+                row["case"], threads, cell(ms, "attncore"), cell(ms, "torch"), cell(ms, "ort mha"),
+                cell(ms, "ort attn"), cell(ms, "numpy"),
+                f"{row['best_peer_over_attncore']:.2f}" if "best_peer_over_attncore" in row
+                else "-",
+                f"{row['gflops_attncore']:.1f}", f"{sg:.0f}",
+                f"{100 * row['gflops_attncore'] / sg:.0f}"), flush=True)
+    if args.concurrency:
+        conc = concurrency()
+        print(f"concurrency 1x8x768^2x64, num_threads=1: 2 Python threads {conc[2]:.2f}x, "
+              f"4 Python threads {conc[4]:.2f}x the throughput of serial calls")
+        rows.append({"case": "concurrency", "two_threads": conc[2], "four_threads": conc[4]})
     if not args.no_peak:
         growth, out_bytes = peak_memory()
         print(f"peak memory 1x1x16384^2x64 float32: growth {growth / 2**20:.1f} MiB "

@@ -86,6 +86,8 @@ def ort_attention(q, k, v, mask=None, causal=False, threads=1):
     feeds = {"q": np.ascontiguousarray(q), "k": np.ascontiguousarray(k),
              "v": np.ascontiguousarray(v)}
     if mask is not None:
+        # the operator wants the query axis of the mask spelled out
+        mask = np.broadcast_to(mask, mask.shape[:-2] + (N, M))
         inputs.append(helper.make_tensor_value_info("m", TensorProto.BOOL, list(mask.shape)))
         names.append("m")
         feeds["m"] = np.ascontiguousarray(mask)
