@@ -28,7 +28,8 @@ from ._core import _additive
 from ._threads import blas_single_threaded, resolve_num_threads
 from .alignments._base import Alignment
 from .alignments._builtin import MLP, Bilinear, Dot, ScaledDot
-from .functional import as_float_array, compute_dtype, scaled_dot_product_attention
+from ._validation import aligned, as_float_array, compute_dtype, parse_bool, parse_mask
+from .functional import scaled_dot_product_attention
 
 __all__ = ["Attention", "Memory"]
 
@@ -196,11 +197,11 @@ class Attention:
         -------
         Memory
         """
-        k = as_float_array(keys, "keys")
+        k = as_float_array(keys, "keys", "mask")
         if k.ndim not in (3, 4):
             raise ValueError(f"keys must have shape (B, S, Dk) or (B, H, W, Dk), got shape "
                              f"{k.shape}")
-        v = k if values is None else as_float_array(values, "values")
+        v = k if values is None else as_float_array(values, "values", "mask")
         if v.ndim != k.ndim or v.shape[:-1] != k.shape[:-1]:
             lead = "(B, S)" if k.ndim == 3 else "(B, H, W)"
             raise ValueError(f"values must have the leading shape {lead} = {k.shape[:-1]} of "
@@ -212,10 +213,7 @@ class Attention:
             raise ValueError(f"keys last dimension (Dk) must be >= 1, got keys shape {k.shape}")
         m = None
         if mask is not None:
-            m = mask if isinstance(mask, np.ndarray) else np.asarray(mask)
-            if m.dtype != np.bool_:
-                raise TypeError(f"mask must be a bool array (True = take part), got dtype "
-                                f"{m.dtype}")
+            m, _ = parse_mask(mask, "mask", allow_float=False)
             want = k.shape[:-1]
             if m.shape != want and not (m.ndim == len(want) and m.shape[0] == 1
                                         and m.shape[1:] == want[1:]):
@@ -248,7 +246,7 @@ class Attention:
             prepared = self.alignment.prepare(kc)
         elif kind == "mlp":
             prepared = self.alignment.project_keys(kc)
-            vc = np.ascontiguousarray(vc)
+            vc = aligned(np.ascontiguousarray(vc))
             if prepared.size and np.abs(prepared).max() <= _FACTOR_LIMIT[np.dtype(cdt)]:
                 mem._aux = np.exp(prepared * np.asarray(2, dtype=cdt))   # e^{2 kp}
         else:
@@ -282,6 +280,7 @@ class Attention:
         weights : ndarray, shape (B, [T,] S) or (B, [T,] H, W)
             Only with ``return_weights=True``.
         """
+        return_weights = parse_bool(return_weights, "return_weights")
         return self.step(query, self.prepare(keys, values, mask=mask),
                          return_weights=return_weights)
 
@@ -303,12 +302,13 @@ class Attention:
         weights : ndarray, shape (B, [T,] S) or (B, [T,] H, W)
             Only with ``return_weights=True``.
         """
+        return_weights = parse_bool(return_weights, "return_weights")
         if not isinstance(memory, Memory):
             raise TypeError(f"memory must be the Memory returned by Attention.prepare, got "
                             f"{type(memory).__name__}")
         if memory._alignment is not self.alignment:
             raise ValueError("memory was prepared by an Attention layer with another alignment")
-        q = as_float_array(query, "query")
+        q = as_float_array(query, "query", "mask")
         if q.ndim == 2:
             single = True
             q3 = q[:, None, :]
@@ -393,10 +393,10 @@ class Attention:
         a = self.alignment
         B, T, _ = q3.shape
         S = memory.length
-        qp = a.project_queries(q3)
+        qp = aligned(a.project_queries(q3))
         A = qp.shape[-1]
         cdt = q3.dtype
-        v = np.ascontiguousarray(a.param("v", cdt))
+        v = aligned(np.ascontiguousarray(a.param("v", cdt)))
         kp = memory.prepared
         factored = (memory._aux is not None and qp.size > 0
                     and np.abs(qp).max() <= _FACTOR_LIMIT[np.dtype(cdt)])

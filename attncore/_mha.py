@@ -25,8 +25,9 @@ import math
 import numpy as np
 
 from ._linear import linear
-from .functional import (as_float_array, parse_causal, parse_float_dtype,
-                         parse_positive_int, scaled_dot_product_attention)
+from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
+                          parse_mask, parse_positive_int, to_array)
+from .functional import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
 
@@ -50,7 +51,7 @@ def _to_numpy(t, name: str) -> np.ndarray:
             return np.asarray(t.numpy())
         except Exception:  # pragma: no cover - fall back to the array protocol
             pass
-    a = np.asarray(t)
+    a = to_array(t, name)
     if a.dtype == object:
         raise TypeError(f"{name} must be an array, got {type(t).__name__}")
     return a
@@ -229,6 +230,7 @@ class MultiHeadAttention:
     # ------------------------------------------------------------ creation
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
                  bias=True, out_dim=None, dtype=np.float32, rng=None):
+        bias = parse_bool(bias, "bias")
         embed_dim = parse_positive_int(embed_dim, "embed_dim")
         num_heads = parse_positive_int(num_heads, "num_heads")
         kdim = parse_positive_int(kdim, "kdim", True) or embed_dim
@@ -702,7 +704,7 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------ call
     def _input(self, x, name, width, ndim):
-        a = as_float_array(x, name)
+        a = as_float_array(x, name, "key_mask or attn_mask")
         if a.ndim != ndim:
             if name == "query":
                 raise ValueError(f"query must be (batch, length, {width}) or unbatched "
@@ -717,10 +719,7 @@ class MultiHeadAttention:
         return a if a.dtype == self.dtype else a.astype(self.dtype)
 
     def _check_key_mask(self, key_mask, B, S, batched):
-        km = key_mask if isinstance(key_mask, np.ndarray) else np.asarray(key_mask)
-        if km.dtype != np.bool_:
-            raise TypeError(f"key_mask must be a bool array (True = take part), got dtype "
-                            f"{km.dtype}")
+        km, _ = parse_mask(key_mask, "key_mask", allow_float=False)
         want = (B, S) if batched else (S,)
         if km.shape != want:
             raise ValueError(f"key_mask must have shape {want} (batch, key length), got "
@@ -728,10 +727,7 @@ class MultiHeadAttention:
         return km.reshape(B, 1, 1, S)
 
     def _check_attn_mask(self, attn_mask, B, L, S, batched):
-        am = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
-        if am.dtype != np.bool_ and not (am.dtype.kind == "f" and am.dtype.itemsize in (2, 4, 8)):
-            raise TypeError(f"attn_mask must be a bool array (True = take part) or a float array "
-                            f"(added to the scores), got dtype {am.dtype}")
+        am, _ = parse_mask(attn_mask, "attn_mask")
         H = self.num_heads
         if batched:
             forms = f"(L, S), (B, L, S) or (B, num_heads, L, S) = ({L}, {S}), ({B}, {L}, {S}) " \
@@ -803,9 +799,11 @@ class MultiHeadAttention:
         The inputs are never modified.  Inputs of another float dtype are
         converted to the layer's dtype.
         """
+        need_weights = parse_bool(need_weights, "need_weights")
+        average_attn_weights = parse_bool(average_attn_weights, "average_attn_weights")
         if key is None and value is not None:
             raise ValueError("value given without key; pass key as well (value defaults to key)")
-        q_arr = query if isinstance(query, np.ndarray) else np.asarray(query)
+        q_arr = to_array(query, "query", "key_mask or attn_mask")
         batched = q_arr.ndim == 3
         ndim = 3 if batched else 2
         q = self._input(q_arr, "query", self.embed_dim, ndim if q_arr.ndim in (2, 3) else 3)

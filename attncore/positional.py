@@ -23,7 +23,7 @@ import numbers
 
 import numpy as np
 
-from .functional import as_float_array, parse_float_dtype, parse_positive_int
+from ._validation import as_float_array, parse_float_dtype, parse_positive_int, to_array
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding"]
 
@@ -62,7 +62,7 @@ def _positions(length_or_positions) -> np.ndarray:
         raise TypeError(
             f"length_or_positions must be an int length or an array of positions, got "
             f"{type(x).__name__} {x!r}; pass int({x!r}) for a length or [{x!r}] for one position")
-    p = np.asarray(x)
+    p = to_array(x, "length_or_positions")
     if p.dtype.kind not in "iuf":
         raise TypeError("length_or_positions must be an int length or an array of integer or "
                         f"float positions, got dtype {p.dtype}")
