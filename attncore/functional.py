@@ -272,6 +272,10 @@ def scaled_dot_product_attention(
       propagates to the affected outputs, while inf / NaN in the keys or
       values of a key a query does not attend never reach that query.  ``M == 0`` gives an all-zero
       output; ``N == 0`` an empty one.
+    * A row whose attended scores are *all* -inf because of -inf / inf in
+      the query or keys (not the mask) also gives output 0 and weights 0,
+      as PyTorch does; a +inf score (or NaN from inf - inf in ``q . k``)
+      gives NaN.
     * dtypes: float32 and float64 are computed natively; float16 is
       computed in float32 and returned as float16.  Mixed float dtypes
       promote as NumPy does (float32 with float64 gives float64).  A float
