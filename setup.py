@@ -80,7 +80,7 @@ def _check_openmp(compiler):
                                  extra_postargs=lflags)
         return True
     except Exception as exc:  # any compile / link failure means "no OpenMP"
-        warnings.warn(f"OpenMP test program failed to build: {exc}")
+        warnings.warn(f"OpenMP test program failed to build: {exc}", stacklevel=2)
         return False
     finally:
         os.chdir(cwd)
@@ -102,7 +102,7 @@ class BuildExt(build_ext):
     def build_extensions(self):
         use_omp = False
         if _flag("ATTNCORE_NO_OPENMP"):
-            warnings.warn("ATTNCORE_NO_OPENMP is set: building attncore without OpenMP")
+            warnings.warn("ATTNCORE_NO_OPENMP is set: building attncore without OpenMP", stacklevel=2)
         else:
             use_omp = _check_openmp(self.compiler)
             if not use_omp:
@@ -110,7 +110,7 @@ class BuildExt(build_ext):
                 msg = _no_openmp_message(fail)
                 if fail:
                     raise RuntimeError(msg)
-                warnings.warn(msg)
+                warnings.warn(msg, stacklevel=2)
         cflags, lflags = _openmp_flags(self.compiler) if use_omp else ([], [])
         if self.compiler.compiler_type == "msvc":
             base = ["/O2"]

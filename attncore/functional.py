@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Literal, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -204,6 +204,33 @@ def _broadcast_rows(res, bshape, N: int, return_weights: bool):
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention
 # --------------------------------------------------------------------------
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: Literal[False] = False,
+    num_threads: int | None = None,
+) -> np.ndarray: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: Literal[True],
+    num_threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: bool = False,
+    num_threads: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+
+
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,

@@ -17,7 +17,7 @@ import pytest
 
 import attncore
 from attncore import scaled_dot_product_attention as sdpa
-from attncore import _alignment_layer, _linear, functional
+from attncore import _linear
 from attncore._core import _additive, _linalg, _sdpa
 
 from reference import attention as ref

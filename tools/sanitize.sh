@@ -42,6 +42,9 @@ LIBASAN="$("$CC_BIN" -print-file-name=libasan.so)"
 LIBUBSAN="$("$CC_BIN" -print-file-name=libubsan.so)"
 echo "sanitize: running pytest $* (LD_PRELOAD=$LIBASAN $LIBUBSAN)"
 cd "$WORK"
+# the sanitized copy, not an installed attncore, must be the one imported
+PYTHONPATH="$WORK" "$PY" -c "import importlib.util as u, sys; f = u.find_spec('attncore').origin; \
+sys.exit(0 if f.startswith('$WORK') else 'sanitize: attncore would come from ' + f)"
 LD_PRELOAD="$LIBASAN $LIBUBSAN" \
 ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:${ASAN_OPTIONS:-}" \
 UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:${UBSAN_OPTIONS:-}" \
