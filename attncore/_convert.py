@@ -161,6 +161,10 @@ def keras_arrays(layer_or_weights: Any, config: Any = None, dtype: Any = None) -
     if cfg.get("sliding_window") is not None:
         raise NotImplementedError("from_keras: sliding_window is not supported")
     ws = [to_numpy(w, f"weights[{i}]") for i, w in enumerate(weights)]
+    qb: np.ndarray | None
+    kb: np.ndarray | None
+    vb: np.ndarray | None
+    ob: np.ndarray | None
     if len(ws) == 8:
         qk, qb, kk, kb, vk, vb, ok, ob = ws
     elif len(ws) == 4:

@@ -145,6 +145,37 @@ class KVCache:
         self._v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
         self._len = n + T
 
+    def append_self(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
+        """Append projected self-attention keys / values, (B, T, Hkv, hd) and
+        (B, T, Hkv, hdv), and mark the cache ``"self"``."""
+        self._append(k_new, v_new)
+        self.mode = "self"
+
+    def bind_memory(self, k_mem: np.ndarray, v_mem: np.ndarray, source: object,
+                    key_mask: np.ndarray | None) -> None:
+        """Store a cross-attention memory's projected keys / values (layout as
+        in :meth:`append_self`), the memory object they came from and its
+        (B, 1, 1, S) key mask (or None); marks the cache ``"cross"``."""
+        self._append(k_mem, v_mem)
+        self.mode = "cross"
+        self._source = source
+        self._key_mask = key_mask
+
+    @property
+    def source(self) -> object:
+        """The memory a ``"cross"`` cache was filled from (else None)."""
+        return self._source
+
+    @property
+    def key_mask(self) -> np.ndarray | None:
+        """The key mask stored with a cross-attention memory, (B, 1, 1, S) bool, or None."""
+        return self._key_mask
+
+    def view(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``length`` keys and values as (B, Hkv, length, hd) views
+        (writable: the layer's own access)."""
+        return self._k[:, :, :length], self._v[:, :, :length]
+
 
 # --------------------------------------------------------------------------
 # the layer
@@ -622,111 +653,123 @@ class MultiHeadAttention:
         ndim = 3 if batched else 2
         q = self._input(q_arr, "query", self.embed_dim, ndim if q_arr.ndim in (2, 3) else 3)
         B, L, _ = q.shape
-        self_attn = key is None or (key is query and (value is None or value is query))
         causal = parse_causal(is_causal)
-
-        Nq = self.num_heads * self.head_dim
-        Nk = self.num_kv_heads * self.head_dim
-        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         x_q = q.reshape(B * L, self.embed_dim)
-        stored_mask = None
-        k_in = v_in = None
 
-        # ---- checks first: a call that fails leaves the cache as it was ----
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache from new_cache(), got "
-                                f"{type(cache).__name__}")
-            if (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype) != \
-                    (Hkv, hd, hdv, self.dtype):
-                raise ValueError(
-                    f"cache does not fit this layer: cache has num_kv_heads={cache.num_kv_heads}, "
-                    f"head_dim={cache.head_dim}, v_head_dim={cache.v_head_dim}, "
-                    f"dtype={cache.dtype}; layer has {Hkv}, {hd}, {hdv}, {self.dtype}")
-            if B != cache.batch_size:
-                raise ValueError(f"query batch size {B} does not match the cache's "
-                                 f"batch_size={cache.batch_size}")
-            if cache.mode == "cross":
-                if key is not None and key is not cache._source:
-                    raise ValueError(
-                        "cache already holds the projected keys/values of a cross-attention "
-                        "memory; pass key=None (or the same memory array) to reuse them, or "
-                        "reset() the cache for a new memory")
-                self_attn = False
-                S = len(cache)
-                stored_mask = cache._key_mask
-            elif self_attn:
+        # checks first: a call that fails leaves the cache as it was
+        self_attn, k_in, v_in, S, stored_mask = self._resolve_kv(
+            query, key, value, cache, x_q, B, L, ndim, causal, is_causal)
+        mask = self._combine_masks(key_mask, attn_mask, stored_mask, B, L, S, batched)
+        q4, k4, v4 = self._project_heads(x_q, self_attn, key, value, k_in, v_in, cache,
+                                         key_mask, mask, attn_mask, B, L, S, batched)
+        return self._attend(q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
+                            B, L, batched)
+
+    # ------------------------------------------------------------ call steps
+    def _resolve_kv(self, query, key, value, cache, x_q, B, L, ndim, causal, is_causal):
+        """Where keys / values come from: (self-attention?, key input, value
+        input, key length S, key mask stored with a cross-attention cache)."""
+        self_attn = key is None or (key is query and (value is None or value is query))
+        if cache is None:
+            if self_attn:
                 if self._w_qkv is None:
                     self._project_self(x_q)                 # raises: needs key and value
-                if causal == 1 and len(cache) > 0:
-                    raise ValueError(
-                        f"is_causal={is_causal!r} (upper-left) with a cache holding "
-                        f"{len(cache)} tokens would hide them from the new queries; use "
-                        "is_causal='lower_right'")
-                cache._check_room(L)
-                S = len(cache) + L
-            else:
-                if cache.mode == "self":
-                    raise ValueError("cache holds self-attention keys/values; cross-attention "
-                                     "needs a cache of its own")
-                k_in, v_in = self._kv_inputs(key, value, ndim, B)
-                S = k_in.shape[1]
-                cache._check_room(S)
-        elif self_attn:
+                return True, None, None, L, None
+            k_in, v_in = self._kv_inputs(key, value, ndim, B)
+            return False, k_in, v_in, k_in.shape[1], None
+        self._check_cache(cache, B)
+        if cache.mode == "cross":
+            if key is not None and key is not cache.source:
+                raise ValueError(
+                    "cache already holds the projected keys/values of a cross-attention "
+                    "memory; pass key=None (or the same memory array) to reuse them, or "
+                    "reset() the cache for a new memory")
+            return False, None, None, len(cache), cache.key_mask
+        if self_attn:
             if self._w_qkv is None:
                 self._project_self(x_q)                     # raises: needs key and value
-            S = L
-        else:
-            k_in, v_in = self._kv_inputs(key, value, ndim, B)
-            S = k_in.shape[1]
+            if causal == 1 and len(cache) > 0:
+                raise ValueError(
+                    f"is_causal={is_causal!r} (upper-left) with a cache holding "
+                    f"{len(cache)} tokens would hide them from the new queries; use "
+                    "is_causal='lower_right'")
+            cache._check_room(L)
+            return True, None, None, len(cache) + L, None
+        if cache.mode == "self":
+            raise ValueError("cache holds self-attention keys/values; cross-attention "
+                             "needs a cache of its own")
+        k_in, v_in = self._kv_inputs(key, value, ndim, B)
+        cache._check_room(k_in.shape[1])
+        return False, k_in, v_in, k_in.shape[1], None
 
-        # ---- masks ----
-        # a key_mask given now overrides one stored with a cross-attention memory
-        if key_mask is not None:
-            mask = self._check_key_mask(key_mask, B, S, batched)
-        else:
-            mask = stored_mask
-        if attn_mask is not None:
-            am = self._check_attn_mask(attn_mask, B, L, S, batched)
-            if mask is None:
-                mask = am
-            elif am.dtype == np.bool_:
-                mask = am & mask
-            else:
-                mask = np.where(mask, am, am.dtype.type(-np.inf))
+    def _check_cache(self, cache, B):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from new_cache(), got "
+                            f"{type(cache).__name__}")
+        Hkv, hd, hdv = self.num_kv_heads, self.head_dim, self.v_head_dim
+        if (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype) != \
+                (Hkv, hd, hdv, self.dtype):
+            raise ValueError(
+                f"cache does not fit this layer: cache has num_kv_heads={cache.num_kv_heads}, "
+                f"head_dim={cache.head_dim}, v_head_dim={cache.v_head_dim}, "
+                f"dtype={cache.dtype}; layer has {Hkv}, {hd}, {hdv}, {self.dtype}")
+        if B != cache.batch_size:
+            raise ValueError(f"query batch size {B} does not match the cache's "
+                             f"batch_size={cache.batch_size}")
 
-        # ---- projections (and cache updates) ----
+    def _combine_masks(self, key_mask, attn_mask, stored_mask, B, L, S, batched):
+        """One mask for the kernel: key_mask (or the one stored with a
+        cross-attention memory: a key_mask given now overrides it) and
+        attn_mask, both applying."""
+        mask = stored_mask if key_mask is None else self._check_key_mask(key_mask, B, S, batched)
+        if attn_mask is None:
+            return mask
+        am = self._check_attn_mask(attn_mask, B, L, S, batched)
+        if mask is None:
+            return am
+        if am.dtype == np.bool_:
+            return am & mask
+        return np.where(mask, am, am.dtype.type(-np.inf))
+
+    def _project_heads(self, x_q, self_attn, key, value, k_in, v_in, cache, key_mask, mask,
+                       attn_mask, B, L, S, batched):
+        """Projected (B, heads, length, head_dim) query / key / value views,
+        the cache updated with this call's keys and values."""
+        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        Nq = H * hd
+        Nk = Hkv * hd
         if self_attn:
             qkv = self._project_self(x_q)
-            q_p = qkv[:, :Nq]
-            k_p = qkv[:, Nq:Nq + Nk]
-            v_p = qkv[:, Nq + Nk:]
+            q_p, k_p, v_p = qkv[:, :Nq], qkv[:, Nq:Nq + Nk], qkv[:, Nq + Nk:]
         else:
             q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
             if k_in is not None:
                 k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
-        if cache is not None:
-            if k_in is not None or self_attn:
-                cache._append(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
-                if self_attn:
-                    cache.mode = "self"
-                else:
-                    cache.mode = "cross"
-                    cache._source = key
-                    if key_mask is not None:
-                        cache._key_mask = mask if attn_mask is None else \
-                            self._check_key_mask(key_mask, B, S, batched)
-            k4 = cache._k[:, :, :S]
-            v4 = cache._v[:, :, :S]
-        else:
+        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+        if cache is None:
             # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
             k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
             v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
-        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+            return q4, k4, v4
+        if self_attn:
+            cache.append_self(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
+        elif k_in is not None:
+            stored = None
+            if key_mask is not None:
+                stored = mask if attn_mask is None else \
+                    self._check_key_mask(key_mask, B, S, batched)
+            cache.bind_memory(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv),
+                              key, stored)
+        k4, v4 = cache.view(S)
+        return q4, k4, v4
 
+    def _attend(self, q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
+                B, L, batched):
+        """Attention of the projected heads, then the output projection."""
+        H, hdv = self.num_heads, self.v_head_dim
         res = scaled_dot_product_attention(
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
-            enable_gqa=Hkv != H, return_weights=need_weights)
+            enable_gqa=self.num_kv_heads != H, return_weights=need_weights)
         if need_weights:
             o, w = res
             if w.shape[:2] != (B, H):
