@@ -20,8 +20,10 @@ Dispatch::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import alignments as _alignments
 from ._core import _additive
@@ -78,6 +80,20 @@ class Memory:
 
     __slots__ = ("keys", "values", "mask", "prepared", "dtype", "result_dtype", "batch",
                  "length", "spatial", "key_dim", "_alignment", "_mask_u8", "_src", "_aux")
+    keys: np.ndarray
+    values: np.ndarray
+    mask: np.ndarray | None
+    prepared: Any
+    dtype: np.dtype
+    result_dtype: np.dtype
+    batch: int
+    length: int
+    spatial: tuple[int, int] | None
+    key_dim: int
+    _alignment: Alignment
+    _mask_u8: np.ndarray | None
+    _src: tuple[np.ndarray, np.ndarray]
+    _aux: np.ndarray | None
 
     def __repr__(self):
         sp = f", spatial={self.spatial}" if self.spatial else ""
@@ -143,7 +159,9 @@ class Attention:
       dtype) and every error names the plugin.
     """
 
-    def __init__(self, alignment="dot", *, combine_weight=None, num_threads=None, **params):
+    def __init__(self, alignment: str | type | Alignment = "dot", *,
+                 combine_weight: ArrayLike | None = None, num_threads: int | None = None,
+                 **params: Any) -> None:
         if isinstance(alignment, Alignment):
             if params:
                 raise TypeError(
@@ -175,14 +193,15 @@ class Attention:
         self.combine_weight = combine_weight
         resolve_num_threads(num_threads)  # validate now
         self.num_threads = num_threads
-        self._cw_cache = {}
+        self._cw_cache: dict[str, np.ndarray] = {}
 
     def __repr__(self):
         cw = "" if self.combine_weight is None else f", combine_weight: {self.combine_weight.shape}"
         return f"Attention({self.alignment_name!r}: {self.alignment!r}{cw})"
 
     # ------------------------------------------------------------------
-    def prepare(self, keys, values=None, *, mask=None):
+    def prepare(self, keys: ArrayLike, values: ArrayLike | None = None, *,
+                mask: ArrayLike | None = None) -> Memory:
         """Precompute what depends only on the keys (once per source sequence).
 
         Parameters
@@ -259,7 +278,9 @@ class Attention:
         return mem
 
     # ------------------------------------------------------------------
-    def __call__(self, query, keys, values=None, *, mask=None, return_weights=False):
+    def __call__(self, query: ArrayLike, keys: ArrayLike, values: ArrayLike | None = None, *,
+                 mask: ArrayLike | None = None,
+                 return_weights: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
         """All decoder steps at once: ``step(query, prepare(keys, values, mask=mask))``.
 
         Parameters
@@ -284,7 +305,8 @@ class Attention:
         return self.step(query, self.prepare(keys, values, mask=mask),
                          return_weights=return_weights)
 
-    def step(self, query, memory, *, return_weights=False):
+    def step(self, query: ArrayLike, memory: Memory, *,
+             return_weights: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
         """Attend from one decoder step (or T of them) to a prepared memory.
 
         Parameters

@@ -21,8 +21,10 @@ are seen by the next call.
 from __future__ import annotations
 
 import math
+from typing import Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ._convert import keras_arrays, to_numpy, torch_arrays
 from ._linear import linear
@@ -81,9 +83,12 @@ class KVCache:
 
     __slots__ = ("batch_size", "max_length", "num_kv_heads", "head_dim", "v_head_dim",
                  "dtype", "mode", "_k", "_v", "_len", "_source", "_key_mask")
+    mode: str | None
+    _source: object
+    _key_mask: np.ndarray | None
 
-    def __init__(self, batch_size, max_length, num_kv_heads, head_dim, v_head_dim,
-                 dtype=np.float32):
+    def __init__(self, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
+                 v_head_dim: int, dtype: DTypeLike = np.float32) -> None:
         self.batch_size = parse_positive_int(batch_size, "batch_size")
         self.max_length = parse_positive_int(max_length, "max_length")
         self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
@@ -242,8 +247,10 @@ class MultiHeadAttention:
     """
 
     # ------------------------------------------------------------ creation
-    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
-                 bias=True, out_dim=None, dtype=np.float32, rng=None):
+    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
+                 vdim: int | None = None, num_kv_heads: int | None = None, bias: bool = True,
+                 out_dim: int | None = None, dtype: DTypeLike = np.float32,
+                 rng: np.random.Generator | int | None = None) -> None:
         bias = parse_bool(bias, "bias")
         embed_dim = parse_positive_int(embed_dim, "embed_dim")
         num_heads = parse_positive_int(num_heads, "num_heads")
@@ -410,8 +417,12 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------ loaders
     @classmethod
-    def from_arrays(cls, *, q_weight, k_weight, v_weight, out_weight, q_bias=None, k_bias=None,
-                    v_bias=None, out_bias=None, num_heads, num_kv_heads=None, dtype=None):
+    def from_arrays(cls, *, q_weight: ArrayLike, k_weight: ArrayLike, v_weight: ArrayLike,
+                    out_weight: ArrayLike, q_bias: ArrayLike | None = None,
+                    k_bias: ArrayLike | None = None, v_bias: ArrayLike | None = None,
+                    out_bias: ArrayLike | None = None, num_heads: int,
+                    num_kv_heads: int | None = None,
+                    dtype: DTypeLike | None = None) -> MultiHeadAttention:
         """Layer from weight arrays in PyTorch's Linear layout.
 
         Parameters
@@ -440,7 +451,8 @@ class MultiHeadAttention:
         return self
 
     @classmethod
-    def from_torch(cls, state_dict_or_module, num_heads=None, *, dtype=None):
+    def from_torch(cls, state_dict_or_module: Any, num_heads: int | None = None, *,
+                   dtype: DTypeLike | None = None) -> MultiHeadAttention:
         """Layer from a ``torch.nn.MultiheadAttention`` or its state dict.
 
         Parameters
@@ -487,7 +499,8 @@ class MultiHeadAttention:
         return cls.from_arrays(**torch_arrays(state_dict_or_module, num_heads, dtype))
 
     @classmethod
-    def from_keras(cls, layer_or_weights, config=None, *, dtype=None):
+    def from_keras(cls, layer_or_weights: Any, config: dict | None = None, *,
+                   dtype: DTypeLike | None = None) -> MultiHeadAttention:
         """Layer from a Keras 3 ``keras.layers.MultiHeadAttention``.
 
         Parameters
@@ -527,7 +540,7 @@ class MultiHeadAttention:
         return cls.from_arrays(**keras_arrays(layer_or_weights, config, dtype))
 
     # ------------------------------------------------------------ cache
-    def new_cache(self, batch_size, max_length) -> KVCache:
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty, preallocated :class:`KVCache` for this layer.
 
         Parameters
@@ -597,8 +610,12 @@ class MultiHeadAttention:
             am = am.astype(self.dtype)
         return am
 
-    def __call__(self, query, key=None, value=None, *, key_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, average_attn_weights=True, cache=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike | None = None,
+                 value: ArrayLike | None = None, *, key_mask: ArrayLike | None = None,
+                 attn_mask: ArrayLike | None = None,
+                 is_causal: bool | Literal["upper_left", "lower_right"] = False,
+                 need_weights: bool = False, average_attn_weights: bool = True,
+                 cache: KVCache | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Iterable, Literal, Optional, Tuple, overload
 
 import numpy as np
 
@@ -116,6 +116,14 @@ def parse_bool(x: Any, name: str) -> bool:
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     raise TypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
+
+
+@overload
+def parse_positive_int(x: Any, name: str, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def parse_positive_int(x: Any, name: str, allow_none: bool) -> Optional[int]: ...
 
 
 def parse_positive_int(x: Any, name: str, allow_none: bool = False) -> Optional[int]:
