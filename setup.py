@@ -10,6 +10,7 @@ ATTNCORE_FAIL_NO_OPENMP=1
     compiler cannot compile and link an OpenMP program.
 """
 import os
+import shlex
 import sys
 import shutil
 import tempfile
@@ -37,8 +38,25 @@ def _openmp_flags(compiler):
     return ["-fopenmp"], ["-fopenmp"]
 
 
+def _env_link_flags():
+    """The flags from the environment that the extensions are linked with.
+
+    ``customize_compiler`` appends ``LDFLAGS`` and ``CFLAGS`` to the shared
+    library linker command, but not to the executable linker the probe
+    uses; they are added to the probe's link by hand (e.g. with
+    ``-fsanitize=address`` in both, the probe must link the sanitizer
+    runtime as the extensions do).
+    """
+    flags = []
+    for var in ("LDFLAGS", "CFLAGS"):
+        flags += shlex.split(os.environ.get(var, ""))
+    return flags
+
+
 def _check_openmp(compiler):
-    """Compile and link a tiny OpenMP program with the build's compiler."""
+    """Compile and link a tiny OpenMP program with the build's compiler and
+    the flags the extensions get (the compiler object carries CFLAGS /
+    CPPFLAGS once customized; LDFLAGS / CFLAGS are added to the link)."""
     cflags, lflags = _openmp_flags(compiler)
     code = textwrap.dedent(
         """\
@@ -60,30 +78,41 @@ def _check_openmp(compiler):
         with open("omp_test.c", "w") as f:
             f.write(code)
         objs = compiler.compile(["omp_test.c"], output_dir="objs", extra_postargs=cflags)
-        compiler.link_executable(objs, "omp_test", extra_postargs=lflags)
+        compiler.link_executable(objs, "omp_test", extra_preargs=_env_link_flags(),
+                                 extra_postargs=lflags)
         return True
     except Exception as exc:  # any compile / link failure means "no OpenMP"
-        warnings.warn(f"OpenMP test program failed to build: {exc}")
+        warnings.warn(f"OpenMP test program failed to build: {exc}", stacklevel=2)
         return False
     finally:
         os.chdir(cwd)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _no_openmp_message(fail):
+    """What the build says when the OpenMP probe failed."""
+    if fail:
+        return ("attncore: the compiler cannot compile and link an OpenMP program with the "
+                "build's flags (CFLAGS / LDFLAGS; see the warning above) and "
+                "ATTNCORE_FAIL_NO_OPENMP is set: stopping the build.")
+    return ("attncore: the compiler cannot compile and link an OpenMP program with the "
+            "build's flags (CFLAGS / LDFLAGS); building serial kernels (one thread). Set "
+            "ATTNCORE_FAIL_NO_OPENMP=1 to make this an error.")
+
+
 class BuildExt(build_ext):
     def build_extensions(self):
         use_omp = False
         if _flag("ATTNCORE_NO_OPENMP"):
-            warnings.warn("ATTNCORE_NO_OPENMP is set: building attncore without OpenMP")
+            warnings.warn("ATTNCORE_NO_OPENMP is set: building attncore without OpenMP", stacklevel=2)
         else:
             use_omp = _check_openmp(self.compiler)
             if not use_omp:
-                msg = ("attncore: the compiler cannot build OpenMP programs; "
-                       "building serial kernels (one thread). Set "
-                       "ATTNCORE_FAIL_NO_OPENMP=1 to make this an error.")
-                if _flag("ATTNCORE_FAIL_NO_OPENMP"):
+                fail = _flag("ATTNCORE_FAIL_NO_OPENMP")
+                msg = _no_openmp_message(fail)
+                if fail:
                     raise RuntimeError(msg)
-                warnings.warn(msg)
+                warnings.warn(msg, stacklevel=2)
         cflags, lflags = _openmp_flags(self.compiler) if use_omp else ([], [])
         if self.compiler.compiler_type == "msvc":
             base = ["/O2"]
@@ -137,4 +166,5 @@ def extensions():
     )
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
+if __name__ == "__main__":  # (also under pip / build: setuptools runs this file as __main__)
+    setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

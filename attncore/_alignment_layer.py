@@ -20,15 +20,18 @@ Dispatch::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import alignments as _alignments
 from ._core import _additive
 from ._threads import blas_parallel_threads, resolve_num_threads
 from .alignments._base import Alignment
 from .alignments._builtin import MLP, Bilinear, Dot, ScaledDot
-from .functional import as_float_array, compute_dtype, scaled_dot_product_attention
+from ._validation import aligned, as_float_array, compute_dtype, parse_bool, parse_mask
+from .functional import scaled_dot_product_attention
 
 __all__ = ["Attention", "Memory"]
 
@@ -81,6 +84,20 @@ class Memory:
 
     __slots__ = ("keys", "values", "mask", "prepared", "dtype", "result_dtype", "batch",
                  "length", "spatial", "key_dim", "_alignment", "_mask_u8", "_src", "_aux")
+    keys: np.ndarray
+    values: np.ndarray
+    mask: np.ndarray | None
+    prepared: Any
+    dtype: np.dtype
+    result_dtype: np.dtype
+    batch: int
+    length: int
+    spatial: tuple[int, int] | None
+    key_dim: int
+    _alignment: Alignment
+    _mask_u8: np.ndarray | None
+    _src: tuple[np.ndarray, np.ndarray]
+    _aux: np.ndarray | None
 
     def __repr__(self):
         sp = f", spatial={self.spatial}" if self.spatial else ""
@@ -146,7 +163,9 @@ class Attention:
       dtype) and every error names the plugin.
     """
 
-    def __init__(self, alignment="dot", *, combine_weight=None, num_threads=None, **params):
+    def __init__(self, alignment: str | type | Alignment = "dot", *,
+                 combine_weight: ArrayLike | None = None, num_threads: int | None = None,
+                 **params: Any) -> None:
         if isinstance(alignment, Alignment):
             if params:
                 raise TypeError(
@@ -178,14 +197,15 @@ class Attention:
         self.combine_weight = combine_weight
         resolve_num_threads(num_threads)  # validate now
         self.num_threads = num_threads
-        self._cw_cache = {}
+        self._cw_cache: dict[str, np.ndarray] = {}
 
     def __repr__(self):
         cw = "" if self.combine_weight is None else f", combine_weight: {self.combine_weight.shape}"
         return f"Attention({self.alignment_name!r}: {self.alignment!r}{cw})"
 
     # ------------------------------------------------------------------
-    def prepare(self, keys, values=None, *, mask=None):
+    def prepare(self, keys: ArrayLike, values: ArrayLike | None = None, *,
+                mask: ArrayLike | None = None) -> Memory:
         """Precompute what depends only on the keys (once per source sequence).
 
         Parameters
@@ -200,11 +220,11 @@ class Attention:
         -------
         Memory
         """
-        k = as_float_array(keys, "keys")
+        k = as_float_array(keys, "keys", "mask")
         if k.ndim not in (3, 4):
             raise ValueError(f"keys must have shape (B, S, Dk) or (B, H, W, Dk), got shape "
                              f"{k.shape}")
-        v = k if values is None else as_float_array(values, "values")
+        v = k if values is None else as_float_array(values, "values", "mask")
         if v.ndim != k.ndim or v.shape[:-1] != k.shape[:-1]:
             lead = "(B, S)" if k.ndim == 3 else "(B, H, W)"
             raise ValueError(f"values must have the leading shape {lead} = {k.shape[:-1]} of "
@@ -216,10 +236,7 @@ class Attention:
             raise ValueError(f"keys last dimension (Dk) must be >= 1, got keys shape {k.shape}")
         m = None
         if mask is not None:
-            m = mask if isinstance(mask, np.ndarray) else np.asarray(mask)
-            if m.dtype != np.bool_:
-                raise TypeError(f"mask must be a bool array (True = take part), got dtype "
-                                f"{m.dtype}")
+            m, _ = parse_mask(mask, "mask", allow_float=False)
             want = k.shape[:-1]
             if m.shape != want and not (m.ndim == len(want) and m.shape[0] == 1
                                         and m.shape[1:] == want[1:]):
@@ -252,7 +269,7 @@ class Attention:
             prepared = self.alignment.prepare(kc)
         elif kind == "mlp":
             prepared = self.alignment.project_keys(kc)
-            vc = np.ascontiguousarray(vc)
+            vc = aligned(np.ascontiguousarray(vc))
             if prepared.size and np.abs(prepared).max() <= _FACTOR_LIMIT[np.dtype(cdt)]:
                 mem._aux = np.exp(prepared * np.asarray(2, dtype=cdt))   # e^{2 kp}
         else:
@@ -265,7 +282,9 @@ class Attention:
         return mem
 
     # ------------------------------------------------------------------
-    def __call__(self, query, keys, values=None, *, mask=None, return_weights=False):
+    def __call__(self, query: ArrayLike, keys: ArrayLike, values: ArrayLike | None = None, *,
+                 mask: ArrayLike | None = None,
+                 return_weights: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
         """All decoder steps at once: ``step(query, prepare(keys, values, mask=mask))``.
 
         Parameters
@@ -286,10 +305,12 @@ class Attention:
         weights : ndarray, shape (B, [T,] S) or (B, [T,] H, W)
             Only with ``return_weights=True``.
         """
+        return_weights = parse_bool(return_weights, "return_weights")
         return self.step(query, self.prepare(keys, values, mask=mask),
                          return_weights=return_weights)
 
-    def step(self, query, memory, *, return_weights=False):
+    def step(self, query: ArrayLike, memory: Memory, *,
+             return_weights: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
         """Attend from one decoder step (or T of them) to a prepared memory.
 
         Parameters
@@ -307,12 +328,13 @@ class Attention:
         weights : ndarray, shape (B, [T,] S) or (B, [T,] H, W)
             Only with ``return_weights=True``.
         """
+        return_weights = parse_bool(return_weights, "return_weights")
         if not isinstance(memory, Memory):
             raise TypeError(f"memory must be the Memory returned by Attention.prepare, got "
                             f"{type(memory).__name__}")
         if memory._alignment is not self.alignment:
             raise ValueError("memory was prepared by an Attention layer with another alignment")
-        q = as_float_array(query, "query")
+        q = as_float_array(query, "query", "mask")
         if q.ndim == 2:
             single = True
             q3 = q[:, None, :]
@@ -397,10 +419,10 @@ class Attention:
         a = self.alignment
         B, T, _ = q3.shape
         S = memory.length
-        qp = a.project_queries(q3)
+        qp = aligned(a.project_queries(q3))
         A = qp.shape[-1]
         cdt = q3.dtype
-        v = np.ascontiguousarray(a.param("v", cdt))
+        v = aligned(np.ascontiguousarray(a.param("v", cdt)))
         kp = memory.prepared
         factored = (memory._aux is not None and qp.size > 0
                     and np.abs(qp).max() <= _FACTOR_LIMIT[np.dtype(cdt)])

@@ -36,9 +36,9 @@ def config_dict() -> dict:
     try:
         import scipy.linalg  # noqa: F401  (loads scipy's BLAS)
 
-        from ._threads import _get_controller
+        from threadpoolctl import threadpool_info
 
-        for lib in _get_controller().info():
+        for lib in threadpool_info():
             if lib.get("user_api") == "blas":
                 blas.setdefault("runtime", []).append(
                     {k: lib.get(k) for k in ("internal_api", "version", "num_threads",
@@ -46,6 +46,12 @@ def config_dict() -> dict:
     except Exception:
         pass
     info["blas"] = blas
+    from ._kernels import available_kernel_paths, kernel_path
+    from ._threads import blas_hold_supported
+
+    info["kernel_path"] = kernel_path()
+    info["kernel_paths_available"] = available_kernel_paths()
+    info["blas_thread_local_hold"] = blas_hold_supported()
     return info
 
 
@@ -59,8 +65,14 @@ def show_config() -> None:
     print(f"{'OpenMP':>16}: {'enabled' if info['openmp'] else 'DISABLED (serial build)'}")
     print(f"{'threads':>16}: {info['omp_max_threads']} by default "
           f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
+    print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
+          f"{', '.join(info['kernel_paths_available'])})")
     blas = info["blas"]
-    print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}")
+    print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
+          + ("held to one thread per attncore thread (thread-locally)"
+             if info["blas_thread_local_hold"] else
+             "no thread-local limit: float64 / weights regions that call it run on one "
+             "attncore thread"))
     if blas.get("openblas configuration"):
         print(f"{'':>16}  {blas['openblas configuration']}")
     for lib in blas.get("runtime", []):

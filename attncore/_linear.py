@@ -14,6 +14,7 @@ import numpy as np
 
 from ._core import _linalg, _sdpa
 from ._threads import blas_parallel_threads, resolve_num_threads
+from ._validation import aligned, blas_rows
 
 __all__ = ["linear"]
 
@@ -23,17 +24,12 @@ _SERIAL_MACS = 1 << 17
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
-    """``a`` (2-D) with contiguous rows and a BLAS-valid row stride."""
+    """``a`` (2-D) aligned, with contiguous rows and a BLAS-valid row stride."""
     if a.ndim != 2:
         raise ValueError(f"linear expects 2-D operands, got shape {a.shape}")
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
-    isz = a.itemsize
-    r, c = a.shape
-    if (c > 1 and a.strides[1] != isz) or (r > 1 and a.strides[0] < c * isz) \
-            or any(s % isz for s in a.strides):
-        return np.ascontiguousarray(a)
-    return a
+    return blas_rows(a)
 
 
 def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
@@ -49,7 +45,7 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
     if out is None:
         out = np.empty((R, C), dtype=x2d.dtype)
     if b is not None:
-        b = np.ascontiguousarray(b)
+        b = aligned(np.ascontiguousarray(b))
     macs = R * C * K
     nthreads = 1 if macs < _SERIAL_MACS else resolve_num_threads(num_threads)
     if x2d.dtype != np.float32 or _sdpa.kernel_path() == "portable":

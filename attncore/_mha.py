@@ -21,12 +21,16 @@ are seen by the next call.
 from __future__ import annotations
 
 import math
+from typing import Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
+from ._convert import keras_arrays, to_numpy, torch_arrays
 from ._linear import linear
-from .functional import (as_float_array, parse_causal, parse_float_dtype,
-                         parse_positive_int, scaled_dot_product_attention)
+from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
+                          parse_mask, parse_positive_int, to_array)
+from .functional import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
 
@@ -38,27 +42,9 @@ def _layer_dtype(dtype) -> np.dtype:
     return parse_float_dtype(dtype, "dtype", (4, 8))
 
 
-def _to_numpy(t, name: str) -> np.ndarray:
-    """A torch tensor, Keras variable or array-like as a NumPy array."""
-    if hasattr(t, "detach") and hasattr(t, "cpu"):        # torch.Tensor
-        t = t.detach().cpu()
-        if hasattr(t, "float") and str(getattr(t, "dtype", "")) in ("torch.bfloat16",):
-            t = t.float()
-        return t.numpy()
-    if hasattr(t, "numpy") and not isinstance(t, np.ndarray):   # Keras / TF variable
-        try:
-            return np.asarray(t.numpy())
-        except Exception:  # pragma: no cover - fall back to the array protocol
-            pass
-    a = np.asarray(t)
-    if a.dtype == object:
-        raise TypeError(f"{name} must be an array, got {type(t).__name__}")
-    return a
-
-
 def _weight(a, shape, name: str, dtype) -> np.ndarray:
     """``a`` as a float array of exactly ``shape`` (a new array, never a view of the input)."""
-    arr = as_float_array(_to_numpy(a, name), name)
+    arr = as_float_array(to_numpy(a, name), name)
     if arr.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {arr.shape}")
     return np.array(arr, dtype=dtype, copy=True)
@@ -97,9 +83,12 @@ class KVCache:
 
     __slots__ = ("batch_size", "max_length", "num_kv_heads", "head_dim", "v_head_dim",
                  "dtype", "mode", "_k", "_v", "_len", "_source", "_key_mask")
+    mode: str | None
+    _source: object
+    _key_mask: np.ndarray | None
 
-    def __init__(self, batch_size, max_length, num_kv_heads, head_dim, v_head_dim,
-                 dtype=np.float32):
+    def __init__(self, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
+                 v_head_dim: int, dtype: DTypeLike = np.float32) -> None:
         self.batch_size = parse_positive_int(batch_size, "batch_size")
         self.max_length = parse_positive_int(max_length, "max_length")
         self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
@@ -160,6 +149,37 @@ class KVCache:
         self._k[:, :, n:n + T] = k_new.transpose(0, 2, 1, 3)
         self._v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
         self._len = n + T
+
+    def append_self(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
+        """Append projected self-attention keys / values, (B, T, Hkv, hd) and
+        (B, T, Hkv, hdv), and mark the cache ``"self"``."""
+        self._append(k_new, v_new)
+        self.mode = "self"
+
+    def bind_memory(self, k_mem: np.ndarray, v_mem: np.ndarray, source: object,
+                    key_mask: np.ndarray | None) -> None:
+        """Store a cross-attention memory's projected keys / values (layout as
+        in :meth:`append_self`), the memory object they came from and its
+        (B, 1, 1, S) key mask (or None); marks the cache ``"cross"``."""
+        self._append(k_mem, v_mem)
+        self.mode = "cross"
+        self._source = source
+        self._key_mask = key_mask
+
+    @property
+    def source(self) -> object:
+        """The memory a ``"cross"`` cache was filled from (else None)."""
+        return self._source
+
+    @property
+    def key_mask(self) -> np.ndarray | None:
+        """The key mask stored with a cross-attention memory, (B, 1, 1, S) bool, or None."""
+        return self._key_mask
+
+    def view(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``length`` keys and values as (B, Hkv, length, hd) views
+        (writable: the layer's own access)."""
+        return self._k[:, :, :length], self._v[:, :, :length]
 
 
 # --------------------------------------------------------------------------
@@ -227,8 +247,11 @@ class MultiHeadAttention:
     """
 
     # ------------------------------------------------------------ creation
-    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, num_kv_heads=None,
-                 bias=True, out_dim=None, dtype=np.float32, rng=None):
+    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
+                 vdim: int | None = None, num_kv_heads: int | None = None, bias: bool = True,
+                 out_dim: int | None = None, dtype: DTypeLike = np.float32,
+                 rng: np.random.Generator | int | None = None) -> None:
+        bias = parse_bool(bias, "bias")
         embed_dim = parse_positive_int(embed_dim, "embed_dim")
         num_heads = parse_positive_int(num_heads, "num_heads")
         kdim = parse_positive_int(kdim, "kdim", True) or embed_dim
@@ -261,10 +284,10 @@ class MultiHeadAttention:
     def _setup(self, num_heads, num_kv_heads, qw, kw, vw, ow, qb, kb, vb, ob, *, dtype):
         """Check the shapes against each other and lay the weights out."""
         dt = _layer_dtype(dtype)
-        qw = as_float_array(_to_numpy(qw, "q_weight"), "q_weight")
-        kw = as_float_array(_to_numpy(kw, "k_weight"), "k_weight")
-        vw = as_float_array(_to_numpy(vw, "v_weight"), "v_weight")
-        ow = as_float_array(_to_numpy(ow, "out_weight"), "out_weight")
+        qw = as_float_array(to_numpy(qw, "q_weight"), "q_weight")
+        kw = as_float_array(to_numpy(kw, "k_weight"), "k_weight")
+        vw = as_float_array(to_numpy(vw, "v_weight"), "v_weight")
+        ow = as_float_array(to_numpy(ow, "out_weight"), "out_weight")
         for nm, w in (("q_weight", qw), ("k_weight", kw), ("v_weight", vw), ("out_weight", ow)):
             if w.ndim != 2 or 0 in w.shape:
                 raise ValueError(
@@ -394,8 +417,12 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------ loaders
     @classmethod
-    def from_arrays(cls, *, q_weight, k_weight, v_weight, out_weight, q_bias=None, k_bias=None,
-                    v_bias=None, out_bias=None, num_heads, num_kv_heads=None, dtype=None):
+    def from_arrays(cls, *, q_weight: ArrayLike, k_weight: ArrayLike, v_weight: ArrayLike,
+                    out_weight: ArrayLike, q_bias: ArrayLike | None = None,
+                    k_bias: ArrayLike | None = None, v_bias: ArrayLike | None = None,
+                    out_bias: ArrayLike | None = None, num_heads: int,
+                    num_kv_heads: int | None = None,
+                    dtype: DTypeLike | None = None) -> MultiHeadAttention:
         """Layer from weight arrays in PyTorch's Linear layout.
 
         Parameters
@@ -416,7 +443,7 @@ class MultiHeadAttention:
         ``head_dim`` need not be ``embed_dim // num_heads``.
         """
         if dtype is None:
-            dtype = np.float64 if _to_numpy(q_weight, "q_weight").dtype == np.float64 \
+            dtype = np.float64 if to_numpy(q_weight, "q_weight").dtype == np.float64 \
                 else np.float32
         self = cls.__new__(cls)
         self._setup(num_heads, num_kv_heads, q_weight, k_weight, v_weight, out_weight,
@@ -424,7 +451,8 @@ class MultiHeadAttention:
         return self
 
     @classmethod
-    def from_torch(cls, state_dict_or_module, num_heads=None, *, dtype=None):
+    def from_torch(cls, state_dict_or_module: Any, num_heads: int | None = None, *,
+                   dtype: DTypeLike | None = None) -> MultiHeadAttention:
         """Layer from a ``torch.nn.MultiheadAttention`` or its state dict.
 
         Parameters
@@ -468,99 +496,11 @@ class MultiHeadAttention:
         * ``need_weights`` defaults to True in PyTorch and False here;
           dropout is not applied (inference).
         """
-        sd = state_dict_or_module
-        if hasattr(sd, "state_dict") and hasattr(sd, "num_heads") and not isinstance(sd, dict):
-            mod = sd
-            if getattr(mod, "add_zero_attn", False):
-                raise NotImplementedError("from_torch: add_zero_attn=True is not supported")
-            if getattr(mod, "bias_k", None) is not None or getattr(mod, "bias_v", None) is not None:
-                raise NotImplementedError("from_torch: add_bias_kv=True (bias_k, bias_v) is not "
-                                          "supported")
-            if num_heads is not None and int(num_heads) != mod.num_heads:
-                raise ValueError(f"num_heads={num_heads} disagrees with the module's "
-                                 f"num_heads={mod.num_heads}")
-            num_heads = mod.num_heads
-            sd = mod.state_dict()
-        elif not hasattr(sd, "keys"):
-            raise TypeError("state_dict_or_module must be a torch.nn.MultiheadAttention or a "
-                            f"state dict (mapping), got {type(sd).__name__}")
-        if num_heads is None:
-            raise ValueError("from_torch: num_heads is required with a state dict")
-        H = parse_positive_int(num_heads, "num_heads")
-        sd = dict(sd)
-        # strip a common prefix ("decoder.layers.0.self_attn.")
-        anchor = [k for k in sd if k.endswith("out_proj.weight")]
-        prefix = ""
-        if len(anchor) == 1:
-            prefix = anchor[0][: -len("out_proj.weight")]
-        elif len(anchor) > 1:
-            raise ValueError(f"from_torch: the state dict holds several attention layers "
-                             f"({sorted(anchor)}); pass one layer's state dict")
-        if prefix:
-            others = [k for k in sd if not k.startswith(prefix)]
-            if others:
-                raise ValueError(f"from_torch: unexpected tensors {sorted(others)} (next to "
-                                 f"'{prefix}out_proj.weight')")
-            sd = {k[len(prefix):]: v for k, v in sd.items()}
-        arr = {k: _to_numpy(v, prefix + k) for k, v in sd.items()}
-        if "bias_k" in arr or "bias_v" in arr:
-            raise NotImplementedError("from_torch: add_bias_kv=True (bias_k, bias_v) is not "
-                                      "supported")
-        packed = "in_proj_weight" in arr
-        expected = ({"in_proj_weight"} if packed else
-                    {"q_proj_weight", "k_proj_weight", "v_proj_weight"}) | {"out_proj.weight"}
-        optional = {"in_proj_bias", "out_proj.bias"}
-        missing = sorted(expected - arr.keys())
-        if "in_proj_bias" in arr and "out_proj.bias" not in arr:
-            missing.append("out_proj.bias")
-        if "out_proj.bias" in arr and "in_proj_bias" not in arr:
-            missing.append("in_proj_bias")
-        if missing:
-            raise ValueError(f"from_torch: missing tensors {[prefix + m for m in missing]} "
-                             f"(got {sorted(prefix + k for k in arr)})")
-        extra = sorted(arr.keys() - expected - optional)
-        if extra:
-            raise ValueError(f"from_torch: unexpected tensors {[prefix + e for e in extra]}")
-        ow = arr["out_proj.weight"]
-        if ow.ndim != 2:
-            raise ValueError(f"from_torch: {prefix}out_proj.weight must be 2-D (E, E), got shape "
-                             f"{ow.shape}")
-        E = ow.shape[0]
-        if E % H:
-            raise ValueError(f"from_torch: embed_dim={E} (from out_proj.weight) must be "
-                             f"divisible by num_heads={H}")
-
-        def shaped(name, shape):
-            a = arr[name]
-            if a.shape != tuple(shape):
-                raise ValueError(f"from_torch: {prefix}{name} must have shape {tuple(shape)}, "
-                                 f"got {a.shape}")
-            return a
-
-        shaped("out_proj.weight", (E, E))
-        if packed:
-            w = shaped("in_proj_weight", (3 * E, E))
-            qw, kw, vw = w[:E], w[E:2 * E], w[2 * E:]
-        else:
-            qw = shaped("q_proj_weight", (E, E))
-            kw, vw = arr["k_proj_weight"], arr["v_proj_weight"]
-            for nm, a in (("k_proj_weight", kw), ("v_proj_weight", vw)):
-                if a.ndim != 2 or a.shape[0] != E:
-                    raise ValueError(f"from_torch: {prefix}{nm} must have shape (E, in_features) "
-                                     f"with E={E}, got {a.shape}")
-        qb = kb = vb = ob = None
-        if "in_proj_bias" in arr:
-            b = shaped("in_proj_bias", (3 * E,))
-            qb, kb, vb = b[:E], b[E:2 * E], b[2 * E:]
-            ob = shaped("out_proj.bias", (E,))
-        if dtype is None:
-            dtype = np.float64 if ow.dtype == np.float64 else np.float32
-        self = cls.__new__(cls)
-        self._setup(H, H, qw, kw, vw, ow, qb, kb, vb, ob, dtype=dtype)
-        return self
+        return cls.from_arrays(**torch_arrays(state_dict_or_module, num_heads, dtype))
 
     @classmethod
-    def from_keras(cls, layer_or_weights, config=None, *, dtype=None):
+    def from_keras(cls, layer_or_weights: Any, config: dict | None = None, *,
+                   dtype: DTypeLike | None = None) -> MultiHeadAttention:
         """Layer from a Keras 3 ``keras.layers.MultiHeadAttention``.
 
         Parameters
@@ -597,90 +537,10 @@ class MultiHeadAttention:
             multi-dimensional ``output_shape``, ``use_gate=True`` or a
             ``sliding_window``.
         """
-        obj = layer_or_weights
-        if hasattr(obj, "get_weights") and hasattr(obj, "get_config"):
-            cfg = obj.get_config()
-            if not getattr(obj, "built", True) or not obj.get_weights():
-                raise ValueError("from_keras: the layer has no weights yet; call it once (or "
-                                 "build it) before converting")
-            weights = obj.get_weights()
-            if cfg.get("attention_axes") is None and getattr(obj, "_attention_axes", None) \
-                    is not None:
-                cfg = dict(cfg, attention_axes=obj._attention_axes)
-        else:
-            if isinstance(obj, np.ndarray) or not hasattr(obj, "__len__"):
-                raise TypeError("layer_or_weights must be a keras.layers.MultiHeadAttention or "
-                                f"its get_weights() list, got {type(obj).__name__}")
-            weights = list(obj)
-            cfg = dict(config) if config is not None else {}
-        axes = cfg.get("attention_axes")
-        if axes is not None:
-            ax = tuple(int(a) for a in (axes if hasattr(axes, "__len__") else (axes,)))
-            if ax not in ((1,), (-2,)):
-                raise NotImplementedError(
-                    f"from_keras: attention_axes={axes!r} is not supported; only the default "
-                    "(attention over axis 1 of (batch, length, features) inputs)")
-        if cfg.get("use_gate"):
-            raise NotImplementedError("from_keras: use_gate=True is not supported")
-        if cfg.get("sliding_window") is not None:
-            raise NotImplementedError("from_keras: sliding_window is not supported")
-        ws = [_to_numpy(w, f"weights[{i}]") for i, w in enumerate(weights)]
-        if len(ws) == 8:
-            qk, qb, kk, kb, vk, vb, ok, ob = ws
-        elif len(ws) == 4:
-            qk, kk, vk, ok = ws
-            qb = kb = vb = ob = None
-        else:
-            raise ValueError(f"from_keras: expected 8 weight arrays (with biases) or 4 (without), "
-                             f"got {len(ws)}")
-        if cfg.get("use_bias") is not None and bool(cfg["use_bias"]) != (len(ws) == 8):
-            raise ValueError(f"from_keras: config use_bias={cfg['use_bias']} but got {len(ws)} "
-                             "weight arrays")
-        if qk.ndim != 3:
-            raise ValueError(f"from_keras: query kernel must be (E, num_heads, key_dim), got "
-                             f"shape {qk.shape}")
-        E, H, kd = qk.shape
-        if kk.ndim != 3 or kk.shape[1:] != (H, kd):
-            raise ValueError(f"from_keras: key kernel must be (kdim, {H}, {kd}), got shape "
-                             f"{kk.shape}")
-        if vk.ndim != 3 or vk.shape[1] != H:
-            raise ValueError(f"from_keras: value kernel must be (vdim, {H}, value_dim), got "
-                             f"shape {vk.shape}")
-        vd = vk.shape[2]
-        if ok.ndim != 3 or ok.shape[:2] != (H, vd):
-            if ok.ndim > 3 and ok.shape[:2] == (H, vd):
-                raise NotImplementedError(
-                    f"from_keras: a multi-dimensional output_shape {ok.shape[2:]} is not "
-                    "supported")
-            raise ValueError(f"from_keras: output kernel must be ({H}, {vd}, out), got shape "
-                             f"{ok.shape}")
-        if cfg.get("num_heads") is not None and int(cfg["num_heads"]) != H:
-            raise ValueError(f"from_keras: config num_heads={cfg['num_heads']} but the kernels "
-                             f"have {H} heads")
-        out = ok.shape[2]
-
-        def bias(b, shape, name):
-            if b is None:
-                return None
-            if b.shape != shape:
-                raise ValueError(f"from_keras: {name} bias must have shape {shape}, got "
-                                 f"{b.shape}")
-            return b.reshape(-1)
-
-        qb = bias(qb, (H, kd), "query")
-        kb = bias(kb, (H, kd), "key")
-        vb = bias(vb, (H, vd), "value")
-        ob = bias(ob, (out,), "output")
-        if dtype is None:
-            dtype = np.float64 if qk.dtype == np.float64 else np.float32
-        self = cls.__new__(cls)
-        self._setup(H, H, qk.reshape(E, H * kd).T, kk.reshape(kk.shape[0], H * kd).T,
-                    vk.reshape(vk.shape[0], H * vd).T, ok.reshape(H * vd, out).T,
-                    qb, kb, vb, ob, dtype=dtype)
-        return self
+        return cls.from_arrays(**keras_arrays(layer_or_weights, config, dtype))
 
     # ------------------------------------------------------------ cache
-    def new_cache(self, batch_size, max_length) -> KVCache:
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty, preallocated :class:`KVCache` for this layer.
 
         Parameters
@@ -702,7 +562,7 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------ call
     def _input(self, x, name, width, ndim):
-        a = as_float_array(x, name)
+        a = as_float_array(x, name, "key_mask or attn_mask")
         if a.ndim != ndim:
             if name == "query":
                 raise ValueError(f"query must be (batch, length, {width}) or unbatched "
@@ -717,10 +577,7 @@ class MultiHeadAttention:
         return a if a.dtype == self.dtype else a.astype(self.dtype)
 
     def _check_key_mask(self, key_mask, B, S, batched):
-        km = key_mask if isinstance(key_mask, np.ndarray) else np.asarray(key_mask)
-        if km.dtype != np.bool_:
-            raise TypeError(f"key_mask must be a bool array (True = take part), got dtype "
-                            f"{km.dtype}")
+        km, _ = parse_mask(key_mask, "key_mask", allow_float=False)
         want = (B, S) if batched else (S,)
         if km.shape != want:
             raise ValueError(f"key_mask must have shape {want} (batch, key length), got "
@@ -728,10 +585,7 @@ class MultiHeadAttention:
         return km.reshape(B, 1, 1, S)
 
     def _check_attn_mask(self, attn_mask, B, L, S, batched):
-        am = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
-        if am.dtype != np.bool_ and not (am.dtype.kind == "f" and am.dtype.itemsize in (2, 4, 8)):
-            raise TypeError(f"attn_mask must be a bool array (True = take part) or a float array "
-                            f"(added to the scores), got dtype {am.dtype}")
+        am, _ = parse_mask(attn_mask, "attn_mask")
         H = self.num_heads
         if batched:
             forms = f"(L, S), (B, L, S) or (B, num_heads, L, S) = ({L}, {S}), ({B}, {L}, {S}) " \
@@ -756,8 +610,12 @@ class MultiHeadAttention:
             am = am.astype(self.dtype)
         return am
 
-    def __call__(self, query, key=None, value=None, *, key_mask=None, attn_mask=None,
-                 is_causal=False, need_weights=False, average_attn_weights=True, cache=None):
+    def __call__(self, query: ArrayLike, key: ArrayLike | None = None,
+                 value: ArrayLike | None = None, *, key_mask: ArrayLike | None = None,
+                 attn_mask: ArrayLike | None = None,
+                 is_causal: bool | Literal["upper_left", "lower_right"] = False,
+                 need_weights: bool = False, average_attn_weights: bool = True,
+                 cache: KVCache | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
@@ -803,118 +661,132 @@ class MultiHeadAttention:
         The inputs are never modified.  Inputs of another float dtype are
         converted to the layer's dtype.
         """
+        need_weights = parse_bool(need_weights, "need_weights")
+        average_attn_weights = parse_bool(average_attn_weights, "average_attn_weights")
         if key is None and value is not None:
             raise ValueError("value given without key; pass key as well (value defaults to key)")
-        q_arr = query if isinstance(query, np.ndarray) else np.asarray(query)
+        q_arr = to_array(query, "query", "key_mask or attn_mask")
         batched = q_arr.ndim == 3
         ndim = 3 if batched else 2
         q = self._input(q_arr, "query", self.embed_dim, ndim if q_arr.ndim in (2, 3) else 3)
         B, L, _ = q.shape
-        self_attn = key is None or (key is query and (value is None or value is query))
         causal = parse_causal(is_causal)
-
-        Nq = self.num_heads * self.head_dim
-        Nk = self.num_kv_heads * self.head_dim
-        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         x_q = q.reshape(B * L, self.embed_dim)
-        stored_mask = None
-        k_in = v_in = None
 
-        # ---- checks first: a call that fails leaves the cache as it was ----
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache from new_cache(), got "
-                                f"{type(cache).__name__}")
-            if (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype) != \
-                    (Hkv, hd, hdv, self.dtype):
-                raise ValueError(
-                    f"cache does not fit this layer: cache has num_kv_heads={cache.num_kv_heads}, "
-                    f"head_dim={cache.head_dim}, v_head_dim={cache.v_head_dim}, "
-                    f"dtype={cache.dtype}; layer has {Hkv}, {hd}, {hdv}, {self.dtype}")
-            if B != cache.batch_size:
-                raise ValueError(f"query batch size {B} does not match the cache's "
-                                 f"batch_size={cache.batch_size}")
-            if cache.mode == "cross":
-                if key is not None and key is not cache._source:
-                    raise ValueError(
-                        "cache already holds the projected keys/values of a cross-attention "
-                        "memory; pass key=None (or the same memory array) to reuse them, or "
-                        "reset() the cache for a new memory")
-                self_attn = False
-                S = len(cache)
-                stored_mask = cache._key_mask
-            elif self_attn:
+        # checks first: a call that fails leaves the cache as it was
+        self_attn, k_in, v_in, S, stored_mask = self._resolve_kv(
+            query, key, value, cache, x_q, B, L, ndim, causal, is_causal)
+        mask = self._combine_masks(key_mask, attn_mask, stored_mask, B, L, S, batched)
+        q4, k4, v4 = self._project_heads(x_q, self_attn, key, value, k_in, v_in, cache,
+                                         key_mask, mask, attn_mask, B, L, S, batched)
+        return self._attend(q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
+                            B, L, batched)
+
+    # ------------------------------------------------------------ call steps
+    def _resolve_kv(self, query, key, value, cache, x_q, B, L, ndim, causal, is_causal):
+        """Where keys / values come from: (self-attention?, key input, value
+        input, key length S, key mask stored with a cross-attention cache)."""
+        self_attn = key is None or (key is query and (value is None or value is query))
+        if cache is None:
+            if self_attn:
                 if self._w_qkv is None:
                     self._project_self(x_q)                 # raises: needs key and value
-                if causal == 1 and len(cache) > 0:
-                    raise ValueError(
-                        f"is_causal={is_causal!r} (upper-left) with a cache holding "
-                        f"{len(cache)} tokens would hide them from the new queries; use "
-                        "is_causal='lower_right'")
-                cache._check_room(L)
-                S = len(cache) + L
-            else:
-                if cache.mode == "self":
-                    raise ValueError("cache holds self-attention keys/values; cross-attention "
-                                     "needs a cache of its own")
-                k_in, v_in = self._kv_inputs(key, value, ndim, B)
-                S = k_in.shape[1]
-                cache._check_room(S)
-        elif self_attn:
+                return True, None, None, L, None
+            k_in, v_in = self._kv_inputs(key, value, ndim, B)
+            return False, k_in, v_in, k_in.shape[1], None
+        self._check_cache(cache, B)
+        if cache.mode == "cross":
+            if key is not None and key is not cache.source:
+                raise ValueError(
+                    "cache already holds the projected keys/values of a cross-attention "
+                    "memory; pass key=None (or the same memory array) to reuse them, or "
+                    "reset() the cache for a new memory")
+            return False, None, None, len(cache), cache.key_mask
+        if self_attn:
             if self._w_qkv is None:
                 self._project_self(x_q)                     # raises: needs key and value
-            S = L
-        else:
-            k_in, v_in = self._kv_inputs(key, value, ndim, B)
-            S = k_in.shape[1]
+            if causal == 1 and len(cache) > 0:
+                raise ValueError(
+                    f"is_causal={is_causal!r} (upper-left) with a cache holding "
+                    f"{len(cache)} tokens would hide them from the new queries; use "
+                    "is_causal='lower_right'")
+            cache._check_room(L)
+            return True, None, None, len(cache) + L, None
+        if cache.mode == "self":
+            raise ValueError("cache holds self-attention keys/values; cross-attention "
+                             "needs a cache of its own")
+        k_in, v_in = self._kv_inputs(key, value, ndim, B)
+        cache._check_room(k_in.shape[1])
+        return False, k_in, v_in, k_in.shape[1], None
 
-        # ---- masks ----
-        # a key_mask given now overrides one stored with a cross-attention memory
-        if key_mask is not None:
-            mask = self._check_key_mask(key_mask, B, S, batched)
-        else:
-            mask = stored_mask
-        if attn_mask is not None:
-            am = self._check_attn_mask(attn_mask, B, L, S, batched)
-            if mask is None:
-                mask = am
-            elif am.dtype == np.bool_:
-                mask = am & mask
-            else:
-                mask = np.where(mask, am, am.dtype.type(-np.inf))
+    def _check_cache(self, cache, B):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from new_cache(), got "
+                            f"{type(cache).__name__}")
+        Hkv, hd, hdv = self.num_kv_heads, self.head_dim, self.v_head_dim
+        if (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.dtype) != \
+                (Hkv, hd, hdv, self.dtype):
+            raise ValueError(
+                f"cache does not fit this layer: cache has num_kv_heads={cache.num_kv_heads}, "
+                f"head_dim={cache.head_dim}, v_head_dim={cache.v_head_dim}, "
+                f"dtype={cache.dtype}; layer has {Hkv}, {hd}, {hdv}, {self.dtype}")
+        if B != cache.batch_size:
+            raise ValueError(f"query batch size {B} does not match the cache's "
+                             f"batch_size={cache.batch_size}")
 
-        # ---- projections (and cache updates) ----
+    def _combine_masks(self, key_mask, attn_mask, stored_mask, B, L, S, batched):
+        """One mask for the kernel: key_mask (or the one stored with a
+        cross-attention memory: a key_mask given now overrides it) and
+        attn_mask, both applying."""
+        mask = stored_mask if key_mask is None else self._check_key_mask(key_mask, B, S, batched)
+        if attn_mask is None:
+            return mask
+        am = self._check_attn_mask(attn_mask, B, L, S, batched)
+        if mask is None:
+            return am
+        if am.dtype == np.bool_:
+            return am & mask
+        return np.where(mask, am, am.dtype.type(-np.inf))
+
+    def _project_heads(self, x_q, self_attn, key, value, k_in, v_in, cache, key_mask, mask,
+                       attn_mask, B, L, S, batched):
+        """Projected (B, heads, length, head_dim) query / key / value views,
+        the cache updated with this call's keys and values."""
+        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        Nq = H * hd
+        Nk = Hkv * hd
         if self_attn:
             qkv = self._project_self(x_q)
-            q_p = qkv[:, :Nq]
-            k_p = qkv[:, Nq:Nq + Nk]
-            v_p = qkv[:, Nq + Nk:]
+            q_p, k_p, v_p = qkv[:, :Nq], qkv[:, Nq:Nq + Nk], qkv[:, Nq + Nk:]
         else:
             q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
             if k_in is not None:
                 k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
-        if cache is not None:
-            if k_in is not None or self_attn:
-                cache._append(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
-                if self_attn:
-                    cache.mode = "self"
-                else:
-                    cache.mode = "cross"
-                    cache._source = key
-                    if key_mask is not None:
-                        cache._key_mask = mask if attn_mask is None else \
-                            self._check_key_mask(key_mask, B, S, batched)
-            k4 = cache._k[:, :, :S]
-            v4 = cache._v[:, :, :S]
-        else:
+        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+        if cache is None:
             # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
             k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
             v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
-        q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+            return q4, k4, v4
+        if self_attn:
+            cache.append_self(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
+        elif k_in is not None:
+            stored = None
+            if key_mask is not None:
+                stored = mask if attn_mask is None else \
+                    self._check_key_mask(key_mask, B, S, batched)
+            cache.bind_memory(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv),
+                              key, stored)
+        k4, v4 = cache.view(S)
+        return q4, k4, v4
 
+    def _attend(self, q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
+                B, L, batched):
+        """Attention of the projected heads, then the output projection."""
+        H, hdv = self.num_heads, self.v_head_dim
         res = scaled_dot_product_attention(
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
-            enable_gqa=Hkv != H, return_weights=need_weights)
+            enable_gqa=self.num_kv_heads != H, return_weights=need_weights)
         if need_weights:
             o, w = res
             if w.shape[:2] != (B, H):

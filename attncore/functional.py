@@ -17,15 +17,18 @@ Dispatch::
 from __future__ import annotations
 
 import math
-import numbers
 import os
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from ._core import _sdpa
 from ._threads import blas_parallel_threads, resolve_num_threads
+# the shared checkers live in ._validation; the names stay importable from here
+from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
+                          parse_float_dtype, parse_mask, parse_positive_int, parse_scale)
+from ._validation import blas_rows as _rows_ok
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -36,91 +39,6 @@ _SMALL_ROWS = 4
 # (measured: at ~1e6 flops two threads already beat one when K/V stream
 # from L3; at ~2e5 the OpenMP start-up is as large as the work)
 _SERIAL_FLOPS = 250_000
-
-
-# --------------------------------------------------------------------------
-# argument checks shared by the package
-# --------------------------------------------------------------------------
-def as_float_array(x, name: str) -> np.ndarray:
-    """``x`` as an array of float16 / float32 / float64 in native byte order
-    (non-native arrays are converted), else TypeError."""
-    a = x if isinstance(x, np.ndarray) else np.asarray(x)
-    dt = a.dtype
-    if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
-        raise TypeError(
-            f"{name} must be a float16, float32 or float64 array, got dtype {dt}")
-    if not dt.isnative:  # e.g. '>f4' from a file: the kernels read native floats
-        a = a.astype(dt.newbyteorder("="))
-    return a
-
-
-def parse_positive_int(x, name: str, allow_none: bool = False):
-    """``x`` as an int >= 1 (``None`` passes when ``allow_none``)."""
-    if x is None and allow_none:
-        return None
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 1, got {type(x).__name__} {x!r}")
-    x = int(x)
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return x
-
-
-def parse_float_dtype(dtype, name: str = "dtype", itemsizes=(2, 4, 8)) -> np.dtype:
-    """``dtype`` as a native-byte-order float dtype of one of ``itemsizes``."""
-    names = [f"float{8 * n}" for n in itemsizes]
-    allowed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name} must be {allowed}, got {dtype!r}") from None
-    if dt.kind != "f" or dt.itemsize not in itemsizes:
-        raise TypeError(f"{name} must be {allowed}, got {dt}")
-    return dt if dt.isnative else dt.newbyteorder("=")
-
-
-def compute_dtype(*dtypes):
-    """(compute dtype, result dtype) for NumPy's promotion of the inputs.
-
-    float16 results are computed in float32 and returned as float16.
-    """
-    d0 = dtypes[0]
-    for d in dtypes:
-        if d is not d0:
-            rt = np.result_type(*dtypes)
-            break
-    else:
-        rt = d0
-    if rt == np.float16:
-        return np.dtype(np.float32), rt
-    return rt, rt
-
-
-def parse_causal(is_causal) -> int:
-    """0 (none), 1 (upper-left) or 2 (lower-right)."""
-    if is_causal is False or is_causal is np.False_:
-        return 0
-    if is_causal is True or is_causal is np.True_:
-        return 1
-    if isinstance(is_causal, str):
-        if is_causal == "upper_left":
-            return 1
-        if is_causal == "lower_right":
-            return 2
-    raise ValueError(
-        "is_causal must be False, True, 'upper_left' or 'lower_right', got "
-        f"{is_causal!r}")
-
-
-def parse_scale(scale, D: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a positive real number or None, got {type(scale).__name__} {scale!r}")
-    s = float(scale)
-    if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be finite and > 0, got {s}")
-    return s
 
 
 def _broadcast_batch(shapes, names):
@@ -138,27 +56,6 @@ def _broadcast_batch(shapes, names):
                     raise ValueError(
                         f"batch dimensions (all but the last two) are not broadcastable: {desc}")
     return tuple(out)
-
-
-def _rows_ok(a: np.ndarray) -> np.ndarray:
-    """``a`` itself when the kernel can read it in place (last axis
-    contiguous, row stride at least the row length, element-aligned
-    strides), else a C-contiguous copy."""
-    if a.flags.c_contiguous:
-        return a
-    isz = a.itemsize
-    st = a.strides
-    rows, cols = a.shape[-2], a.shape[-1]
-    ok = True
-    for x in st:
-        if x % isz:
-            ok = False
-            break
-    if ok and cols > 1 and st[-1] != isz:
-        ok = False
-    if ok and rows > 1 and (st[-2] < cols * isz or st[-2] // isz > _INT32_MAX):
-        ok = False
-    return a if ok else np.ascontiguousarray(a)
 
 
 def _l2_bytes() -> int:
@@ -249,8 +146,141 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
 
 
 # --------------------------------------------------------------------------
+# scaled_dot_product_attention: checks (the kernel call is planned below)
+# --------------------------------------------------------------------------
+def _check_operands(query, key, value):
+    """query, key, value as float arrays of matching trailing shapes."""
+    q = as_float_array(query, "query", "attn_mask")
+    k = as_float_array(key, "key", "attn_mask")
+    v = as_float_array(value, "value", "attn_mask")
+    for nm, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim < 2:
+            raise ValueError(f"{nm} must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
+    D, Dk = q.shape[-1], k.shape[-1]
+    M, Mv = k.shape[-2], v.shape[-2]
+    if Dk != D:
+        raise ValueError(
+            f"key last dimension must equal query's (D = {D}), got key shape {k.shape} "
+            f"and query shape {q.shape}")
+    if Mv != M:
+        raise ValueError(
+            f"value must have as many rows as key (M = {M}) in axis -2, got value shape "
+            f"{v.shape} and key shape {k.shape}")
+    if D == 0:
+        raise ValueError(f"query last dimension (D) must be >= 1, got query shape {q.shape}")
+    return q, k, v
+
+
+def _check_mask(attn_mask, N: int, M: int):
+    """(mask array of >= 2 dims or None, kind: 0 none, 1 bool, 2 float)."""
+    if attn_mask is None:
+        return None, 0
+    m, kind = parse_mask(attn_mask, "attn_mask")
+    if m.ndim < 2:
+        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+    if m.shape[-2] not in (1, N) or m.shape[-1] not in (1, M):
+        raise ValueError(
+            f"attn_mask must be broadcastable to (..., N, M) = (..., {N}, {M}), got shape "
+            f"{np.shape(attn_mask)}")
+    return m, kind
+
+
+def _batch_shape(q, k, v, m, enable_gqa: bool):
+    """(broadcast batch shape, query heads per key/value head)."""
+    qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    mb = () if m is None else m.shape[:-2]
+    group = 1
+    if enable_gqa:
+        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+            raise ValueError(
+                "enable_gqa=True needs a head axis (-3) on query, key and value, got shapes "
+                f"query {q.shape}, key {k.shape}, value {v.shape}")
+        Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        if Hk != Hv:
+            raise ValueError(
+                f"key and value must have the same number of heads (axis -3), got key {Hk} "
+                f"and value {Hv}")
+        if Hk == 0 or Hq % Hk != 0:
+            raise ValueError(
+                f"with enable_gqa=True the key/value heads (axis -3, {Hk}) must divide the "
+                f"query heads ({Hq})")
+        group = Hq // Hk
+        if group > 1:
+            kb = kb[:-1] + (Hq,)
+            vb = vb[:-1] + (Hq,)
+    if qb == kb == vb and not mb:
+        return qb, group
+    try:
+        return _broadcast_batch([qb, kb, vb, mb], ["query", "key", "value", "attn_mask"]), group
+    except ValueError as exc:
+        if (not enable_gqa and q.ndim >= 3 and k.ndim >= 3
+                and k.shape[-3] not in (1, q.shape[-3])
+                and q.shape[-3] % max(k.shape[-3], 1) == 0):
+            raise ValueError(
+                f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
+                f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
+        raise
+
+
+def _empty_result(q, k, v, attn_mask, bshape, rdt, return_weights, is_causal, scale,
+                  enable_gqa, num_threads):
+    """The result when a batch, N, M or Dv is 0."""
+    N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    nb = math.prod(bshape)
+    out = np.zeros(bshape + (N, Dv), dtype=rdt)
+    if Dv == 0 and return_weights and nb and N and M:
+        # weights are still defined: compute them with a dummy value column
+        _, w = scaled_dot_product_attention(
+            q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
+            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            return_weights=True, num_threads=num_threads)
+        return out, w
+    if return_weights:
+        return out, np.zeros(bshape + (N, M), dtype=rdt)
+    return out
+
+
+def _broadcast_rows(res, bshape, N: int, return_weights: bool):
+    """The one-row result ``res`` repeated over N query rows, as new arrays."""
+    def spread(a):
+        full = np.empty(bshape + (N, a.shape[-1]), dtype=a.dtype)
+        full[...] = a
+        return full
+    if return_weights:
+        return spread(res[0]), spread(res[1])
+    return spread(res)
+
+
+# --------------------------------------------------------------------------
 # scaled_dot_product_attention
 # --------------------------------------------------------------------------
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: Literal[False] = False,
+    num_threads: int | None = None,
+) -> np.ndarray: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: Literal[True],
+    num_threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: bool = False,
+    num_threads: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+
+
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -319,6 +349,10 @@ def scaled_dot_product_attention(
       propagates to the affected outputs, while inf / NaN in the keys or
       values of a key a query does not attend never reach that query.  ``M == 0`` gives an all-zero
       output; ``N == 0`` an empty one.
+    * A row whose attended scores are *all* -inf because of -inf / inf in
+      the query or keys (not the mask) also gives output 0 and weights 0,
+      as PyTorch does; a +inf score (or NaN from inf - inf in ``q . k``)
+      gives NaN.
     * dtypes: float32 and float64 are computed natively; float16 is
       computed in float32 and returned as float16.  Mixed float dtypes
       promote as NumPy does (float32 with float64 gives float64).  A float
@@ -327,101 +361,32 @@ def scaled_dot_product_attention(
     * The GIL is released while computing; calls from several Python
       threads at once are safe.
     """
-    q = as_float_array(query, "query")
-    k = as_float_array(key, "key")
-    v = as_float_array(value, "value")
-    for nm, a in (("query", q), ("key", k), ("value", v)):
-        if a.ndim < 2:
-            raise ValueError(f"{nm} must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
+    return_weights = parse_bool(return_weights, "return_weights")
+    enable_gqa = parse_bool(enable_gqa, "enable_gqa")
+    q, k, v = _check_operands(query, key, value)
     N, D = q.shape[-2], q.shape[-1]
-    M, Dk = k.shape[-2], k.shape[-1]
-    Mv, Dv = v.shape[-2], v.shape[-1]
-    if Dk != D:
-        raise ValueError(
-            f"key last dimension must equal query's (D = {D}), got key shape {k.shape} "
-            f"and query shape {q.shape}")
-    if Mv != M:
-        raise ValueError(
-            f"value must have as many rows as key (M = {M}) in axis -2, got value shape "
-            f"{v.shape} and key shape {k.shape}")
-    if D == 0:
-        raise ValueError(f"query last dimension (D) must be >= 1, got query shape {q.shape}")
+    M, Dv = k.shape[-2], v.shape[-1]
     causal = parse_causal(is_causal)
     sc = parse_scale(scale, D)
     nthreads = resolve_num_threads(num_threads)
     cdt, rdt = compute_dtype(q.dtype, k.dtype, v.dtype)
-
-    # ---- mask ----
-    m = None
-    mask_kind = 0
-    mb = ()
-    if attn_mask is not None:
-        m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
-        if m.dtype == np.bool_:
-            mask_kind = 1
-        elif m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8):
-            mask_kind = 2
-        else:
-            raise TypeError(
-                f"attn_mask must be a bool array (True = take part) or a float array "
-                f"(added to the scores), got dtype {m.dtype}")
-        if m.ndim < 2:
-            m = m.reshape((1,) * (2 - m.ndim) + m.shape)
-        if m.shape[-2] not in (1, N) or m.shape[-1] not in (1, M):
-            raise ValueError(
-                f"attn_mask must be broadcastable to (..., N, M) = (..., {N}, {M}), got shape "
-                f"{np.shape(attn_mask)}")
-        mb = m.shape[:-2]
-
-    # ---- batch shapes (grouped-query heads first) ----
-    qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    group = 1
-    if enable_gqa:
-        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
-            raise ValueError(
-                "enable_gqa=True needs a head axis (-3) on query, key and value, got shapes "
-                f"query {q.shape}, key {k.shape}, value {v.shape}")
-        Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
-        if Hk != Hv:
-            raise ValueError(
-                f"key and value must have the same number of heads (axis -3), got key {Hk} "
-                f"and value {Hv}")
-        if Hk == 0 or Hq % Hk != 0:
-            raise ValueError(
-                f"with enable_gqa=True the key/value heads (axis -3, {Hk}) must divide the "
-                f"query heads ({Hq})")
-        group = Hq // Hk
-        if group > 1:
-            kb = kb[:-1] + (Hq,)
-            vb = vb[:-1] + (Hq,)
-    if qb == kb == vb and not mb:
-        bshape = qb
-    else:
-        try:
-            bshape = _broadcast_batch([qb, kb, vb, mb], ["query", "key", "value", "attn_mask"])
-        except ValueError as exc:
-            if (not enable_gqa and q.ndim >= 3 and k.ndim >= 3
-                    and k.shape[-3] not in (1, q.shape[-3])
-                    and q.shape[-3] % max(k.shape[-3], 1) == 0):
-                raise ValueError(
-                    f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
-                    f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
-            raise
+    m, mask_kind = _check_mask(attn_mask, N, M)
+    bshape, group = _batch_shape(q, k, v, m, enable_gqa)
     nb = math.prod(bshape)
     out_shape = bshape + (N, Dv)
 
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
-        out = np.zeros(out_shape, dtype=rdt)
-        if Dv == 0 and return_weights and nb and N and M:
-            # weights are still defined: compute them with a dummy value column
-            _, w = scaled_dot_product_attention(
-                q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
-                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                return_weights=True, num_threads=num_threads)
-            return out, w
-        if return_weights:
-            return out, np.zeros(bshape + (N, M), dtype=rdt)
-        return out
+        return _empty_result(q, k, v, attn_mask, bshape, rdt, return_weights, is_causal,
+                             scale, enable_gqa, num_threads)
+    if N > 1 and q.strides[-2] == 0 and not causal and (m is None or m.shape[-2] == 1):
+        # a broadcast query row axis: every row of a batch element is the
+        # same query with the same keys, so compute one and broadcast it
+        # (never copy the N identical rows)
+        return _broadcast_rows(
+            scaled_dot_product_attention(
+                q[..., :1, :], k, v, m, scale=sc, enable_gqa=enable_gqa,
+                return_weights=return_weights, num_threads=num_threads),
+            bshape, N, return_weights)
 
     # ---- lay out operands ----
     if max(N, M, D, Dv) > _INT32_MAX:

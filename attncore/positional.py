@@ -22,8 +22,9 @@ import math
 import numbers
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
-from .functional import as_float_array, parse_float_dtype, parse_positive_int
+from ._validation import as_float_array, parse_float_dtype, parse_positive_int, to_array
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding"]
 
@@ -62,7 +63,7 @@ def _positions(length_or_positions) -> np.ndarray:
         raise TypeError(
             f"length_or_positions must be an int length or an array of positions, got "
             f"{type(x).__name__} {x!r}; pass int({x!r}) for a length or [{x!r}] for one position")
-    p = np.asarray(x)
+    p = to_array(x, "length_or_positions")
     if p.dtype.kind not in "iuf":
         raise TypeError("length_or_positions must be an int length or an array of integer or "
                         f"float positions, got dtype {p.dtype}")
@@ -87,8 +88,8 @@ def _table(pos: np.ndarray, dim: int, base: float, layout: str) -> np.ndarray:
     return out
 
 
-def sinusoidal_encoding(length_or_positions, dim, *, base=10000.0, layout="interleaved",
-                        dtype=np.float32):
+def sinusoidal_encoding(length_or_positions: int | ArrayLike, dim: int, *, base: float = 10000.0,
+                        layout: str = "interleaved", dtype: DTypeLike = np.float32) -> np.ndarray:
     """Sinusoidal positional encoding table.
 
     Parameters
@@ -139,7 +140,8 @@ def sinusoidal_encoding(length_or_positions, dim, *, base=10000.0, layout="inter
     return _table(pos, dim, base, layout).astype(dt, copy=False)
 
 
-def add_positional_encoding(x, *, offset=0, mode="add", base=10000.0, layout="interleaved"):
+def add_positional_encoding(x: ArrayLike, *, offset: float = 0, mode: str = "add",
+                            base: float = 10000.0, layout: str = "interleaved") -> np.ndarray:
     """Add (or append) a sinusoidal encoding of the positions along axis -2.
 
     Parameters

@@ -492,7 +492,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         p.Bk = Bk
         p.ldS = (Bk + 15) // 16 * 16
         p.s_len = Bq * p.ldS
-        if is64 == False and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
+        if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
             p.s_len = AC_FUSED_SCRATCH(D, Dv)
         p.s_len = (p.s_len + 15) // 16 * 16
         p.q_rs = _row_stride(&bq)

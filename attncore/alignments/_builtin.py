@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from .._linear import linear
+from .._validation import to_array
 from ._base import Alignment
 
 __all__ = ["Dot", "ScaledDot", "Bilinear", "MLP"]
@@ -31,7 +32,7 @@ def _param(value, name, owner, ndim, expect):
     """A parameter as a float array of ``ndim`` dimensions, else a named error."""
     if value is None:
         raise TypeError(f"{owner}: missing parameter {name!r} (expected {expect})")
-    a = value if isinstance(value, np.ndarray) else np.asarray(value)
+    a = to_array(value, f"{owner}: parameter {name!r}")
     if a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4, 8):
         raise TypeError(f"{owner}: parameter {name!r} must be a float16/32/64 array "
                         f"{expect}, got dtype {a.dtype}")

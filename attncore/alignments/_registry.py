@@ -29,6 +29,7 @@ import re
 import threading
 import warnings
 
+from .._validation import parse_bool
 from ._base import Alignment
 
 __all__ = ["register", "get", "create", "available", "refresh",
@@ -219,6 +220,7 @@ def register(name, obj=None, *, replace=False):
         ``obj`` is neither an Alignment subclass nor a "module:Class" string.
     """
     _check_name(name)
+    replace = parse_bool(replace, "replace")
     if obj is None:
         def decorator(cls):
             register(name, cls, replace=replace)
@@ -382,6 +384,7 @@ def available(details=False):
         "broken: ..."}``.  A name offered by an entry point but taken by a
         registration or a built-in is listed under its winner.
     """
+    details = parse_bool(details, "details")
     with _lock:
         names = set(_registered) | set(_BUILTINS) | set(_scan())
         if not details:

@@ -1,0 +1,223 @@
+"""Argument checks shared by every public entry point (private).
+
+Each checker takes the user's value and the argument's name and returns the
+value in the form the next layer needs, or raises a ``TypeError`` /
+``ValueError`` that names the argument and shows the expected and the
+actual value, shape or dtype.  ``attncore.functional``, the layers and the
+positional encoding all use these, so an error reads the same wherever it
+comes from.
+
+Arrays handed to the compiled kernels go through :func:`aligned` (or
+:func:`blas_rows`, which includes it): C reads every element through a
+typed pointer, which is undefined behaviour on a misaligned address
+(``np.frombuffer(raw, np.float32, offset=1)`` is one).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from typing import Any, Iterable, Literal, Optional, Tuple, overload
+
+import numpy as np
+
+__all__ = [
+    "to_array", "as_float_array", "aligned", "blas_rows", "parse_bool", "parse_positive_int",
+    "parse_float_dtype", "compute_dtype", "parse_causal", "parse_scale", "parse_mask",
+]
+
+_INT32_MAX = 2**31 - 1
+
+MASK_BOOL = 1
+MASK_FLOAT = 2
+
+
+def _is_masked_array(x: Any) -> bool:
+    # numpy.ma is not imported by ``import numpy``; no masked array can
+    # exist before it is, so the common path costs one dict lookup
+    ma = sys.modules.get("numpy.ma")
+    return ma is not None and isinstance(x, ma.MaskedArray)
+
+
+def to_array(x: Any, name: str, mask_arg: Optional[str] = None) -> np.ndarray:
+    """``x`` as an ndarray (not copied when it is one).
+
+    A ``numpy.ma.MaskedArray`` is refused (the kernels would silently ignore
+    its mask); ``mask_arg`` names the argument that takes a mask instead.
+    Conversion errors (a ragged nested list, say) name ``name``.
+    """
+    if type(x) is np.ndarray:
+        return x
+    if _is_masked_array(x):
+        hint = (f"pass the data (x.data) and say which entries take part with {mask_arg}"
+                if mask_arg else "pass a plain ndarray (x.filled(...) or x.data)")
+        raise TypeError(
+            f"{name} must not be a numpy.ma.MaskedArray: attncore would ignore its mask; {hint}")
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{name} could not be converted to an array: {exc}") from None
+
+
+def as_float_array(x: Any, name: str, mask_arg: Optional[str] = None) -> np.ndarray:
+    """``x`` as an array of float16 / float32 / float64 in native byte order
+    (non-native arrays are converted), else TypeError."""
+    a = to_array(x, name, mask_arg)
+    dt = a.dtype
+    if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
+        raise TypeError(
+            f"{name} must be a float16, float32 or float64 array, got dtype {dt}")
+    if not dt.isnative:  # e.g. '>f4' from a file: the kernels read native floats
+        a = a.astype(dt.newbyteorder("="))
+    return a
+
+
+def aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when its address and strides are multiples of its
+    element size, else an aligned copy (same shape and values)."""
+    if a.flags.aligned:
+        return a
+    return np.array(a, order="K", copy=True)
+
+
+def blas_rows(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when a kernel can read it in place as BLAS row blocks
+    (aligned, last axis contiguous, row stride at least the row length and
+    below 2**31 elements), else a C-contiguous copy."""
+    flags = a.flags
+    if flags.c_contiguous and flags.aligned:
+        return a
+    isz = a.itemsize
+    st = a.strides
+    rows, cols = a.shape[-2], a.shape[-1]
+    ok = flags.aligned
+    if ok:
+        for x in st:
+            if x % isz:
+                ok = False
+                break
+    if ok and cols > 1 and st[-1] != isz:
+        ok = False
+    if ok and rows > 1 and (st[-2] < cols * isz or st[-2] // isz > _INT32_MAX):
+        ok = False
+    if ok:
+        return a
+    out = np.ascontiguousarray(a)
+    return out if out.flags.aligned else out.copy()
+
+
+def parse_bool(x: Any, name: str) -> bool:
+    """``x`` as a bool; only ``bool`` and ``numpy.bool_`` are accepted (a
+    string such as ``"False"`` would otherwise read as True)."""
+    if x is True or x is False:
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool (True or False), got {type(x).__name__} {x!r}")
+
+
+@overload
+def parse_positive_int(x: Any, name: str, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def parse_positive_int(x: Any, name: str, allow_none: bool) -> Optional[int]: ...
+
+
+def parse_positive_int(x: Any, name: str, allow_none: bool = False) -> Optional[int]:
+    """``x`` as an int >= 1 (``None`` passes when ``allow_none``)."""
+    if x is None and allow_none:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {type(x).__name__} {x!r}")
+    x = int(x)
+    if x < 1:
+        raise ValueError(f"{name} must be >= 1, got {x}")
+    return x
+
+
+def parse_float_dtype(dtype: Any, name: str = "dtype",
+                      itemsizes: Iterable[int] = (2, 4, 8)) -> np.dtype:
+    """``dtype`` as a native-byte-order float dtype of one of ``itemsizes``."""
+    itemsizes = tuple(itemsizes)
+    names = [f"float{8 * n}" for n in itemsizes]
+    allowed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be {allowed}, got {dtype!r}") from None
+    if dt.kind != "f" or dt.itemsize not in itemsizes:
+        raise TypeError(f"{name} must be {allowed}, got {dt}")
+    return dt if dt.isnative else dt.newbyteorder("=")
+
+
+def compute_dtype(*dtypes: np.dtype) -> Tuple[np.dtype, np.dtype]:
+    """(compute dtype, result dtype) for NumPy's promotion of the inputs.
+
+    float16 results are computed in float32 and returned as float16.
+    """
+    d0 = dtypes[0]
+    for d in dtypes:
+        if d is not d0:
+            rt = np.result_type(*dtypes)
+            break
+    else:
+        rt = d0
+    if rt == np.float16:
+        return np.dtype(np.float32), rt
+    return rt, rt
+
+
+def parse_causal(is_causal: Any) -> int:
+    """0 (none), 1 (upper-left) or 2 (lower-right)."""
+    if is_causal is False or is_causal is np.False_:
+        return 0
+    if is_causal is True or is_causal is np.True_:
+        return 1
+    if isinstance(is_causal, str):
+        if is_causal == "upper_left":
+            return 1
+        if is_causal == "lower_right":
+            return 2
+    raise ValueError(
+        "is_causal must be False, True, 'upper_left' or 'lower_right', got "
+        f"{is_causal!r}")
+
+
+def parse_scale(scale: Any, D: int) -> float:
+    """The score scale: ``1 / sqrt(D)`` for None, else a finite float > 0."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a positive real number or None, got "
+                        f"{type(scale).__name__} {scale!r}")
+    s = float(scale)
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"scale must be finite and > 0, got {s}")
+    return s
+
+
+def parse_mask(mask: Any, name: str, allow_float: bool = True) -> Tuple[np.ndarray, int]:
+    """The one mask parser: ``(array, kind)`` with kind ``MASK_BOOL`` or
+    ``MASK_FLOAT``.
+
+    bool: True = take part.  float (float16/32/64, only with
+    ``allow_float``): added to the scores.  A float mask in non-native byte
+    order or at a misaligned address is copied; shapes are the caller's to
+    check.
+    """
+    m = to_array(mask, name)
+    dt = m.dtype
+    if dt == np.bool_:
+        return m, MASK_BOOL
+    if allow_float and dt.kind == "f" and dt.itemsize in (2, 4, 8):
+        if not dt.isnative:
+            m = m.astype(dt.newbyteorder("="))
+        return aligned(m), MASK_FLOAT
+    if allow_float:
+        raise TypeError(
+            f"{name} must be a bool array (True = take part) or a float array "
+            f"(added to the scores), got dtype {dt}")
+    raise TypeError(f"{name} must be a bool array (True = take part), got dtype {dt}")

@@ -1,0 +1,340 @@
+"""Regression tests for the defects of issue 11 (each failed before its fix).
+
+1. unaligned arrays reached the C kernels;
+2. the OpenMP probe of setup.py ignored CFLAGS / LDFLAGS (tested in
+   test_build.py);
+3. a broadcast (stride-0) query row axis was copied in full;
+4. bool flags were not validated;
+5. numpy.ma.MaskedArray inputs had their mask silently ignored;
+6. ragged nested lists gave NumPy's message without the argument's name;
+7. rows whose attended scores are all -inf because of the query / key
+   values (not the mask) come out 0 -- the documented behaviour.
+"""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore import scaled_dot_product_attention as sdpa
+from attncore import _linear
+from attncore._core import _additive, _linalg, _sdpa
+
+from reference import attention as ref
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is a test extra
+    torch = None
+
+
+def rand(shape, dtype=np.float64, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def unaligned(a):
+    """A copy of ``a`` (C order) at an address that is not a multiple of
+    its element size (and so, strides included, not aligned)."""
+    a = np.ascontiguousarray(a)
+    raw = np.zeros(a.nbytes + 1, dtype=np.uint8)
+    out = np.frombuffer(raw.data, dtype=a.dtype, count=a.size, offset=1).reshape(a.shape)
+    out[...] = a
+    assert not out.flags.aligned
+    return out
+
+
+# ---------------------------------------------------------------- 1. alignment
+def _arrays(args):
+    for a in args:
+        if isinstance(a, np.ndarray):
+            yield a
+
+
+@pytest.fixture
+def kernels_see_aligned(monkeypatch):
+    """Wrap the compiled entry points: every array they get must be aligned."""
+    seen = []
+
+    def wrap(mod, name):
+        real = getattr(mod, name)
+
+        def checked(*args, **kw):
+            for a in _arrays(list(args) + list(kw.values())):
+                assert a.flags.aligned, f"{mod.__name__}.{name} got an unaligned array"
+                assert a.ctypes.data % a.itemsize == 0
+            seen.append(name)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(mod, name, checked)
+
+    wrap(_sdpa, "sdpa")
+    wrap(_additive, "additive_attention")
+    wrap(_linalg, "linear")
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("which", ["query", "key", "value", "mask", "all"])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_unaligned_sdpa_inputs(kernels_see_aligned, dtype, which, return_weights):
+    q, k, v = rand((2, 3, 9, 8), dtype), rand((2, 3, 11, 8), dtype, 1), rand((2, 3, 11, 5), dtype, 2)
+    m = np.where(rand((9, 11), seed=3) > -1.0, 0.0, -np.inf).astype(dtype)
+    args = {"query": q, "key": k, "value": v, "mask": m}
+    for nm in args:
+        if which in (nm, "all"):
+            args[nm] = unaligned(args[nm])
+    before = {nm: a.copy() for nm, a in args.items()}
+    res = sdpa(args["query"], args["key"], args["value"], args["mask"],
+               return_weights=return_weights)
+    out_ref, w_ref = ref(q, k, v, m)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-12)
+    if return_weights:
+        np.testing.assert_allclose(res[0], out_ref, **tol)
+        np.testing.assert_allclose(res[1], w_ref, **tol)
+    else:
+        np.testing.assert_allclose(res, out_ref, **tol)
+    assert kernels_see_aligned == ["sdpa"]
+    for nm, a in args.items():
+        np.testing.assert_array_equal(a, before[nm])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unaligned_float16_free_path_and_mlp(kernels_see_aligned, dtype):
+    """Attention("mlp") with unaligned keys / values / query / parameters."""
+    rng = np.random.default_rng(0)
+    B, T, S, D, A = 2, 3, 7, 6, 5
+    qw, kw, vv, bias = (rng.standard_normal(s).astype(dtype) for s in ((A, D), (A, D), (A,), (A,)))
+    q, keys, vals = rand((B, T, D), dtype, 1), rand((B, S, D), dtype, 2), rand((B, S, 4), dtype, 3)
+    att = attncore.Attention("mlp", q_weight=unaligned(qw), k_weight=unaligned(kw),
+                             v=unaligned(vv), bias=unaligned(bias))
+    ctx, w = att(unaligned(q), unaligned(keys), unaligned(vals), return_weights=True)
+    # independent float64 reference
+    qp = q.astype(np.float64) @ qw.T.astype(np.float64)
+    kp = keys.astype(np.float64) @ kw.T.astype(np.float64) + bias
+    s = np.tanh(qp[:, :, None, :] + kp[:, None, :, :]) @ vv.astype(np.float64)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    w_ref = e / e.sum(-1, keepdims=True)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(w, w_ref, **tol)
+    np.testing.assert_allclose(ctx, w_ref @ vals, **tol)
+    assert "additive_attention" in kernels_see_aligned and "linear" in kernels_see_aligned
+
+
+def test_unaligned_mlp_identity_projections(kernels_see_aligned):
+    """q_weight = k_weight = None: the query itself goes to the kernel."""
+    B, T, S, A = 2, 3, 6, 4
+    q, keys, vv = rand((B, T, A), np.float32, 1), rand((B, S, A), np.float32, 2), rand((A,), np.float32, 3)
+    att = attncore.Attention("additive", v=unaligned(vv))
+    ctx, w = att(unaligned(q), unaligned(keys), return_weights=True)
+    s = np.tanh(q[:, :, None, :].astype(np.float64) + keys[:, None]) @ vv.astype(np.float64)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    w_ref = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ctx, w_ref @ keys, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unaligned_linear_and_mha(kernels_see_aligned, dtype):
+    x, w, b = rand((5, 7), dtype), rand((3, 7), dtype, 1), rand((3,), dtype, 2)
+    out = _linear.linear(unaligned(x), unaligned(w), unaligned(b))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T + b, rtol=1e-5, atol=1e-5)
+    mha = attncore.MultiHeadAttention(8, 2, rng=0, dtype=dtype)
+    xx = rand((2, 4, 8), dtype, 3)
+    np.testing.assert_array_equal(mha(unaligned(xx))[0], mha(xx)[0])
+
+
+# ---------------------------------------------------------------- 3. stride-0 rows
+def _peak_bytes(fn):
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        res = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return res, peak
+
+
+def test_broadcast_query_rows_not_copied():
+    N, D, M, Dv = 1 << 20, 8, 4, 1
+    row = rand((D,), np.float32)
+    q = np.broadcast_to(row, (N, D))                 # 32 MiB if copied
+    k, v = rand((M, D), np.float32, 1), rand((M, Dv), np.float32, 2)
+    out, peak = _peak_bytes(lambda: sdpa(q, k, v))
+    out_bytes = N * Dv * 4
+    assert peak < 2 * out_bytes + (1 << 20), f"peak {peak} bytes for a {out_bytes}-byte output"
+    assert out.shape == (N, Dv) and out.flags.writeable
+    expected = ref(row[None], k, v)[0]
+    np.testing.assert_allclose(out, np.broadcast_to(expected, (N, Dv)), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mask_shape", [None, (1, 7), (3, 1, 7)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_broadcast_query_rows_match_reference(mask_shape, dtype):
+    row = rand((3, 1, 5), dtype)
+    q = np.broadcast_to(row, (3, 6, 5))
+    k, v = rand((3, 7, 5), dtype, 1), rand((3, 7, 4), dtype, 2)
+    m = None if mask_shape is None else rand(mask_shape, seed=3) > -0.5
+    out, w = sdpa(q, k, v, m, return_weights=True)
+    out_ref, w_ref = ref(q, k, v, m)
+    tol = {np.float16: dict(rtol=2e-3, atol=2e-3), np.float32: dict(rtol=2e-5, atol=2e-6),
+           np.float64: dict(rtol=1e-11, atol=1e-12)}[dtype]
+    assert out.dtype == dtype and out.shape == (3, 6, 4) and w.shape == (3, 6, 7)
+    np.testing.assert_allclose(out, out_ref, **tol)
+    np.testing.assert_allclose(w, w_ref, **tol)
+    out[...] = 0                                     # results are writable arrays of their own
+    w[...] = 0
+
+
+@pytest.mark.parametrize("causal", [True, "lower_right"])
+def test_broadcast_query_rows_with_causal_or_row_mask(causal):
+    """Rows told apart by the causal structure or a per-row mask: still right."""
+    row = rand((1, 5))
+    q = np.broadcast_to(row, (6, 5))
+    k, v = rand((8, 5), seed=1), rand((8, 3), seed=2)
+    code = 1 if causal is True else 2
+    np.testing.assert_allclose(sdpa(q, k, v, is_causal=causal),
+                               ref(q, k, v, causal=code)[0], rtol=1e-12, atol=1e-12)
+    m = rand((6, 8), seed=4) > 0
+    np.testing.assert_allclose(sdpa(q, k, v, m), ref(q, k, v, m)[0], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- 4. bool flags
+def _mha():
+    return attncore.MultiHeadAttention(8, 2, rng=0)
+
+
+X = rand((1, 3, 8), np.float32)
+Q3 = rand((1, 2, 3, 4))
+
+BOOL_FLAG_CASES = {
+    "sdpa-enable_gqa": ("enable_gqa", lambda bad: sdpa(Q3, Q3, Q3, enable_gqa=bad)),
+    "sdpa-return_weights": ("return_weights", lambda bad: sdpa(Q3, Q3, Q3, return_weights=bad)),
+    "mha-need_weights": ("need_weights", lambda bad: _mha()(X, need_weights=bad)),
+    "mha-average_attn_weights": ("average_attn_weights",
+                                 lambda bad: _mha()(X, need_weights=True, average_attn_weights=bad)),
+    "mha-bias": ("bias", lambda bad: attncore.MultiHeadAttention(8, 2, bias=bad)),
+    "attention-return_weights": ("return_weights",
+                                 lambda bad: attncore.Attention()(X, X, return_weights=bad)),
+    "attention-step-return_weights": (
+        "return_weights",
+        lambda bad: attncore.Attention().step(X, attncore.Attention().prepare(X), return_weights=bad)),
+    "register-replace": ("replace",
+                         lambda bad: attncore.alignments.register("ac-bool-flag-test", attncore.Alignment,
+                                                                  replace=bad)),
+    "available-details": ("details", lambda bad: attncore.alignments.available(details=bad)),
+}
+
+
+@pytest.mark.parametrize("bad", ["False", "no", 0, 1, None, 1.0], ids=repr)
+@pytest.mark.parametrize("case", sorted(BOOL_FLAG_CASES))
+def test_bool_flags_reject_non_bools(case, bad):
+    name, call = BOOL_FLAG_CASES[case]
+    with pytest.raises(TypeError, match=rf"{name} must be a bool.*got {type(bad).__name__}"):
+        call(bad)
+
+
+def test_bool_flags_accept_numpy_bool():
+    out, w = sdpa(Q3, Q3, Q3, enable_gqa=np.False_, return_weights=np.True_)
+    np.testing.assert_allclose(out, ref(Q3, Q3, Q3)[0], rtol=1e-12, atol=1e-12)
+    assert sdpa(Q3, Q3, Q3, return_weights=np.False_).shape == (1, 2, 3, 4)
+    o, w = _mha()(X, need_weights=np.True_, average_attn_weights=np.False_)
+    assert w.shape == (1, 2, 3, 3)
+
+
+# ---------------------------------------------------------------- 5. masked arrays
+MASKED = np.ma.masked_array(Q3, mask=np.zeros(Q3.shape, bool))
+
+MASKED_CASES = {
+    "sdpa-query": ("query", "attn_mask", lambda: sdpa(MASKED, Q3, Q3)),
+    "sdpa-key": ("key", "attn_mask", lambda: sdpa(Q3, MASKED, Q3)),
+    "sdpa-value": ("value", "attn_mask", lambda: sdpa(Q3, Q3, MASKED)),
+    "sdpa-attn_mask": ("attn_mask", None,
+                       lambda: sdpa(Q3, Q3, Q3, np.ma.masked_array(np.ones((3, 3), bool)))),
+    "mha-query": ("query", "key_mask", lambda: _mha()(np.ma.masked_array(X))),
+    "mha-key": ("key", "key_mask", lambda: _mha()(X, np.ma.masked_array(X))),
+    "mha-key_mask": ("key_mask", None,
+                     lambda: _mha()(X, key_mask=np.ma.masked_array(np.ones((1, 3), bool)))),
+    "attention-query": ("query", "mask", lambda: attncore.Attention()(np.ma.masked_array(X), X)),
+    "attention-keys": ("keys", "mask", lambda: attncore.Attention()(X, np.ma.masked_array(X))),
+    "attention-values": ("values", "mask",
+                         lambda: attncore.Attention()(X, X, np.ma.masked_array(X))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASKED_CASES))
+def test_masked_arrays_rejected(case):
+    name, mask_arg, call = MASKED_CASES[case]
+    with pytest.raises(TypeError, match=f"{name} must not be a numpy.ma.MaskedArray") as exc:
+        call()
+    if mask_arg is not None:
+        assert mask_arg in str(exc.value)
+
+
+# ---------------------------------------------------------------- 6. ragged lists
+RAGGED = [[1.0, 2.0], [3.0]]
+
+RAGGED_CASES = {
+    "sdpa-query": ("query", lambda: sdpa(RAGGED, Q3, Q3)),
+    "sdpa-key": ("key", lambda: sdpa(Q3, RAGGED, Q3)),
+    "sdpa-value": ("value", lambda: sdpa(Q3, Q3, RAGGED)),
+    "sdpa-attn_mask": ("attn_mask", lambda: sdpa(Q3, Q3, Q3, [[True], [True, False]])),
+    "mha-query": ("query", lambda: _mha()(RAGGED)),
+    "mha-key_mask": ("key_mask", lambda: _mha()(X, key_mask=[[True], [True, False]])),
+    "mha-attn_mask": ("attn_mask", lambda: _mha()(X, attn_mask=[[True], [True, False]])),
+    "attention-keys": ("keys", lambda: attncore.Attention()(X, RAGGED)),
+    "attention-mask": ("mask", lambda: attncore.Attention()(X, X, mask=[[True], [True, False]])),
+    "positional-x": ("x", lambda: attncore.add_positional_encoding(RAGGED)),
+    "positional-positions": ("length_or_positions",
+                             lambda: attncore.sinusoidal_encoding(RAGGED, 4)),
+    "from_arrays-q_weight": ("q_weight", lambda: attncore.MultiHeadAttention.from_arrays(
+        q_weight=RAGGED, k_weight=RAGGED, v_weight=RAGGED, out_weight=RAGGED, num_heads=1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAGGED_CASES))
+def test_ragged_lists_name_the_argument(case):
+    name, call = RAGGED_CASES[case]
+    with pytest.raises((ValueError, TypeError), match=rf"^{name}\b"):
+        call()
+
+
+# ---------------------------------------------------------------- 7. -inf scores from values
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,M,threads", [(3, 5, 1), (1, 5000, 2), (300, 700, 2), (2, 40, 1)])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_all_minus_inf_scores_from_values_give_zero(dtype, N, M, threads, return_weights):
+    """Every attended score of row 0 is -inf because the query holds -inf
+    (and the keys' matching column is > 0): the row comes out 0 (weights
+    0), as for a row with nothing to attend and as PyTorch gives; a row of
+    +inf scores is NaN (inf - inf); the other rows are the reference's."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((N, 4)).astype(dtype)
+    k = (np.abs(rng.standard_normal((M, 4))) + 0.5).astype(dtype)
+    v = rng.standard_normal((M, 3)).astype(dtype)
+    q[0, 0] = -np.inf
+    if N > 1:
+        q[1, 0] = np.inf
+    res = sdpa(q, k, v, return_weights=return_weights, num_threads=threads)
+    out, w = res if return_weights else (res, None)
+    np.testing.assert_array_equal(out[0], 0)
+    if w is not None:
+        np.testing.assert_array_equal(w[0], 0)
+    if N > 1:
+        assert np.isnan(out[1]).all()
+    if N > 2:
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(out[2:], ref(q[2:], k, v)[0], **tol)
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_all_minus_inf_scores_match_torch():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)
+    k = (np.abs(rng.standard_normal((2, 3, 9, 8))) + 0.5).astype(np.float32)
+    v = rng.standard_normal((2, 3, 9, 4)).astype(np.float32)
+    q[:, :, 0, 3] = -np.inf
+    q[1, 2, 4, 5] = -np.inf
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
+    np.testing.assert_allclose(sdpa(q, k, v), expected, rtol=1e-5, atol=1e-6)
