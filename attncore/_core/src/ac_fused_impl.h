@@ -4,9 +4,11 @@
  *
  *   AC_ISA     name suffix (avx512 / avx2)       AC_TGT  target attribute
  *   VEC        vector type, AC_W lanes              AC_P    panel rows (2 AC_W)
- *   AC_KU      keys per score micro-tile         AC_DU   value columns per
- *                                                        P.V micro-tile
+ *   AC_KU      keys per score micro-tile
+ *   AC_RU, AC_CV   rows x vectors of value columns per P.V micro-tile
  *   VZERO VLOAD VSTORE VSET1 VFMA VMAX VADD VSUB VMUL   vector operations
+ *   VLOADN / VSTOREN (p, n)   the first n lanes only (the rest read as 0)
+ *   VPACK(x, x_rs, nr, D, scale, XT)   a panel of rows, transposed
  *   VEXP2(x)   2^x for x <= 0 (NaN propagates, below -125 gives exactly 0)
  *   VCAUSAL(v, lane0, t)   lanes whose row index (lane0 + lane) <= t -> -inf
  *   VZERO_IF_NINF(v)       lanes equal to -inf -> 0
@@ -20,8 +22,9 @@
  *                                              running max in registers)
  *   mask / causal -> -inf, float mask added (times log2 e)
  *   m' = max(m, tile max);  P = 2^(ST - m');  l = l 2^(m - m') + sum P
- *   OT[d][P] = OT 2^(m - m') + sum_j v_j[d] P[j]   (micro-tiles of AC_DU
- *                                              value columns)
+ *   O[r][:] = O 2^(m - m') + sum_j P[j][r] v_j    (natural layout; micro-
+ *                                              tiles of AC_RU rows x AC_CV
+ *                                              vectors of value columns)
  * Row statistics are per lane, so the softmax needs no horizontal
  * reductions at all.  The base-2 exponent (log2 e folded into the query
  * scale) saves the argument reduction of exp.
@@ -64,41 +67,94 @@ static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *QT, int D,        \
     *mx1 = m1;                                                               \
 }
 
-/* P.V micro-tile: OT rows d0..d0+DU-1 (ld P) scaled by alpha, plus the
- * nk keys of this tile */
-#define AC_DEF_PV(DU, NAME)                                                        \
-static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *PT, int nk,       \
+/* P.V micro-tile, natural layout: rows r..r+RU-1 of the accumulator O (ld
+ * ldo), CV full vectors of value columns, rescaled by alpha[u], plus the nk
+ * keys of this tile: O[u][:] = alpha[u] O[u][:] + sum_j P[j][u] v_j[:] */
+#define AC_DEF_PV(RU, CV, NAME)                                              \
+static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *PT, int nk,           \
                                           const float *vc, ptrdiff_t v_rs,   \
-                                          float *OT, VEC al0, VEC al1)       \
+                                          float *O, ptrdiff_t ldo,           \
+                                          const float *alpha)                \
 {                                                                            \
-    VEC a0[DU], a1[DU];                                                      \
-    _Pragma("GCC unroll 16")                                                 \
-    for (int u = 0; u < DU; u++) {                                           \
-        a0[u] = VMUL(VLOAD(OT + u * AC_P), al0);                             \
-        a1[u] = VMUL(VLOAD(OT + u * AC_P + AC_W), al1);                         \
+    VEC a[RU][CV];                                                           \
+    _Pragma("GCC unroll 8")                                                  \
+    for (int u = 0; u < RU; u++) {                                           \
+        const VEC al = VSET1(alpha[u]);                                      \
+        _Pragma("GCC unroll 8")                                              \
+        for (int c = 0; c < CV; c++)                                         \
+            a[u][c] = VMUL(VLOAD(O + u * ldo + c * AC_W), al);               \
     }                                                                        \
     for (int j = 0; j < nk; j++) {                                           \
-        const VEC p0 = VLOAD(PT + (ptrdiff_t)j * AC_P);                      \
-        const VEC p1 = VLOAD(PT + (ptrdiff_t)j * AC_P + AC_W);                  \
         const float *vj = vc + (ptrdiff_t)j * v_rs;                          \
-        _Pragma("GCC unroll 16")                                             \
-        for (int u = 0; u < DU; u++) {                                       \
-            const VEC b = VSET1(vj[u]);                                      \
-            a0[u] = VFMA(p0, b, a0[u]);                                      \
-            a1[u] = VFMA(p1, b, a1[u]);                                      \
+        const float *pj = PT + (ptrdiff_t)j * AC_P;                          \
+        VEC x[CV];                                                           \
+        _Pragma("GCC unroll 8")                                              \
+        for (int c = 0; c < CV; c++) x[c] = VLOAD(vj + c * AC_W);            \
+        _Pragma("GCC unroll 8")                                              \
+        for (int u = 0; u < RU; u++) {                                       \
+            const VEC b = VSET1(pj[u]);                                      \
+            _Pragma("GCC unroll 8")                                          \
+            for (int c = 0; c < CV; c++) a[u][c] = VFMA(b, x[c], a[u][c]);   \
         }                                                                    \
     }                                                                        \
-    _Pragma("GCC unroll 16")                                                 \
-    for (int u = 0; u < DU; u++) {                                           \
-        VSTORE(OT + u * AC_P, a0[u]);                                        \
-        VSTORE(OT + u * AC_P + AC_W, a1[u]);                                    \
+    _Pragma("GCC unroll 8")                                                  \
+    for (int u = 0; u < RU; u++)                                             \
+        _Pragma("GCC unroll 8")                                              \
+        for (int c = 0; c < CV; c++) VSTORE(O + u * ldo + c * AC_W, a[u][c]); \
+}
+
+/* the same for the last n < W value columns (one partial vector) */
+#define AC_DEF_PV_TAIL(RU, NAME)                                             \
+static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *PT, int nk,           \
+                                          const float *vc, ptrdiff_t v_rs,   \
+                                          float *O, ptrdiff_t ldo,           \
+                                          const float *alpha, int n)         \
+{                                                                            \
+    VEC a[RU];                                                               \
+    _Pragma("GCC unroll 8")                                                  \
+    for (int u = 0; u < RU; u++)                                             \
+        a[u] = VMUL(VLOADN(O + u * ldo, n), VSET1(alpha[u]));                \
+    for (int j = 0; j < nk; j++) {                                           \
+        const VEC x = VLOADN(vc + (ptrdiff_t)j * v_rs, n);                   \
+        const float *pj = PT + (ptrdiff_t)j * AC_P;                          \
+        _Pragma("GCC unroll 8")                                              \
+        for (int u = 0; u < RU; u++) a[u] = VFMA(VSET1(pj[u]), x, a[u]);     \
     }                                                                        \
+    _Pragma("GCC unroll 8")                                                  \
+    for (int u = 0; u < RU; u++) VSTOREN(O + u * ldo, a[u], n);              \
+}
+
+/* O rows [0, nr) (ld ldo) of value columns [0, Dv) */
+#define AC_PV_ROWS(RU, MAIN, ONE, TAIL)                                      \
+    do {                                                                     \
+        int d_ = 0;                                                          \
+        for (; d_ + AC_CV * AC_W <= Dv; d_ += AC_CV * AC_W)                   \
+            AC_F(MAIN)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv, \
+                       alpha + r_);                                          \
+        for (; d_ + AC_W <= Dv; d_ += AC_W)                                  \
+            AC_F(ONE)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv,  \
+                      alpha + r_);                                           \
+        if (d_ < Dv)                                                         \
+            AC_F(TAIL)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv, \
+                       alpha + r_, Dv - d_);                                 \
+    } while (0)
+
+/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < P: a panel of
+ * rows transposed (VPACK: register transposes of W x W blocks) */
+static AC_TGT void AC_F(ac_pack_rows)(const float *x, ptrdiff_t x_rs, int nr,
+                                      int D, float scale, float *XT)
+{
+    VPACK(x, x_rs, nr, D, scale, XT);
 }
 
 AC_DEF_QK(AC_KU, ac_qkmain)
 AC_DEF_QK(1, ac_qk1)
-AC_DEF_PV(AC_DU, ac_pvmain)
-AC_DEF_PV(1, ac_pv1)
+AC_DEF_PV(AC_RU, AC_CV, ac_pv_main)
+AC_DEF_PV(AC_RU, 1, ac_pv_one)
+AC_DEF_PV_TAIL(AC_RU, ac_pv_tail)
+AC_DEF_PV(1, AC_CV, ac_pv1_main)
+AC_DEF_PV(1, 1, ac_pv1_one)
+AC_DEF_PV_TAIL(1, ac_pv1_tail)
 
 /*
  * Attention of the query rows [i0, i0 + nr) (nr <= P) over keys [ks, ke):
@@ -116,21 +172,15 @@ static AC_TGT int AC_F(ac_fused_panel)(
     const int D = p->D, Dv = p->Dv;
     float *QT = scratch;
     float *ST = QT + (ptrdiff_t)D * AC_P;
-    float *OT = ST + (ptrdiff_t)AC_BK * AC_P;
     const float log2e = 1.44269504088896341f;
     const float qs = (float)p->scale * log2e;
     const float ninf = -INFINITY;
 
     /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond nr */
-    for (int r = 0; r < AC_P; r++) {
-        if (r < nr) {
-            const float *qr = q + (i0 + r) * p->q_rs;
-            for (int d = 0; d < D; d++) QT[(ptrdiff_t)d * AC_P + r] = qs * qr[d];
-        } else {
-            for (int d = 0; d < D; d++) QT[(ptrdiff_t)d * AC_P + r] = 0;
-        }
-    }
-    memset(OT, 0, sizeof(float) * (size_t)Dv * AC_P);
+    AC_F(ac_pack_rows)(q + i0 * p->q_rs, p->q_rs, nr, D, qs, QT);
+    /* the accumulator: natural layout, rows beyond nr never touched */
+    memset(acc, 0, sizeof(float) * (size_t)nr * (size_t)Dv);
+    float alpha[AC_P];
 
     VEC m0 = VSET1(ninf), m1 = VSET1(ninf);
     VEC l0 = VZERO(), l1 = VZERO();
@@ -284,17 +334,16 @@ static AC_TGT int AC_F(ac_fused_panel)(
         m1 = n1;
 
         /* ---- P.V ---- */
+        VSTORE(alpha, al0);
+        VSTORE(alpha + AC_W, al1);
         const float *vr = v + j0 * p->v_rs;
         if (holes && ac_rows_nonfinite_f32(vr, nk, Dv, p->v_rs)) {
             /* inf / NaN among these values: multiply attended keys only,
                so that 0 * inf never reaches a query */
-            for (int d = 0; d < Dv; d++) {
-                float *od = OT + (ptrdiff_t)d * AC_P;
-                VSTORE(od, VMUL(VLOAD(od), al0));
-                VSTORE(od + AC_W, VMUL(VLOAD(od + AC_W), al1));
-            }
             const ptrdiff_t cs = p->mask_cs;
             for (int r = 0; r < nr; r++) {
+                float *ar = acc + (ptrdiff_t)r * Dv;
+                for (int d = 0; d < Dv; d++) ar[d] *= alpha[r];
                 const ptrdiff_t i = i0 + r;
                 int ncol = nk;
                 if (p->causal) {
@@ -307,22 +356,20 @@ static AC_TGT int AC_F(ac_fused_panel)(
                     if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
                     const float pc = ST[(ptrdiff_t)c * AC_P + r];
                     const float *vj = v + j * p->v_rs;
-                    for (int d = 0; d < Dv; d++) OT[(ptrdiff_t)d * AC_P + r] += pc * vj[d];
+                    for (int d = 0; d < Dv; d++) ar[d] += pc * vj[d];
                 }
             }
         } else {
-            int d = 0;
-            for (; d + AC_DU <= Dv; d += AC_DU)
-                AC_F(ac_pvmain)(ST, nk, vr + d, p->v_rs,
-                                   OT + (ptrdiff_t)d * AC_P, al0, al1);
-            for (; d < Dv; d++)
-                AC_F(ac_pv1)(ST, nk, vr + d, p->v_rs,
-                             OT + (ptrdiff_t)d * AC_P, al0, al1);
+            int r_ = 0;
+            for (; r_ + AC_RU <= nr; r_ += AC_RU)
+                AC_PV_ROWS(AC_RU, ac_pv_main, ac_pv_one, ac_pv_tail);
+            for (; r_ < nr; r_++)
+                AC_PV_ROWS(1, ac_pv1_main, ac_pv1_one, ac_pv1_tail);
         }
         processed = 1;
     }
 
-    /* ---- row statistics and accumulator back to natural layout ---- */
+    /* ---- row statistics (the accumulator is already in place) ---- */
     {
         float mm[AC_P], ll[AC_P];
         VSTORE(mm, m0);
@@ -334,10 +381,6 @@ static AC_TGT int AC_F(ac_fused_panel)(
             m[r] = mm[r] * ln2;
             l[r] = ll[r];
             bad[r] = 0;
-        }
-        for (int r = 0; r < nr; r++) {
-            float *ar = acc + (ptrdiff_t)r * Dv;
-            for (int d = 0; d < Dv; d++) ar[d] = OT[(ptrdiff_t)d * AC_P + r];
         }
     }
     return processed;
@@ -356,14 +399,7 @@ static AC_TGT void AC_F(ac_linear_panel)(const float *x, ptrdiff_t x_rs, int nr,
                                          ptrdiff_t o_rs, int c0, int c1, int K,
                                          float *XT, float *T)
 {
-    for (int r = 0; r < AC_P; r++) {
-        if (r < nr) {
-            const float *xr = x + r * x_rs;
-            for (int d = 0; d < K; d++) XT[(ptrdiff_t)d * AC_P + r] = xr[d];
-        } else {
-            for (int d = 0; d < K; d++) XT[(ptrdiff_t)d * AC_P + r] = 0;
-        }
-    }
+    AC_F(ac_pack_rows)(x, x_rs, nr, K, 1.0f, XT);
     VEC t0 = VZERO(), t1 = VZERO();
     int c = c0;
     for (; c < c1; c += AC_KU) {

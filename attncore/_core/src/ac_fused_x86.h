@@ -6,10 +6,11 @@
  * Blockings (measured on AMD Zen 4, whose AVX-512 runs on a 256-bit
  * datapath, and meant for 512-bit cores as well):
  *   AVX-512: panels of 32 query rows (2 zmm), 8 keys per score micro-tile
- *            and 8 value columns per P.V micro-tile: 16 accumulators, 2
- *            vector loads + 8 broadcasts per 16 FMAs.
- *   AVX2:    panels of 16 query rows (2 ymm), 6 keys / 6 columns: 12
- *            accumulators out of 16 registers.
+ *            (16 accumulators, 2 vector loads + 8 broadcasts per 16 FMAs);
+ *            P.V tiles of 4 rows x 64 value columns (16 accumulators, 4
+ *            loads + 4 broadcasts per 16 FMAs).
+ *   AVX2:    panels of 16 query rows (2 ymm), 6 keys per score tile (12
+ *            accumulators of 16 registers); P.V 4 rows x 16 columns.
  * Key tiles hold AC_BK keys.
  *
  * Included by ac_sdpa.h after the float instantiation of ac_sdpa_impl.h
@@ -40,11 +41,9 @@
 #ifndef AC_KU512
 #define AC_KU512 8
 #endif
-#ifndef AC_DU512
-#define AC_DU512 8
-#endif
 #define AC_KU AC_KU512
-#define AC_DU AC_DU512
+#define AC_RU 4
+#define AC_CV 4
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(a) _mm512_loadu_ps(a)
 #define VSTORE(a, x) _mm512_storeu_ps((a), (x))
@@ -57,6 +56,63 @@
 #define VEXP2(x) ac_exp2_avx512(x)
 #define VCAUSAL(x, lane0, t) ac_causal_avx512((x), (lane0), (t))
 #define VZERO_IF_NINF(x) ac_zero_ninf_avx512(x)
+#define VLOADN(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1u), (p))
+#define VSTOREN(p, x, n) _mm512_mask_storeu_ps((p), (__mmask16)((1u << (n)) - 1u), (x))
+#define VGATHER(p, stride, lane0, nr) ac_gather_avx512((p), (stride), (lane0), (nr))
+#define VPACK ac_pack_avx512
+
+static AC_TGT inline __m512 ac_gather_avx512(const float *p, ptrdiff_t stride, int lane0, int nr)
+{
+    const __m512i lane = _mm512_add_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(lane0));
+    const __mmask16 live = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(nr));
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)stride));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, p, 4);
+}
+
+/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < 32: 16 x 16
+ * blocks transposed in registers (unpack, then 128-bit lane shuffles) */
+static AC_TGT void ac_pack_avx512(const float *x, ptrdiff_t x_rs, int nr, int D,
+                                  float scale, float *XT)
+{
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int rb = 0; rb < 32; rb += 16) {
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            const int nd = (D - d0 < 16) ? D - d0 : 16;
+            const __mmask16 dm = (__mmask16)((1u << nd) - 1u);
+            __m512 r[16], t[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = (rb + i < nr)
+                           ? _mm512_mul_ps(_mm512_maskz_loadu_ps(dm, x + (rb + i) * x_rs + d0), sc)
+                           : _mm512_setzero_ps();
+            for (int i = 0; i < 8; i++) {
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int g = 0; g < 4; g++) {
+                const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+                const __m512d c = _mm512_castps_pd(t[4 * g + 1]), e = _mm512_castps_pd(t[4 * g + 3]);
+                r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+                r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
+                r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
+            }
+            /* r[4g + k], 128-bit lane L: rows 4g..4g+3 of column 4L + k */
+            for (int k = 0; k < 4; k++) {
+                const __m512 A = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44);
+                const __m512 B = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
+                const __m512 C = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
+                const __m512 E = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
+                const __m512 o[4] = {_mm512_shuffle_f32x4(A, C, 0x88), _mm512_shuffle_f32x4(A, C, 0xDD),
+                                     _mm512_shuffle_f32x4(B, E, 0x88), _mm512_shuffle_f32x4(B, E, 0xDD)};
+                for (int L = 0; L < 4; L++)
+                    if (4 * L + k < nd)
+                        _mm512_storeu_ps(XT + (ptrdiff_t)(d0 + 4 * L + k) * 32 + rb, o[L]);
+            }
+        }
+    }
+}
 
 /* 2^x for x <= 0: degree-5 minimax polynomial on [-1/2, 1/2] (about 2 ulp),
  * scaled by 2^round(x); below -125 exactly 0 (no subnormal weights); NaN
@@ -99,7 +155,12 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #undef AC_W
 #undef AC_P
 #undef AC_KU
-#undef AC_DU
+#undef AC_RU
+#undef AC_CV
+#undef VLOADN
+#undef VSTOREN
+#undef VGATHER
+#undef VPACK
 #undef VZERO
 #undef VLOAD
 #undef VSTORE
@@ -120,7 +181,8 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define AC_W 8
 #define AC_P 16
 #define AC_KU 6
-#define AC_DU 6
+#define AC_RU 4
+#define AC_CV 2
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(a) _mm256_loadu_ps(a)
 #define VSTORE(a, x) _mm256_storeu_ps((a), (x))
@@ -133,6 +195,63 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define VEXP2(x) ac_exp2_avx2(x)
 #define VCAUSAL(x, lane0, t) ac_causal_avx2((x), (lane0), (t))
 #define VZERO_IF_NINF(x) ac_zero_ninf_avx2(x)
+#define VLOADN(p, n) _mm256_maskload_ps((p), ac_lanes_avx2(n))
+#define VSTOREN(p, x, n) _mm256_maskstore_ps((p), ac_lanes_avx2(n), (x))
+#define VGATHER(p, stride, lane0, nr) ac_gather_avx2((p), (stride), (lane0), (nr))
+#define VPACK ac_pack_avx2
+
+/* integer lane mask: lanes < n set */
+static AC_TGT inline __m256i ac_lanes_avx2(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static AC_TGT inline __m256 ac_gather_avx2(const float *p, ptrdiff_t stride, int lane0, int nr)
+{
+    const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(lane0));
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane));
+    const __m256i idx = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)stride));
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, idx, live, 4);
+}
+
+/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < 16: 8 x 8 blocks
+ * transposed in registers */
+static AC_TGT void ac_pack_avx2(const float *x, ptrdiff_t x_rs, int nr, int D,
+                                float scale, float *XT)
+{
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int rb = 0; rb < 16; rb += 8) {
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            const int nd = (D - d0 < 8) ? D - d0 : 8;
+            const __m256i dm = _mm256_cmpgt_epi32(_mm256_set1_epi32(nd),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            __m256 r[8], t[8], u[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = (rb + i < nr)
+                           ? _mm256_mul_ps(_mm256_maskload_ps(x + (rb + i) * x_rs + d0, dm), sc)
+                           : _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int g = 0; g < 2; g++) {
+                u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+                u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+                u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+                u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+            }
+            for (int k = 0; k < 4; k++) {
+                if (k < nd)
+                    _mm256_storeu_ps(XT + (ptrdiff_t)(d0 + k) * 16 + rb,
+                                     _mm256_permute2f128_ps(u[k], u[4 + k], 0x20));
+                if (k + 4 < nd)
+                    _mm256_storeu_ps(XT + (ptrdiff_t)(d0 + k + 4) * 16 + rb,
+                                     _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
+            }
+        }
+    }
+}
 
 static AC_TGT inline __m256 ac_exp2_avx2(__m256 x)
 {
@@ -175,7 +294,12 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #undef AC_W
 #undef AC_P
 #undef AC_KU
-#undef AC_DU
+#undef AC_RU
+#undef AC_CV
+#undef VLOADN
+#undef VSTOREN
+#undef VGATHER
+#undef VPACK
 #undef VZERO
 #undef VLOAD
 #undef VSTORE
