@@ -410,11 +410,12 @@ static AC_TGT void AC_F(ac_linear_panel)(const float *x, ptrdiff_t x_rs, int nr,
             for (int u = 0; u < nc; u++)
                 AC_F(ac_qk1)(XT, K, w + (c + u) * w_rs, w_rs, T + u * AC_P, &t0, &t1);
         }
-        for (int u = 0; u < nc; u++) {
-            const float b = bias ? bias[c + u] : 0.0f;
-            const float *tu = T + u * AC_P;
-            float *oc = out + c + u;
-            for (int r = 0; r < nr; r++) oc[r * o_rs] = tu[r] + b;
+        /* row by row: each row's nc values are adjacent (column by column,
+           rows 4 KiB apart all fall in one L1 set) */
+        for (int r = 0; r < nr; r++) {
+            float *orow = out + r * o_rs + c;
+            for (int u = 0; u < nc; u++)
+                orow[u] = T[u * AC_P + r] + (bias ? bias[c + u] : 0.0f);
         }
     }
 }
