@@ -228,10 +228,13 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
     cdef int *bad = <int *>(alpha + Bq)
     cdef int processed
     cdef Py_ssize_t ks, ke
+    cdef floating *o
     if nsplit == 1:
-        processed = _range(p, q, k, v, mb, mf, i0, nq, 0, p.M, S, acc, m, l, alpha, bad)
-        _finish(nq, p.Dv, processed, acc, l, bad,
-                (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv)
+        # the output rows (contiguous, ld Dv) are the accumulator: the
+        # finish then scales them in place instead of copying
+        o = (<floating *>ops.out) + (b * p.N + i0) * Dv
+        processed = _range(p, q, k, v, mb, mf, i0, nq, 0, p.M, S, o, m, l, alpha, bad)
+        _finish(nq, p.Dv, processed, o, l, bad, o, Dv)
     else:
         ks = s * chunk
         ke = ks + chunk

@@ -148,10 +148,14 @@ static AC_TGT void AC_F(ac_pack_rows)(const float *x, ptrdiff_t x_rs, int nr,
 }
 
 AC_DEF_QK(AC_KU, ac_qkmain)
+AC_DEF_QK(2, ac_qk2)
 AC_DEF_QK(1, ac_qk1)
 AC_DEF_PV(AC_RU, AC_CV, ac_pv_main)
 AC_DEF_PV(AC_RU, 1, ac_pv_one)
 AC_DEF_PV_TAIL(AC_RU, ac_pv_tail)
+AC_DEF_PV(2, AC_CV, ac_pv2_main)
+AC_DEF_PV(2, 1, ac_pv2_one)
+AC_DEF_PV_TAIL(2, ac_pv2_tail)
 AC_DEF_PV(1, AC_CV, ac_pv1_main)
 AC_DEF_PV(1, 1, ac_pv1_one)
 AC_DEF_PV_TAIL(1, ac_pv1_tail)
@@ -214,6 +218,9 @@ static AC_TGT int AC_F(ac_fused_panel)(
             for (; j + AC_KU <= nk; j += AC_KU)
                 AC_F(ac_qkmain)(QT, D, kr + j * p->k_rs, p->k_rs,
                                    ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+            for (; j + 2 <= nk; j += 2)
+                AC_F(ac_qk2)(QT, D, kr + j * p->k_rs, p->k_rs,
+                             ST + (ptrdiff_t)j * AC_P, &t0, &t1);
             for (; j < nk; j++)
                 AC_F(ac_qk1)(QT, D, kr + j * p->k_rs, p->k_rs,
                              ST + (ptrdiff_t)j * AC_P, &t0, &t1);
@@ -363,6 +370,8 @@ static AC_TGT int AC_F(ac_fused_panel)(
             int r_ = 0;
             for (; r_ + AC_RU <= nr; r_ += AC_RU)
                 AC_PV_ROWS(AC_RU, ac_pv_main, ac_pv_one, ac_pv_tail);
+            for (; r_ + 2 <= nr; r_ += 2)
+                AC_PV_ROWS(2, ac_pv2_main, ac_pv2_one, ac_pv2_tail);
             for (; r_ < nr; r_++)
                 AC_PV_ROWS(1, ac_pv1_main, ac_pv1_one, ac_pv1_tail);
         }
