@@ -7,7 +7,10 @@ Cython + OpenMP core that reaches BLAS through ``scipy.linalg.cython_blas``.
 Public API
 ----------
 scaled_dot_product_attention
-    Batched (masked, causal, grouped-query) attention.
+    Batched (masked, causal, grouped-query) attention; with
+    ``return_lse=True`` also the log-sum-exp of each query row.
+merge_attention
+    Combine attention over disjoint key sets into attention over all keys.
 show_config
     Versions, OpenMP and BLAS facts of this installation.
 MultiHeadAttention, KVCache
@@ -19,7 +22,7 @@ Attention, Alignment, alignments, plot_alignment
     Classic (seq2seq / spatial) attention with pluggable alignment
     functions, their registry, and a heat map of the weights.
 """
-from .functional import scaled_dot_product_attention
+from .functional import merge_attention, scaled_dot_product_attention
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
@@ -30,6 +33,6 @@ from ._plot import plot_alignment
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "show_config", "__version__"]
+__all__ = ["scaled_dot_product_attention", "merge_attention", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
 __all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

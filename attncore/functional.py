@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal, NamedTuple, overload
+from typing import Literal, NamedTuple, Sequence, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -30,7 +30,7 @@ from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causa
                           parse_float_dtype, parse_mask, parse_positive_int, parse_scale)
 from ._validation import blas_rows as _rows_ok
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "merge_attention"]
 
 _INT32_MAX = 2**31 - 1
 # query blocks of at most this many rows take the direct loops (decoding)
@@ -222,33 +222,32 @@ def _batch_shape(q, k, v, m, enable_gqa: bool):
         raise
 
 
-def _empty_result(q, k, v, attn_mask, bshape, rdt, return_weights, is_causal, scale,
+def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
                   enable_gqa, num_threads):
-    """The result when a batch, N, M or Dv is 0."""
+    """(out, weights or None, lse or None) when a batch, N, M or Dv is 0."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     nb = math.prod(bshape)
     out = np.zeros(bshape + (N, Dv), dtype=rdt)
-    if Dv == 0 and return_weights and nb and N and M:
-        # weights are still defined: compute them with a dummy value column
-        _, w = scaled_dot_product_attention(
-            q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-            return_weights=True, num_threads=num_threads)
-        return out, w
-    if return_weights:
-        return out, np.zeros(bshape + (N, M), dtype=rdt)
-    return out
+    if Dv == 0 and (need_w or need_lse) and nb and N and M:
+        # weights and lse are still defined: compute them with a dummy value column
+        _, w, lse = _attention(q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
+                               is_causal, scale, enable_gqa, need_w, need_lse, num_threads)
+        return out, w, lse
+    w = np.zeros(bshape + (N, M), dtype=rdt) if need_w else None
+    lse = np.full(bshape + (N,), -np.inf, dtype=cdt) if need_lse else None
+    return out, w, lse
 
 
-def _broadcast_rows(res, bshape, N: int, return_weights: bool):
-    """The one-row result ``res`` repeated over N query rows, as new arrays."""
+def _broadcast_rows(res, bshape, N: int):
+    """The one-row result ``res`` (out, weights, lse; None where not asked
+    for) repeated over N query rows, as new arrays."""
     def spread(a):
-        full = np.empty(bshape + (N, a.shape[-1]), dtype=a.dtype)
+        if a is None:
+            return None
+        full = np.empty(bshape + (N,) + a.shape[len(bshape) + 1:], dtype=a.dtype)
         full[...] = a
         return full
-    if return_weights:
-        return spread(res[0]), spread(res[1])
-    return spread(res)
+    return tuple(spread(a) for a in res)
 
 
 # --------------------------------------------------------------------------
@@ -259,7 +258,7 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[False] = False,
-    num_threads: int | None = None,
+    return_lse: Literal[False] = False, num_threads: int | None = None,
 ) -> np.ndarray: ...
 
 
@@ -268,7 +267,16 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[True],
-    num_threads: int | None = None,
+    return_lse: Literal[False] = False, num_threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_weights: Literal[False] = False,
+    return_lse: Literal[True], num_threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -277,8 +285,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: bool = False,
-    num_threads: int | None = None,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+    return_lse: bool = False, num_threads: int | None = None,
+) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
 def scaled_dot_product_attention(
@@ -291,8 +299,9 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_weights: bool = False,
+    return_lse: bool = False,
     num_threads: int | None = None,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """Scaled dot-product attention, ``softmax(Q K^T * scale + mask) V``.
 
     Computed tile by tile with an online softmax (flash attention): memory
@@ -328,6 +337,13 @@ def scaled_dot_product_attention(
     return_weights : bool, default False
         Also return the attention weights, shape (..., N, M) (this
         materializes them).
+    return_lse : bool, default False
+        Also return the log-sum-exp of each query row, shape (..., N), in
+        the compute dtype (float32 for float16 inputs): the natural log of
+        the sum over the keys the row attends of ``exp(scale * q.k + mask)``;
+        ``-inf`` for a row with nothing to attend (its output is 0), NaN
+        where the output is NaN.  With it, results over disjoint key sets
+        combine exactly (:func:`attncore.merge_attention`).
     num_threads : int, optional
         ``None``: OpenMP's default (``OMP_NUM_THREADS``, threadpoolctl);
         ``-1``: all cores; ``k >= 1``: k threads.  Results agree across
@@ -339,6 +355,9 @@ def scaled_dot_product_attention(
     weights : ndarray, shape (..., N, M)
         Only with ``return_weights=True``; rows sum to 1, or are all 0 for a
         query with nothing to attend.
+    lse : ndarray, shape (..., N)
+        Only with ``return_lse=True`` (after ``weights`` when both are
+        asked for).
 
     Notes
     -----
@@ -362,7 +381,18 @@ def scaled_dot_product_attention(
       threads at once are safe.
     """
     return_weights = parse_bool(return_weights, "return_weights")
+    return_lse = parse_bool(return_lse, "return_lse")
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
+    out, weights, lse = _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                   return_weights, return_lse, num_threads)
+    if not (return_weights or return_lse):
+        return out
+    return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
+
+
+def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
+               return_weights: bool, return_lse: bool, num_threads):
+    """(out, weights or None, lse or None): the checked call."""
     q, k, v = _check_operands(query, key, value)
     N, D = q.shape[-2], q.shape[-1]
     M, Dv = k.shape[-2], v.shape[-1]
@@ -376,17 +406,16 @@ def scaled_dot_product_attention(
     out_shape = bshape + (N, Dv)
 
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
-        return _empty_result(q, k, v, attn_mask, bshape, rdt, return_weights, is_causal,
-                             scale, enable_gqa, num_threads)
+        return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
+                             is_causal, scale, enable_gqa, num_threads)
     if N > 1 and q.strides[-2] == 0 and not causal and (m is None or m.shape[-2] == 1):
         # a broadcast query row axis: every row of a batch element is the
         # same query with the same keys, so compute one and broadcast it
         # (never copy the N identical rows)
         return _broadcast_rows(
-            scaled_dot_product_attention(
-                q[..., :1, :], k, v, m, scale=sc, enable_gqa=enable_gqa,
-                return_weights=return_weights, num_threads=num_threads),
-            bshape, N, return_weights)
+            _attention(q[..., :1, :], k, v, m, False, sc, enable_gqa, return_weights,
+                       return_lse, num_threads),
+            bshape, N)
 
     # ---- lay out operands ----
     if max(N, M, D, Dv) > _INT32_MAX:
@@ -407,9 +436,9 @@ def scaled_dot_product_attention(
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
-    args = (q, k, v, m, out, weights, bshape, group, mask_kind,
-            N, M, D, Dv, causal, sc, pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads)
-    _sdpa.sdpa(*args)
+    lse = np.empty((nb, N), dtype=cdt) if return_lse else None
+    _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
+               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse)
 
     out = out.reshape(out_shape)
     if rdt != cdt:
@@ -418,5 +447,94 @@ def scaled_dot_product_attention(
         weights = weights.reshape(bshape + (N, M))
         if rdt != cdt:
             weights = weights.astype(rdt)
-        return out, weights
-    return out
+    if return_lse:
+        lse = lse.reshape(bshape + (N,))
+    return out, weights, lse
+
+
+# --------------------------------------------------------------------------
+# merge_attention
+# --------------------------------------------------------------------------
+def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Combine attention over disjoint key sets into attention over all keys.
+
+    ``outputs[i]``, ``lses[i]`` are what
+    ``scaled_dot_product_attention(..., return_lse=True)`` returned for the
+    i-th part of the keys (the same queries, masks and scale).  The result
+    equals one call over all the keys, to float rounding: the outputs are
+    averaged with the weights ``exp(lse_i - lse)``, where
+    ``lse = log(sum_i exp(lse_i))``.
+
+    Parameters
+    ----------
+    outputs : sequence of array_like, each of shape (..., N, Dv)
+    lses : sequence of array_like, each of shape (..., N)
+        One per output; batch shapes broadcast.
+
+    Returns
+    -------
+    out : ndarray, shape (..., N, Dv)
+        In the outputs' (promoted) dtype.
+    lse : ndarray, shape (..., N)
+        The log-sum-exp over all the keys (float32 at least).
+
+    Notes
+    -----
+    A row that attends no key in a part (``lse_i = -inf``) takes nothing
+    from it; a row empty in every part gives output 0 and ``lse = -inf``,
+    as a single call does.  NaN in a part's lse or in the output of a part
+    the row attends propagates to the merged row.  Attention weights of a
+    part (``return_weights=True``) are normalized within that part: the
+    weights over all keys are ``weights_i * exp(lse_i - lse)``.
+    """
+    if isinstance(outputs, np.ndarray) or isinstance(lses, np.ndarray):
+        raise TypeError("outputs and lses must be sequences (lists / tuples) of arrays, one "
+                        "per key part")
+    outs = [as_float_array(o, f"outputs[{i}]") for i, o in enumerate(outputs)]
+    ls = [as_float_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    if not outs:
+        raise ValueError("merge_attention needs at least one part, got none")
+    if len(outs) != len(ls):
+        raise ValueError(f"outputs and lses must have one entry per part, got {len(outs)} "
+                         f"outputs and {len(ls)} lses")
+    for i, (o, x) in enumerate(zip(outs, ls)):
+        if o.ndim < 2:
+            raise ValueError(f"outputs[{i}] must have shape (..., N, Dv), got {o.shape}")
+        if x.shape[-1:] != o.shape[-2:-1]:
+            raise ValueError(f"lses[{i}] must have shape (..., N) matching outputs[{i}] "
+                             f"{o.shape}, got {x.shape}")
+    Dv = outs[0].shape[-1]
+    for i, o in enumerate(outs):
+        if o.shape[-1] != Dv:
+            raise ValueError(f"outputs[{i}] has value dimension {o.shape[-1]}, outputs[0] has {Dv}")
+    odt = np.result_type(*outs)
+    wdt = np.result_type(odt, *ls, np.float32)
+    try:
+        shape_l = np.broadcast_shapes(*[x.shape for x in ls], *[o.shape[:-1] for o in outs])
+    except ValueError:
+        raise ValueError("the outputs and lses of the parts must broadcast to one shape, got "
+                         f"outputs {[o.shape for o in outs]} and lses "
+                         f"{[x.shape for x in ls]}") from None
+    L = [np.broadcast_to(x.astype(wdt, copy=False), shape_l) for x in ls]
+    with np.errstate(invalid="ignore", over="ignore"):
+        mx = np.full(shape_l, -np.inf, dtype=wdt)
+        for x in L:
+            mx = np.maximum(mx, np.where(x == -np.inf, -np.inf, x))  # NaN propagates
+        safe = np.where(np.isfinite(mx), mx, 0)
+        total = np.zeros(shape_l, dtype=wdt)
+        acc = np.zeros(shape_l + (Dv,), dtype=wdt)
+        for o, x in zip(outs, L):
+            live = x != -np.inf
+            w = np.where(live, np.exp(x - safe), 0)
+            total += w
+            # a live part contributes even where its weight underflows, so
+            # NaN in its output still reaches the row
+            acc += np.where(live[..., None], w[..., None] * o, 0)
+        empty = total == 0
+        out = np.where(empty[..., None], 0, acc / np.where(empty, 1, total)[..., None])
+        lse = np.where(empty, -np.inf, safe + np.log(np.where(empty, 1, total)))
+        nan = np.isnan(mx) | np.isnan(total)
+        lse = np.where(nan, np.nan, lse)
+        out = np.where(nan[..., None], np.nan, out)
+    return out.astype(odt, copy=False), lse.astype(wdt, copy=False)

@@ -15,5 +15,6 @@ def sdpa(
     out: np.ndarray, weights: Optional[np.ndarray], bshape: tuple[int, ...],
     group: int, mask_kind: int, N: int, M: int, D: int, Dv: int, causal: int,
     scale: float, Bq: int, Bk: int, nsplit: int, chunk: int, nthreads: int,
+    lse: Optional[np.ndarray] = ...,
 ) -> None: ...
 def exp_array(x: np.ndarray) -> np.ndarray: ...

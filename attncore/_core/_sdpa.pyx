@@ -15,6 +15,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free
 from libc.stdint cimport uint8_t
+from libc.math cimport log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from attncore._core._openmp cimport (
@@ -52,16 +53,17 @@ cdef extern from "ac_sdpa.h" nogil:
                             const int *bad, double *out, Py_ssize_t o_rs)
     void ac_sdpa_merge_f32(int nsplit, int nq, int Dv, const float *pacc, Py_ssize_t acc_ss,
                            const float *pm, const float *pl, Py_ssize_t ml_ss, const int *pbad,
-                           Py_ssize_t bad_ss, float *out, Py_ssize_t o_rs)
+                           Py_ssize_t bad_ss, float *out, Py_ssize_t o_rs, float *lse)
     void ac_sdpa_merge_f64(int nsplit, int nq, int Dv, const double *pacc, Py_ssize_t acc_ss,
                            const double *pm, const double *pl, Py_ssize_t ml_ss, const int *pbad,
-                           Py_ssize_t bad_ss, double *out, Py_ssize_t o_rs)
+                           Py_ssize_t bad_ss, double *out, Py_ssize_t o_rs, double *lse)
     void ac_weights_block_f32(const ac_params *p, const float *q, const float *k, const float *v,
                               const uint8_t *mb, const float *mf, Py_ssize_t i0, int nq,
-                              float *W, float *out, Py_ssize_t o_rs, ac_sgemm_t gemm)
+                              float *W, float *out, Py_ssize_t o_rs, float *lse, ac_sgemm_t gemm)
     void ac_weights_block_f64(const ac_params *p, const double *q, const double *k, const double *v,
                               const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
-                              double *W, double *out, Py_ssize_t o_rs, ac_dgemm_t gemm)
+                              double *W, double *out, Py_ssize_t o_rs, double *lse,
+                              ac_dgemm_t gemm)
     void ac_cpu_init()
     int ac_avx512_ok
     int ac_best_path
@@ -169,21 +171,23 @@ cdef inline void _finish(int nq, int Dv, int processed, const floating *acc,
 cdef inline void _merge(int nsplit, int nq, int Dv, const floating *pacc,
                         Py_ssize_t acc_ss, const floating *pm, const floating *pl,
                         Py_ssize_t ml_ss, const int *pbad, Py_ssize_t bad_ss,
-                        floating *out, Py_ssize_t o_rs) noexcept nogil:
+                        floating *out, Py_ssize_t o_rs, floating *lse) noexcept nogil:
     if floating is float:
-        ac_sdpa_merge_f32(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs)
+        ac_sdpa_merge_f32(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs,
+                          lse)
     else:
-        ac_sdpa_merge_f64(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs)
+        ac_sdpa_merge_f64(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs,
+                          lse)
 
 
 cdef inline void _weights(const ac_params *p, const floating *q, const floating *k,
                           const floating *v, const uint8_t *mb, const floating *mf,
                           Py_ssize_t i0, int nq, floating *W, floating *out,
-                          Py_ssize_t o_rs) noexcept nogil:
+                          Py_ssize_t o_rs, floating *lse) noexcept nogil:
     if floating is float:
-        ac_weights_block_f32(p, q, k, v, mb, mf, i0, nq, W, out, o_rs, <ac_sgemm_t>sgemm)
+        ac_weights_block_f32(p, q, k, v, mb, mf, i0, nq, W, out, o_rs, lse, <ac_sgemm_t>sgemm)
     else:
-        ac_weights_block_f64(p, q, k, v, mb, mf, i0, nq, W, out, o_rs, <ac_dgemm_t>dgemm)
+        ac_weights_block_f64(p, q, k, v, mb, mf, i0, nq, W, out, o_rs, lse, <ac_dgemm_t>dgemm)
 
 
 cdef struct _Ops:
@@ -193,10 +197,25 @@ cdef struct _Ops:
     char *mask
     char *out
     char *w
+    char *lse
     const Py_ssize_t *qo
     const Py_ssize_t *ko
     const Py_ssize_t *vo
     const Py_ssize_t *mo
+
+
+cdef inline void _lse_rows(int nq, int processed, const floating *m, const floating *l,
+                           const int *bad, floating *lse) noexcept nogil:
+    """log-sum-exp of finished rows: m + log(l); -inf for a row with
+    nothing to attend, NaN for a flagged one (l carries NaN otherwise)."""
+    cdef int r
+    for r in range(nq):
+        if processed and bad[r]:
+            lse[r] = NAN
+        elif not processed or l[r] == 0:
+            lse[r] = -INFINITY
+        else:
+            lse[r] = m[r] + log(l[r])
 
 
 cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
@@ -235,6 +254,8 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
         o = (<floating *>ops.out) + (b * p.N + i0) * Dv
         processed = _range(p, q, k, v, mb, mf, i0, nq, 0, p.M, S, o, m, l, alpha, bad)
         _finish(nq, p.Dv, processed, o, l, bad, o, Dv)
+        if ops.lse != NULL:
+            _lse_rows(nq, processed, m, l, bad, (<floating *>ops.lse) + b * p.N + i0)
     else:
         ks = s * chunk
         ke = ks + chunk
@@ -258,7 +279,8 @@ cdef inline void _merge_item(const ac_params *p, _Ops *ops, Py_ssize_t t,
     cdef Py_ssize_t w0 = t * nsplit
     cdef floating *acc = part + w0 * Bq * (Dv + 2)
     _merge(nsplit, nq, p.Dv, acc, Bq * (Dv + 2), acc + Bq * Dv, acc + Bq * Dv + Bq,
-           Bq * (Dv + 2), pbad + w0 * Bq, Bq, (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv)
+           Bq * (Dv + 2), pbad + w0 * Bq, Bq, (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv,
+           (<floating *>ops.lse) + b * p.N + i0 if ops.lse != NULL else NULL)
 
 
 cdef inline void *_align64(void *raw) noexcept nogil:
@@ -350,7 +372,8 @@ cdef inline void _weights_item(const ac_params *p, _Ops *ops, Py_ssize_t w, Py_s
     _weights(p, (<const floating *>ops.q) + ops.qo[b], (<const floating *>ops.k) + ops.ko[b],
              (<const floating *>ops.v) + ops.vo[b], mb, mf, i0, nq,
              (<floating *>ops.w) + (b * p.N + i0) * p.M,
-             (<floating *>ops.out) + b * p.N * p.Dv, p.Dv)
+             (<floating *>ops.out) + b * p.N * p.Dv, p.Dv,
+             (<floating *>ops.lse) + b * p.N + i0 if ops.lse != NULL else NULL)
 
 
 cdef void _run_weights(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nthreads,
@@ -426,7 +449,7 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
 
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
-         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads):
+         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -439,8 +462,8 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     None for the flash path, else C-contiguous (nb, N, M), filled with the
     attention weights.
     """
-    cdef Py_buffer bq, bk, bv, bm, bo, bw
-    cdef int have_m = 0, have_w = 0, got = 0
+    cdef Py_buffer bq, bk, bv, bm, bo, bw, bl
+    cdef int have_m = 0, have_w = 0, have_l = 0, got = 0
     cdef ac_params p
     cdef _Ops ops
     cdef Py_ssize_t nb = 1, d, nd = len(bshape)
@@ -473,6 +496,11 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if weights is not None:
             PyObject_GetBuffer(weights, &bw, PyBUF_RECORDS)
             have_w = 1
+        if lse is not None:
+            PyObject_GetBuffer(lse, &bl, PyBUF_RECORDS)
+            have_l = 1
+            if bl.itemsize != bq.itemsize or bl.len != nb * N * bl.itemsize:
+                raise ValueError("lse must be a C-contiguous (nb, N) array of the kernel dtype")
         if bq.itemsize == 8:
             is64 = True
         elif bq.itemsize == 4:
@@ -518,6 +546,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         ops.out = <char *>bo.buf
         ops.mask = <char *>bm.buf if have_m else NULL
         ops.w = <char *>bw.buf if have_w else NULL
+        ops.lse = <char *>bl.buf if have_l else NULL
         ops.qo = offs
         ops.ko = offs + nb
         ops.vo = offs + 2 * nb
@@ -536,6 +565,8 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if err:
             raise MemoryError("attncore: could not allocate the kernel's scratch memory")
     finally:
+        if have_l:
+            PyBuffer_Release(&bl)
         if have_w:
             PyBuffer_Release(&bw)
         if have_m:

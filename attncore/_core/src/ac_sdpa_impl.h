@@ -355,7 +355,8 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
                                  const AC_T *pacc, ptrdiff_t acc_ss,
                                  const AC_T *pm, const AC_T *pl,
                                  ptrdiff_t ml_ss, const int *pbad,
-                                 ptrdiff_t bad_ss, AC_T *out, ptrdiff_t o_rs)
+                                 ptrdiff_t bad_ss, AC_T *out, ptrdiff_t o_rs,
+                                 AC_T *lse)
 {
     for (int r = 0; r < nq; r++) {
         AC_T *o = out + (ptrdiff_t)r * o_rs;
@@ -370,10 +371,14 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
         }
         if (bad) {
             for (int d = 0; d < Dv; d++) o[d] = (AC_T)NAN;
+            if (lse) lse[r] = (AC_T)NAN;
             continue;
         }
         for (int d = 0; d < Dv; d++) o[d] = 0;
-        if (!any) continue;
+        if (!any) {
+            if (lse) lse[r] = -INFINITY;
+            continue;
+        }
         AC_T L = 0;
         for (int s = 0; s < nsplit; s++) {
             const AC_T ls = pl[s * ml_ss + r];
@@ -385,6 +390,7 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
         }
         const AC_T inv = 1 / L;
         for (int d = 0; d < Dv; d++) o[d] *= inv;
+        if (lse) lse[r] = mx + log(L);
     }
 }
 
@@ -396,7 +402,7 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
 static AC_CLONES void AC_FN(ac_weights_block)(
     const ac_params *p, const AC_T *q, const AC_T *k, const AC_T *v,
     const uint8_t *mb, const AC_T *mf, ptrdiff_t i0, int nq, AC_T *W,
-    AC_T *out, ptrdiff_t o_rs, AC_GEMM_T gemm)
+    AC_T *out, ptrdiff_t o_rs, AC_T *lse, AC_GEMM_T gemm)
 {
     const int M = p->M, Dv = p->Dv;
     const AC_T ninf = -INFINITY;
@@ -439,10 +445,12 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         }
         if (nan) {
             for (int c = 0; c < M; c++) row[c] = (AC_T)NAN;
+            if (lse) lse[r] = (AC_T)NAN;
             continue;
         }
         if (bm == ninf) { /* nothing to attend */
             for (int c = 0; c < ncol; c++) row[c] = 0;
+            if (lse) lse[r] = -INFINITY;
             continue;
         }
         AC_T s = 0;
@@ -455,6 +463,7 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         const AC_T inv = 1 / s;
 #pragma omp simd
         for (int c = 0; c < ncol; c++) row[c] *= inv;
+        if (lse) lse[r] = bm + log(s);
     }
     if (AC_FN(ac_tile_has_masked)(p, i0, 0, M) &&
         AC_FN(ac_rows_nonfinite)(v, M, Dv, p->v_rs)) {
