@@ -25,6 +25,7 @@ import numpy as np
 
 from . import alignments as _alignments
 from ._core import _additive
+from ._interop import foreign_arrays
 from ._threads import blas_single_threaded, resolve_num_threads
 from .alignments._base import Alignment
 from .alignments._builtin import MLP, Bilinear, Dot, ScaledDot
@@ -181,6 +182,7 @@ class Attention:
         return f"Attention({self.alignment_name!r}: {self.alignment!r}{cw})"
 
     # ------------------------------------------------------------------
+    @foreign_arrays(("keys", "values"), ("mask",), convert_out=False)
     def prepare(self, keys, values=None, *, mask=None):
         """Precompute what depends only on the keys (once per source sequence).
 
@@ -261,6 +263,7 @@ class Attention:
         return mem
 
     # ------------------------------------------------------------------
+    @foreign_arrays(("query", "keys", "values"), ("mask",))
     def __call__(self, query, keys, values=None, *, mask=None, return_weights=False):
         """All decoder steps at once: ``step(query, prepare(keys, values, mask=mask))``.
 
@@ -285,6 +288,7 @@ class Attention:
         return self.step(query, self.prepare(keys, values, mask=mask),
                          return_weights=return_weights)
 
+    @foreign_arrays(("query",))
     def step(self, query, memory, *, return_weights=False):
         """Attend from one decoder step (or T of them) to a prepared memory.
 

@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from ._interop import foreign_arrays
 from ._linear import linear
 from .functional import (as_float_array, parse_causal, parse_float_dtype,
                          parse_positive_int, scaled_dot_product_attention)
@@ -756,6 +757,7 @@ class MultiHeadAttention:
             am = am.astype(self.dtype)
         return am
 
+    @foreign_arrays(("query", "key", "value"), ("key_mask", "attn_mask"), keep_bf16=False)
     def __call__(self, query, key=None, value=None, *, key_mask=None, attn_mask=None,
                  is_causal=False, need_weights=False, average_attn_weights=True, cache=None):
         """Attend from ``query`` to ``key`` / ``value``.

@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._core import _sdpa
+from ._interop import foreign_arrays
 from ._threads import blas_single_threaded, resolve_num_threads
 
 __all__ = ["scaled_dot_product_attention"]
@@ -201,6 +202,7 @@ def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthread
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention
 # --------------------------------------------------------------------------
+@foreign_arrays(("query", "key", "value"), ("attn_mask",))
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,

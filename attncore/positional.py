@@ -23,6 +23,7 @@ import numbers
 
 import numpy as np
 
+from ._interop import foreign_arrays
 from .functional import as_float_array, parse_float_dtype, parse_positive_int
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding"]
@@ -87,6 +88,7 @@ def _table(pos: np.ndarray, dim: int, base: float, layout: str) -> np.ndarray:
     return out
 
 
+@foreign_arrays(("length_or_positions",), dtype_arg="dtype")
 def sinusoidal_encoding(length_or_positions, dim, *, base=10000.0, layout="interleaved",
                         dtype=np.float32):
     """Sinusoidal positional encoding table.
@@ -139,6 +141,7 @@ def sinusoidal_encoding(length_or_positions, dim, *, base=10000.0, layout="inter
     return _table(pos, dim, base, layout).astype(dt, copy=False)
 
 
+@foreign_arrays(("x",))
 def add_positional_encoding(x, *, offset=0, mode="add", base=10000.0, layout="interleaved"):
     """Add (or append) a sinusoidal encoding of the positions along axis -2.
 
