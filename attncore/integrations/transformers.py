@@ -88,29 +88,46 @@ def register(name: str = "attncore") -> str:
 # --------------------------------------------------------------------------
 # the mask function
 # --------------------------------------------------------------------------
-def _plain_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_size) -> bool:
-    """Whether the mask is exactly lower-right causal over the keys given:
-    no padding, the queries are the last ``q_length`` positions of the keys,
-    and no sliding window / chunk boundary falls inside them."""
+def _plain_causal(kw) -> bool:
+    """Whether the mask asked for is exactly lower-right causal over the keys
+    given: no padding, the queries are the newest positions of the keys,
+    and no sliding window / chunk boundary within reach.
+
+    ``kw`` are the mask function's keywords: transformers passes
+    ``q_length`` / ``q_offset`` (earlier 5.x releases: ``cache_position``),
+    ``kv_length``, ``kv_offset``, ``attention_mask`` (2-D padding, True =
+    token), ``local_size``.
+    """
     torch = sys.modules["torch"]
-    if not isinstance(q_offset, int) or not isinstance(kv_offset, int):
-        return False                     # static caches pass tensors: keep their masks
-    if q_offset != kv_offset + kv_length - q_length:
-        return False
-    if local_size is not None and (kv_offset != 0 or kv_length >= local_size):
-        return False
     if torch.compiler.is_compiling():
         return False
-    if padding_mask is not None:
-        pm = padding_mask[:, kv_offset:kv_offset + kv_length]
-        if pm.shape[-1] < kv_length or not bool(pm.all()):
+    kv_length, kv_offset = kw.get("kv_length"), kw.get("kv_offset", 0)
+    if "q_length" in kw:
+        q_length, q_offset = kw["q_length"], kw.get("q_offset", 0)
+    elif isinstance(kw.get("cache_position"), torch.Tensor):
+        pos = kw["cache_position"]
+        q_length = pos.shape[0]
+        q_offset = int(pos[0]) if q_length else 0
+    else:
+        return False
+    # static caches pass tensors here (and keys past the tokens seen): keep their masks
+    if not all(isinstance(x, int) for x in (q_length, q_offset, kv_length, kv_offset)):
+        return False
+    if q_offset != kv_offset + kv_length - q_length:
+        return False
+    local_size = kw.get("local_size")
+    if local_size is not None and (kv_offset != 0 or kv_length >= local_size):
+        return False
+    pad = kw.get("attention_mask")
+    if pad is not None:
+        if pad.ndim != 2 or pad.shape[-1] < kv_offset + kv_length:
+            return False
+        if not bool(pad[:, kv_offset:kv_offset + kv_length].all()):
             return False
     return True
 
 
-def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                   attention_mask=None, local_size=None, allow_is_causal_skip=True,
-                   allow_is_bidirectional_skip=False, use_vmap=False, device="cpu", **kwargs):
+def attention_mask(*args, **kwargs):
     """Mask function for transformers' ``AttentionMaskInterface``.
 
     Returns ``None`` (no mask: :func:`attention_forward` applies causal
@@ -118,24 +135,16 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     plain causal over the given keys -- no padding, the queries being the
     newest positions (prefill, decoding and chunked prefill with a dynamic
     cache), no sliding window or chunk boundary within reach -- and
-    otherwise transformers' boolean (B, 1, L, S) mask, True = attend (the
-    same as the ``"sdpa"`` backend's, including its ``None`` for
-    bidirectional attention without padding).
+    otherwise what the ``"sdpa"`` backend's mask function returns with its
+    causal skip turned off: a boolean (B, 1, L, S) mask, True = attend
+    (``None`` for bidirectional attention without padding).
     """
-    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+    from transformers.masking_utils import sdpa_mask
 
-    if mask_function is None:
-        mask_function = causal_mask_function
-    if allow_is_causal_skip:
-        padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        if _plain_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_size):
-            return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                     q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
-                     attention_mask=attention_mask, local_size=local_size,
-                     allow_is_causal_skip=False,
-                     allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
-                     device=device, **kwargs)
+    if not args and kwargs.get("allow_is_causal_skip", True) and _plain_causal(kwargs):
+        return None
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------
