@@ -221,8 +221,12 @@ def _to_numpy(x, name):
 # --------------------------------------------------------------------------
 def _bf16_numpy_dtype():
     ml = sys.modules.get("ml_dtypes")
-    if ml is None:  # only reached after a bfloat16 input, so ml_dtypes or torch is there
-        import ml_dtypes as ml  # noqa: PLC0415
+    if ml is None:
+        try:
+            import ml_dtypes as ml  # noqa: PLC0415 - only for bfloat16 NumPy results
+        except ImportError:
+            raise TypeError("a bfloat16 NumPy result needs the ml_dtypes package "
+                            "(pip install ml_dtypes)") from None
     return np.dtype(ml.bfloat16)
 
 
@@ -320,7 +324,7 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
             # Fast path: the array arguments are NumPy arrays, scalars, lists
             # or None.  Their dtypes are not looked at here: a bfloat16 NumPy
             # array (ml_dtypes) is rejected by the function with a TypeError,
-            # and only then converted (see _retry_bf16).
+            # and only then converted (see _has_bf16).
             n = len(args)
             for i in pidx:
                 if i < n:
@@ -392,7 +396,7 @@ def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs):
         i, nm = dslot
         d = args[i] if i < n else kwargs.get(nm)
         if d is not None:
-            nd, from_torch, bf = foreign_dtype(d, nm, with_origin=True)
+            nd, from_torch, bf = foreign_dtype(d, nm)
             if bf:
                 nd, bf16_out = np.dtype(np.float32), True
             if i < n:
@@ -407,38 +411,28 @@ def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs):
     return _restore(r, kind, bf16_out, like)
 
 
-def foreign_dtype(d, name="dtype", with_origin=False):
-    """A NumPy dtype for ``d``, which may also be a torch dtype or bfloat16.
+def foreign_dtype(d, name="dtype"):
+    """``(NumPy dtype, came from torch, is bfloat16)`` for a dtype argument.
 
-    Returns the dtype (bfloat16 as itself), or with ``with_origin``
-    ``(dtype, came from torch, is bfloat16)`` with bfloat16 mapped to
-    float32 for the computation.
+    ``d`` may be anything ``numpy.dtype`` takes, a torch dtype, or bfloat16
+    (``torch.bfloat16``, ``ml_dtypes.bfloat16``, ``"bfloat16"``), which is
+    mapped to float32 (the compute dtype; the caller casts the result).
+    Anything else is returned unchanged, for the function to reject.
     """
-    from_torch = False
-    bf = False
     if type(d).__module__ == "torch" and type(d).__name__ == "dtype":
-        from_torch = True
         torch = sys.modules["torch"]
         if d is torch.bfloat16:
-            bf = True
-            nd = np.dtype(np.float32)
-        else:
-            try:
-                nd = torch.empty((), dtype=d).numpy().dtype
-            except Exception:
-                raise TypeError(f"{name}: torch dtype {d} has no NumPy equivalent") from None
-    else:
+            return np.dtype(np.float32), True, True
         try:
-            nd = np.dtype(d)
-        except TypeError:
-            if isinstance(d, str) and d == "bfloat16":
-                nd, bf = np.dtype(np.float32), True
-            else:
-                return (d, False, False) if with_origin else d
-        else:
-            if _is_bf16(nd):
-                bf = True
-                nd = np.dtype(np.float32)
-    if with_origin:
-        return nd, from_torch, bf
-    return nd
+            return torch.empty((), dtype=d).numpy().dtype, True, False
+        except Exception:
+            raise TypeError(f"{name}: torch dtype {d} has no NumPy equivalent") from None
+    if isinstance(d, str) and d == "bfloat16":
+        return np.dtype(np.float32), False, True
+    try:
+        nd = np.dtype(d)
+    except TypeError:
+        return d, False, False
+    if _is_bf16(nd):
+        return np.dtype(np.float32), False, True
+    return nd, False, False
