@@ -132,7 +132,9 @@ def _setup(case, models, decode_steps):
                 m(prompt, use_cache=True, logits_to_keep=1, **{kw: cache})
 
             def run(m=m, cache=cache, kw=kw):
-                cache.crop(2048)
+                excess = cache.get_seq_length() - 2048
+                if excess > 0:
+                    cache.crop(-excess)      # back to the prompt
                 for t in range(decode_steps):
                     out = m(steps[:, t:t + 1], use_cache=True, **{kw: cache}).logits
                 return out

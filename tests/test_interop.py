@@ -324,3 +324,13 @@ def test_positional_encoding_types_and_dtypes():
     assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
     np.testing.assert_allclose(y[0].double().numpy(), expected, rtol=1e-2, atol=1e-2)
     assert (x == 0).all()
+
+
+def test_plot_alignment_takes_a_tensor_that_requires_grad():
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    ax = Figure().add_subplot()
+    w = torch.eye(3).requires_grad_()
+    assert attncore.plot_alignment(w, ax=ax) is ax
+    np.testing.assert_array_equal(ax.images[0].get_array(), np.eye(3))
