@@ -28,6 +28,7 @@ from numpy.typing import ArrayLike
 from . import alignments as _alignments
 from ._core import _additive
 from ._threads import blas_parallel_threads, resolve_num_threads
+from ._interop import foreign_arrays
 from .alignments._base import Alignment
 from .alignments._builtin import MLP, Bilinear, Dot, ScaledDot
 from ._validation import aligned, as_float_array, compute_dtype, parse_bool, parse_mask
@@ -204,6 +205,7 @@ class Attention:
         return f"Attention({self.alignment_name!r}: {self.alignment!r}{cw})"
 
     # ------------------------------------------------------------------
+    @foreign_arrays(("keys", "values"), ("mask",), convert_out=False)
     def prepare(self, keys: ArrayLike, values: ArrayLike | None = None, *,
                 mask: ArrayLike | None = None) -> Memory:
         """Precompute what depends only on the keys (once per source sequence).
@@ -282,6 +284,7 @@ class Attention:
         return mem
 
     # ------------------------------------------------------------------
+    @foreign_arrays(("query", "keys", "values"), ("mask",))
     def __call__(self, query: ArrayLike, keys: ArrayLike, values: ArrayLike | None = None, *,
                  mask: ArrayLike | None = None,
                  return_weights: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
@@ -309,6 +312,7 @@ class Attention:
         return self.step(query, self.prepare(keys, values, mask=mask),
                          return_weights=return_weights)
 
+    @foreign_arrays(("query",))
     def step(self, query: ArrayLike, memory: Memory, *,
              return_weights: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
         """Attend from one decoder step (or T of them) to a prepared memory.

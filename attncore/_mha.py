@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._convert import keras_arrays, to_numpy, torch_arrays
+from ._interop import foreign_arrays
 from ._linear import linear
 from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
                           parse_mask, parse_positive_int, to_array)
@@ -610,6 +611,7 @@ class MultiHeadAttention:
             am = am.astype(self.dtype)
         return am
 
+    @foreign_arrays(("query", "key", "value"), ("key_mask", "attn_mask"), keep_bf16=False)
     def __call__(self, query: ArrayLike, key: ArrayLike | None = None,
                  value: ArrayLike | None = None, *, key_mask: ArrayLike | None = None,
                  attn_mask: ArrayLike | None = None,

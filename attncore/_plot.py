@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._interop import foreign_arrays
+
 __all__ = ["plot_alignment"]
 
 
@@ -15,6 +17,7 @@ def _require_matplotlib():
             "with `pip install 'attncore[plot]'` (or `pip install matplotlib`)") from exc
 
 
+@foreign_arrays(("weights",), convert_out=False)
 def plot_alignment(weights, source_labels=None, target_labels=None, ax=None):
     """Draw attention weights as a grey-scale heat map (white = 1, black = 0).
 

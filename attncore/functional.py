@@ -29,6 +29,7 @@ from ._threads import blas_parallel_threads, resolve_num_threads
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
                           parse_float_dtype, parse_mask, parse_positive_int, parse_scale)
 from ._validation import blas_rows as _rows_ok
+from ._interop import foreign_arrays
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
@@ -289,6 +290,7 @@ def scaled_dot_product_attention(
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
+@foreign_arrays(("query", "key", "value"), ("attn_mask",))
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,

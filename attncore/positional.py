@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._validation import as_float_array, parse_float_dtype, parse_positive_int, to_array
+from ._interop import foreign_arrays
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding"]
 
@@ -88,6 +89,7 @@ def _table(pos: np.ndarray, dim: int, base: float, layout: str) -> np.ndarray:
     return out
 
 
+@foreign_arrays(("length_or_positions",), dtype_arg="dtype")
 def sinusoidal_encoding(length_or_positions: int | ArrayLike, dim: int, *, base: float = 10000.0,
                         layout: str = "interleaved", dtype: DTypeLike = np.float32) -> np.ndarray:
     """Sinusoidal positional encoding table.
@@ -140,6 +142,7 @@ def sinusoidal_encoding(length_or_positions: int | ArrayLike, dim: int, *, base:
     return _table(pos, dim, base, layout).astype(dt, copy=False)
 
 
+@foreign_arrays(("x",))
 def add_positional_encoding(x: ArrayLike, *, offset: float = 0, mode: str = "add",
                             base: float = 10000.0, layout: str = "interleaved") -> np.ndarray:
     """Add (or append) a sinusoidal encoding of the positions along axis -2.

@@ -1,0 +1,438 @@
+"""Arrays of other libraries in, the same array type out.
+
+Every public function and layer call of attncore is wrapped by
+:func:`foreign_arrays`, which
+
+1. lets NumPy arrays, Python scalars, lists and ``None`` through untouched
+   (the fast path: a few type checks per call);
+2. turns CPU arrays of other libraries into NumPy arrays **without a copy**
+   where the layout allows:
+
+   * torch tensors: ``tensor.detach().numpy()`` (shares memory; a tensor
+     with ``requires_grad`` is read detached: attncore computes no
+     gradients);
+   * JAX arrays: ``numpy.asarray`` (a read-only view of the CPU buffer);
+   * any other object with ``__dlpack__``: ``numpy.from_dlpack``;
+   * bfloat16 (torch, JAX or ``ml_dtypes`` NumPy arrays) has no NumPy
+     arithmetic: it is converted to float32 (a copy);
+
+   and raises ``TypeError`` naming the argument and the device for an array
+   on a GPU or any other non-CPU device (no silent transfers);
+3. gives the result back as the type of the first array argument (the
+   query): a torch tensor (``torch.from_numpy``, zero-copy), a JAX array
+   (DLPack, zero-copy where XLA accepts the buffer), an array of the
+   query's array-API namespace, or NumPy otherwise.  bfloat16 inputs give
+   bfloat16 results where float16 inputs give float16 results.
+
+torch and JAX are never imported here: an input is recognised by the module
+of its type, and the library is taken from ``sys.modules`` (it is loaded,
+since one of its arrays exists).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+
+import numpy as np
+
+__all__ = ["foreign_arrays", "foreign_dtype"]
+
+# argument types that need no conversion (NumPy handles them as before)
+_PLAIN = frozenset({type(None), bool, int, float, complex, list, tuple, str})
+
+# DLPack device types whose memory the CPU can read: kDLCPU, kDLCUDAHost (pinned)
+_DLPACK_CPU = (1, 3)
+
+_NUMPY, _TORCH, _JAX, _XP = 0, 1, 2, 3
+
+
+def _is_bf16(dt: np.dtype) -> bool:
+    return dt.kind == "V" and dt.name == "bfloat16"
+
+
+def _plain_dtype(d) -> bool:
+    """True for a dtype argument NumPy takes as it is (no torch dtype, no bfloat16)."""
+    if d is None:
+        return True
+    if type(d).__module__.startswith("torch"):
+        return False
+    if isinstance(d, str):
+        return d != "bfloat16"
+    if isinstance(d, np.dtype):
+        return not _is_bf16(d)
+    if isinstance(d, type):
+        return d.__name__ != "bfloat16"
+    return True
+
+
+def _kind_of(x) -> int:
+    mod = type(x).__module__
+    if mod == "torch" or mod.startswith("torch."):
+        return _TORCH
+    if mod.startswith(("jax.", "jaxlib.")) or mod in ("jax", "jaxlib"):
+        return _JAX
+    return _XP
+
+
+def _device_error(name: str, device) -> TypeError:
+    return TypeError(
+        f"{name} is on device {device!s}; attncore computes on the CPU and never moves data "
+        f"between devices: pass a CPU array (e.g. tensor.cpu())")
+
+
+# --------------------------------------------------------------------------
+# views of live tensors, so that one tensor passed twice (e.g. a
+# cross-attention memory given again with its KV cache) is one NumPy object
+# --------------------------------------------------------------------------
+class _ViewMemo:
+    """id(tensor) -> (weakref, NumPy view, layout signature), dropped with the tensor."""
+
+    def __init__(self):
+        self._d = {}
+
+    def get(self, x, sig):
+        e = self._d.get(id(x))
+        if e is not None and e[0]() is x and e[2] == sig:
+            return e[1]
+        return None
+
+    def put(self, x, sig, view):
+        key = id(x)
+        d = self._d
+
+        def drop(ref):
+            e = d.get(key)
+            if e is not None and e[0] is ref:
+                del d[key]
+
+        try:
+            ref = weakref.ref(x, drop)
+        except TypeError:  # not weak-referenceable: no memo
+            return
+        d[key] = (ref, view, sig)
+
+
+_memo = _ViewMemo()
+
+
+def _torch_to_numpy(t, name):
+    """(NumPy array, was bfloat16) for a CPU torch tensor."""
+    torch = sys.modules["torch"]
+    dev = t.device
+    if dev.type != "cpu":
+        raise _device_error(name, dev)
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.dtype is torch.bfloat16:
+        return t.detach().float().numpy(), True
+    sig = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    a = _memo.get(t, sig)
+    if a is not None:
+        return a, False
+    d = t.detach()
+    if d.is_conj() or d.is_neg():
+        d = d.resolve_conj().resolve_neg()
+    try:
+        a = d.numpy()
+    except (RuntimeError, TypeError) as exc:
+        raise TypeError(f"{name}: cannot read this torch tensor as an array ({exc})") from None
+    _memo.put(t, sig, a)
+    return a, False
+
+
+def _jax_to_numpy(x, name):
+    """(NumPy array, was bfloat16) for a JAX array on the CPU."""
+    devs = getattr(x, "devices", None)
+    if devs is not None:
+        try:
+            devices = devs()
+        except Exception:  # a tracer: no concrete buffer
+            raise TypeError(
+                f"{name} is a traced JAX value (inside jit / vmap / grad); attncore runs on "
+                f"concrete CPU arrays, outside JAX transformations") from None
+        for d in devices:
+            if d.platform != "cpu":
+                raise _device_error(name, d)
+    deleted = getattr(x, "is_deleted", None)
+    if deleted is not None and deleted():
+        raise TypeError(f"{name} is a deleted (donated) JAX array")
+    a = _memo.get(x, None)
+    if a is None:
+        try:
+            a = np.asarray(x)
+        except Exception as exc:
+            raise TypeError(f"{name}: cannot read this JAX array ({exc})") from None
+        _memo.put(x, None, a)
+    if _is_bf16(a.dtype):
+        return a.astype(np.float32), True
+    return a, False
+
+
+def _other_to_numpy(x, name):
+    """(NumPy array or x itself, kind, was bfloat16) for any other object."""
+    dl = getattr(type(x), "__dlpack__", None)
+    if dl is not None:
+        try:
+            dev = x.__dlpack_device__()
+        except Exception:
+            dev = None
+        if dev is not None and int(dev[0]) not in _DLPACK_CPU:
+            raise _device_error(name, f"{dev!r} (DLPack device type, id)")
+        try:
+            a = np.from_dlpack(x)
+        except Exception:
+            a = np.asarray(x) if hasattr(x, "__array__") else None
+        if a is not None:
+            if _is_bf16(a.dtype):
+                return a.astype(np.float32), _XP, True
+            return a, _XP, False
+    if hasattr(x, "__array_namespace__") and hasattr(x, "__array__"):
+        a = np.asarray(x)
+        if _is_bf16(a.dtype):
+            return a.astype(np.float32), _XP, True
+        return a, _XP, False
+    # anything else (array-likes, NumPy scalars, subclasses): NumPy converts it
+    return x, _NUMPY, False
+
+
+def _to_numpy(x, name):
+    """(converted, kind, was bfloat16)."""
+    if type(x) in _PLAIN:
+        return x, _NUMPY, False
+    if isinstance(x, np.ndarray):
+        if _is_bf16(x.dtype):
+            return x.astype(np.float32), _NUMPY, True
+        return x, _NUMPY, False
+    kind = _kind_of(x)
+    if kind == _TORCH:
+        if not hasattr(x, "numpy"):  # torch.dtype, torch.Size, ...: not arrays
+            return x, _NUMPY, False
+        a, bf = _torch_to_numpy(x, name)
+        return a, _TORCH, bf
+    if kind == _JAX:
+        a, bf = _jax_to_numpy(x, name)
+        return a, _JAX, bf
+    return _other_to_numpy(x, name)
+
+
+# --------------------------------------------------------------------------
+# results back to the caller's array type
+# --------------------------------------------------------------------------
+def _bf16_numpy_dtype():
+    ml = sys.modules.get("ml_dtypes")
+    if ml is None:
+        try:
+            import ml_dtypes as ml  # noqa: PLC0415 - only for bfloat16 NumPy results
+        except ImportError:
+            raise TypeError("a bfloat16 NumPy result needs the ml_dtypes package "
+                            "(pip install ml_dtypes)") from None
+    return np.dtype(ml.bfloat16)
+
+
+def _torch_out(a, bf16):
+    torch = sys.modules["torch"]
+    if not a.flags.writeable or any(s < 0 for s in a.strides):
+        a = np.array(a)  # torch views only writable arrays with non-negative strides
+    t = torch.from_numpy(a)
+    return t.to(torch.bfloat16) if bf16 else t
+
+
+def _jax_out(a, bf16, like):
+    if bf16:
+        a = a.astype(_bf16_numpy_dtype())
+    jax = sys.modules["jax"]
+    try:
+        return jax.dlpack.from_dlpack(a)
+    except Exception:  # layouts XLA does not take as they are: a copy
+        return jax.numpy.asarray(a)
+
+
+def _xp_out(a, bf16, like):
+    if bf16:
+        a = a.astype(_bf16_numpy_dtype())
+    ns = getattr(like, "__array_namespace__", None)
+    if ns is None:
+        return a
+    xp = ns()
+    try:
+        return xp.from_dlpack(a)
+    except Exception:
+        return xp.asarray(a)
+
+
+def _restore(r, kind, bf16, like):
+    if isinstance(r, np.ndarray):
+        if bf16 and r.dtype != np.float32:
+            bf16 = False  # promoted by another input (e.g. float64): keep that dtype
+        if kind == _TORCH:
+            return _torch_out(r, bf16)
+        if kind == _JAX:
+            return _jax_out(r, bf16, like)
+        if kind == _XP:
+            return _xp_out(r, bf16, like)
+        return r.astype(_bf16_numpy_dtype()) if bf16 else r
+    if type(r) is tuple:
+        return tuple(_restore(x, kind, bf16, like) for x in r)
+    return r
+
+
+# --------------------------------------------------------------------------
+# the decorator
+# --------------------------------------------------------------------------
+def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_arg=None):
+    """Wrap a public function so that it takes and returns foreign arrays.
+
+    Parameters
+    ----------
+    data : tuple of str
+        Names of the float array arguments; the first one (the query)
+        decides the output type.  bfloat16 results are returned when every
+        one of them that is given is bfloat16 (and ``keep_bf16``).
+    masks : tuple of str
+        Names of further array arguments (masks) converted the same way but
+        not deciding the output type or dtype.
+    convert_out : bool
+        Convert the result (arrays, or arrays in a tuple) to the query's
+        array type.
+    keep_bf16 : bool
+        Return bfloat16 for bfloat16 inputs (False where the function's
+        result dtype is fixed, e.g. by a layer's dtype).
+    dtype_arg : str, optional
+        An argument that takes a dtype: torch dtypes are accepted there
+        (and a torch dtype makes the result a torch tensor when no array
+        argument decides), bfloat16 is computed in float32.
+    """
+    data = tuple(data)
+    names = data + tuple(masks)
+    first = data[0]
+
+    def deco(fn):
+        code = fn.__code__
+        pos = code.co_varnames[:code.co_argcount]
+        slots = tuple((pos.index(n) if n in pos else 1 << 30, n) for n in names)
+        dslot = None
+        if dtype_arg is not None:
+            dslot = (pos.index(dtype_arg) if dtype_arg in pos else 1 << 30, dtype_arg)
+
+        pidx = tuple(i for i, _ in slots if i < 1 << 30)
+        nameset = frozenset(names)
+        ndarray, plain = np.ndarray, _PLAIN
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            # Fast path: the array arguments are NumPy arrays, scalars, lists
+            # or None.  Their dtypes are not looked at here: a bfloat16 NumPy
+            # array (ml_dtypes) is rejected by the function with a TypeError,
+            # and only then converted (see _has_bf16).
+            n = len(args)
+            for i in pidx:
+                if i < n:
+                    t = type(args[i])
+                    if t is not ndarray and t not in plain:
+                        break
+            else:
+                for nm in kwargs:
+                    if nm in nameset:
+                        t = type(kwargs[nm])
+                        if t is not ndarray and t not in plain:
+                            break
+                else:
+                    if dslot is None or _plain_dtype(
+                            args[dslot[0]] if dslot[0] < n else kwargs.get(dslot[1])):
+                        try:
+                            return fn(*args, **kwargs)
+                        except TypeError:
+                            if not _has_bf16(slots, args, kwargs):
+                                raise
+            return _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs)
+
+        return wrapper
+
+    return deco
+
+
+def _has_bf16(slots, args, kwargs) -> bool:
+    """Whether a NumPy array argument is bfloat16 (ml_dtypes)."""
+    n = len(args)
+    for i, nm in slots:
+        x = args[i] if i < n else kwargs.get(nm)
+        if isinstance(x, np.ndarray) and _is_bf16(x.dtype):
+            return True
+    return False
+
+
+def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs):
+    args = list(args)
+    n = len(args)
+    done = {}                       # id(input) -> converted: one object stays one object
+    kind, like, n_bf16, n_data = _NUMPY, None, 0, 0
+    for i, nm in slots:
+        if i < n:
+            x = args[i]
+        elif nm in kwargs:
+            x = kwargs[nm]
+        else:
+            continue
+        if x is None:
+            continue
+        hit = done.get(id(x))
+        if hit is not None and hit[0] is x:
+            a, k, bf = hit[1]
+        else:
+            a, k, bf = _to_numpy(x, nm)
+            done[id(x)] = (x, (a, k, bf))
+        if nm == first:
+            kind, like = k, x
+        if nm in data:
+            n_data += 1
+            n_bf16 += bf
+        if i < n:
+            args[i] = a
+        else:
+            kwargs[nm] = a
+    bf16_out = keep_bf16 and n_bf16 > 0 and n_bf16 == n_data
+    if dslot is not None:
+        i, nm = dslot
+        d = args[i] if i < n else kwargs.get(nm)
+        if d is not None:
+            nd, from_torch, bf = foreign_dtype(d, nm)
+            if bf:
+                nd, bf16_out = np.dtype(np.float32), True
+            if i < n:
+                args[i] = nd
+            else:
+                kwargs[nm] = nd
+            if from_torch and kind == _NUMPY:
+                kind = _TORCH
+    r = fn(*args, **kwargs)
+    if not convert_out:
+        return r
+    return _restore(r, kind, bf16_out, like)
+
+
+def foreign_dtype(d, name="dtype"):
+    """``(NumPy dtype, came from torch, is bfloat16)`` for a dtype argument.
+
+    ``d`` may be anything ``numpy.dtype`` takes, a torch dtype, or bfloat16
+    (``torch.bfloat16``, ``ml_dtypes.bfloat16``, ``"bfloat16"``), which is
+    mapped to float32 (the compute dtype; the caller casts the result).
+    Anything else is returned unchanged, for the function to reject.
+    """
+    if type(d).__module__ == "torch" and type(d).__name__ == "dtype":
+        torch = sys.modules["torch"]
+        if d is torch.bfloat16:
+            return np.dtype(np.float32), True, True
+        try:
+            return torch.empty((), dtype=d).numpy().dtype, True, False
+        except Exception:
+            raise TypeError(f"{name}: torch dtype {d} has no NumPy equivalent") from None
+    if isinstance(d, str) and d == "bfloat16":
+        return np.dtype(np.float32), False, True
+    try:
+        nd = np.dtype(d)
+    except TypeError:
+        return d, False, False
+    if _is_bf16(nd):
+        return np.dtype(np.float32), False, True
+    return nd, False, False

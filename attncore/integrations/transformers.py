@@ -1,0 +1,280 @@
+"""attncore as an attention backend of Hugging Face transformers (>= 5).
+
+::
+
+    import attncore.integrations.transformers as act
+    act.register()                          # once per process; name "attncore"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attncore")
+    model.set_attn_implementation("attncore")           # or switch a loaded model
+
+:func:`register` puts two functions under one name:
+
+* :func:`attention_forward` in transformers' ``AttentionInterface``: query
+  (B, H, L, D) and key / value (B, Hkv, S, D) (already joined with the KV
+  cache) are read as NumPy views without copies and handed to
+  :func:`attncore.scaled_dot_product_attention` with ``enable_gqa=True``
+  (grouped-query heads are never repeated); the output comes back as a
+  torch tensor in the (B, L, H, D) layout transformers expects;
+* :func:`attention_mask` in ``AttentionMaskInterface``: transformers' own
+  boolean mask (True = attend, attncore's convention too), except that no
+  mask is built at all for plain causal attention without padding -- also
+  with a KV cache, where attncore's lower-right causal alignment covers
+  chunks of several new tokens that PyTorch's ``is_causal`` cannot.
+
+Inference only: dropout > 0 and training with gradients are errors.
+attncore runs on the CPU: models on another device are rejected with a
+``TypeError`` naming the device.  The thread count is torch's
+(``torch.get_num_threads()``), so ``torch.set_num_threads`` governs both.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+
+from ..functional import scaled_dot_product_attention
+
+__all__ = ["register", "attention_forward", "attention_mask"]
+
+# names transformers treats specially (their own checks / kernels)
+_RESERVED = ("sdpa", "flex_attention", "flash", "paged", "eager")
+
+
+def register(name: str = "attncore") -> str:
+    """Register attncore with transformers under ``name``.
+
+    After this, ``attn_implementation=name`` works in ``from_pretrained``,
+    ``from_config`` and ``model.set_attn_implementation(name)``.  Calling it
+    again is harmless.
+
+    Parameters
+    ----------
+    name : str, default "attncore"
+        The implementation name.  Names containing ``"sdpa"``,
+        ``"flash"``, ``"flex_attention"``, ``"paged"`` or ``"eager"`` are
+        refused: transformers attaches its own behaviour to them.
+
+    Returns
+    -------
+    str
+        ``name``.
+
+    Raises
+    ------
+    ImportError
+        transformers (>= 5) or torch is not installed.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    low = name.lower()
+    for r in _RESERVED:
+        if r in low:
+            raise ValueError(
+                f"name must not contain {r!r} (transformers treats such names specially), "
+                f"got {name!r}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as exc:
+        raise ImportError(
+            "attncore.integrations.transformers needs transformers >= 5 and torch; install them "
+            "with `pip install 'attncore[transformers]'`") from exc
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+# --------------------------------------------------------------------------
+# the mask function
+# --------------------------------------------------------------------------
+def _plain_causal(kw) -> bool:
+    """Whether the mask asked for is exactly lower-right causal over the keys
+    given: no padding, the queries are the newest positions of the keys,
+    and no sliding window / chunk boundary within reach.
+
+    ``kw`` are the mask function's keywords: transformers passes
+    ``q_length`` / ``q_offset`` (earlier 5.x releases: ``cache_position``),
+    ``kv_length``, ``kv_offset``, ``attention_mask`` (2-D padding, True =
+    token), ``local_size``.
+    """
+    torch = sys.modules["torch"]
+    if torch.compiler.is_compiling():
+        return False
+    kv_length, kv_offset = kw.get("kv_length"), kw.get("kv_offset", 0)
+    if "q_length" in kw:
+        q_length, q_offset = kw["q_length"], kw.get("q_offset", 0)
+    elif isinstance(kw.get("cache_position"), torch.Tensor):
+        pos = kw["cache_position"]
+        q_length = pos.shape[0]
+        q_offset = int(pos[0]) if q_length else 0
+    else:
+        return False
+    # static caches pass tensors here (and keys past the tokens seen): keep their masks
+    if not all(isinstance(x, int) for x in (q_length, q_offset, kv_length, kv_offset)):
+        return False
+    if q_offset != kv_offset + kv_length - q_length:
+        return False
+    local_size = kw.get("local_size")
+    if local_size is not None and (kv_offset != 0 or kv_length >= local_size):
+        return False
+    pad = kw.get("attention_mask")
+    if pad is not None:
+        if pad.ndim != 2 or pad.shape[-1] < kv_offset + kv_length:
+            return False
+        if not bool(pad[:, kv_offset:kv_offset + kv_length].all()):
+            return False
+    return True
+
+
+def attention_mask(*args, **kwargs):
+    """Mask function for transformers' ``AttentionMaskInterface``.
+
+    Returns ``None`` (no mask: :func:`attention_forward` applies causal
+    attention with attncore's lower-right alignment) when the mask would be
+    plain causal over the given keys -- no padding, the queries being the
+    newest positions (prefill, decoding and chunked prefill with a dynamic
+    cache), no sliding window or chunk boundary within reach -- and
+    otherwise what the ``"sdpa"`` backend's mask function returns with its
+    causal skip turned off: a boolean (B, 1, L, S) mask, True = attend
+    (``None`` for bidirectional attention without padding).
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    if not args and kwargs.get("allow_is_causal_skip", True) and _plain_causal(kwargs):
+        return None
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# the attention function
+# --------------------------------------------------------------------------
+def _as_numpy(t, name):
+    """A CPU torch tensor as a NumPy array (a view; bfloat16 as a float32 copy)."""
+    torch = sys.modules["torch"]
+    if t.device.type != "cpu":
+        raise TypeError(
+            f"{name} is on device {t.device}; attncore computes on the CPU: move the model "
+            f"there (model.to('cpu')) or use another attn_implementation")
+    t = t.detach()
+    if t.dtype is torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy()
+
+
+def _window_mask(L, S, window, causal):
+    """(L, S) bool: query i (position i + S - L) sees keys within ``window``."""
+    qpos = np.arange(S - L, S)[:, None]
+    kpos = np.arange(S)[None, :]
+    m = kpos > qpos - window
+    if causal:
+        m &= kpos <= qpos
+    return m
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """Attention function for transformers' ``AttentionInterface``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention module (its ``is_causal`` and ``training``
+        are read).
+    query : torch.Tensor, (B, H, L, D)
+    key, value : torch.Tensor, (B, Hkv, S, D)
+        Hkv divides H (grouped-query heads read in place).
+    attention_mask : torch.Tensor or None
+        Bool (True = attend) or float (added to the scores), broadcastable
+        to (B, H, L, S).  ``None``: causal (lower-right aligned: the
+        queries are the last L of the S positions) when ``is_causal``
+        (else ``module.is_causal``) and L > 1, otherwise no mask.
+    dropout : float
+        Must be 0 (inference only).
+    scaling : float, optional
+        Default ``D ** -0.5``.
+    is_causal : bool, optional
+    **kwargs
+        ``sliding_window`` (applied as a mask when no mask is given),
+        ``position_bias`` (added to the scores), ``output_attentions``
+        (return the weights; also taken from ``module.config``).
+        ``softcap`` and attention sinks (``s_aux``) are not supported.
+
+    Returns
+    -------
+    attn_output : torch.Tensor, (B, L, H, D), contiguous
+    attn_weights : torch.Tensor (B, H, L, S) or None
+    """
+    torch = sys.modules["torch"]
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            f"softcap={kwargs['softcap']!r}: attncore has no logit soft-capping yet; use "
+            f"attn_implementation='eager' for this model")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "attention sinks (s_aux) are not supported by attncore; use "
+            "attn_implementation='eager' for this model")
+    if dropout:
+        raise ValueError(
+            f"dropout={dropout!r}: attncore is inference only; call model.eval() (dropout is "
+            f"then 0)")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad):
+        if getattr(module, "training", False):
+            raise NotImplementedError(
+                "attncore computes no gradients: training needs another attn_implementation "
+                "(e.g. 'sdpa'); for inference call model.eval() and run under torch.no_grad() "
+                "or torch.inference_mode()")
+        warnings.warn(
+            "attncore computes no gradients: the attention output is detached; run inference "
+            "under torch.no_grad() or torch.inference_mode()", stacklevel=2)
+
+    q = _as_numpy(query, "query")
+    k = _as_numpy(key, "key")
+    v = _as_numpy(value, "value")
+    L, S = q.shape[2], k.shape[2]
+
+    causal = False
+    mask = None
+    if attention_mask is not None:
+        m = attention_mask
+        if m.shape[-1] > S:  # a mask sized for a longer (static) cache
+            m = m[..., :S]
+        mask = _as_numpy(m, "attention_mask")
+    else:
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        causal = bool(is_causal) and L > 1
+        window = kwargs.get("sliding_window")
+        if window is not None and S > window:
+            mask = _window_mask(L, S, int(window), causal)
+            causal = False
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        b = _as_numpy(bias, "position_bias")
+        if mask is None:
+            mask = b
+        elif mask.dtype == np.bool_:
+            mask = np.where(mask, b, b.dtype.type(-np.inf))
+        else:
+            mask = mask + b
+
+    need_weights = kwargs.get("output_attentions")
+    if need_weights is None:
+        need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
+    res = scaled_dot_product_attention(
+        q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
+        enable_gqa=True, return_weights=bool(need_weights),
+        num_threads=torch.get_num_threads())
+    out, w = res if need_weights else (res, None)
+
+    o = torch.from_numpy(out)
+    if o.dtype is not query.dtype:
+        o = o.to(query.dtype)
+    o = o.transpose(1, 2).contiguous()
+    if w is not None:
+        w = torch.from_numpy(w)
+        if w.dtype is not query.dtype:
+            w = w.to(query.dtype)
+    return o, w

@@ -1,0 +1,331 @@
+"""attncore as a transformers attention backend (offline: tiny random models).
+
+References: the same models with transformers' own "sdpa" and "eager"
+attention.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("attncore.integrations.transformers needs transformers >= 5",
+                allow_module_level=True)
+
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import attncore.integrations.transformers as act  # noqa: E402
+from attncore.integrations.transformers import attention_forward  # noqa: E402
+
+IMPLS = ("attncore", "sdpa", "eager")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    act.register()
+
+
+def _llama_config(**kw):
+    # a fresh config per model: set_attn_implementation writes into it
+    return LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2, **kw)
+
+
+def _bert_config():
+    return BertConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                      pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def llamas():
+    torch.manual_seed(0)
+    models = {}
+    state = None
+    for impl in IMPLS:
+        m = LlamaForCausalLM._from_config(_llama_config(), attn_implementation=impl).eval()
+        if state is None:
+            state = m.state_dict()
+        else:
+            m.load_state_dict(state)
+        models[impl] = m
+    return models
+
+
+def _left_padded_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (3, 14), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :9] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def test_register_refuses_reserved_names():
+    with pytest.raises(ValueError, match="sdpa"):
+        act.register("my_sdpa")
+    with pytest.raises(TypeError):
+        act.register(3)
+    assert act.register("attncore") == "attncore"
+
+
+def test_llama_logits_match_sdpa_and_eager(llamas):
+    ids, mask = _left_padded_batch()
+    with torch.inference_mode():
+        logits = {k: m(ids, attention_mask=mask).logits for k, m in llamas.items()}
+        full = {k: m(ids[:1]).logits for k, m in llamas.items()}      # no padding: no mask
+    valid = mask.bool()
+    assert not torch.isnan(logits["attncore"]).any()
+    for other in ("sdpa", "eager"):
+        torch.testing.assert_close(logits["attncore"][valid], logits[other][valid],
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(full["attncore"], full[other], rtol=1e-4, atol=1e-4)
+    # padded query rows attend nothing: transformers' sdpa gives them 0 too
+    torch.testing.assert_close(logits["attncore"], logits["sdpa"], rtol=1e-4, atol=1e-4)
+
+
+def test_llama_greedy_generation_is_identical(llamas):
+    ids, mask = _left_padded_batch(1)
+    out = {}
+    with torch.inference_mode():
+        for k, m in llamas.items():
+            out[k] = m.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
+                                do_sample=False, pad_token_id=0)
+    assert out["attncore"].shape == (3, 14 + 32)
+    assert torch.equal(out["attncore"], out["sdpa"])
+    assert torch.equal(out["attncore"], out["eager"])
+
+
+def test_llama_chunked_prefill_with_a_cache_is_lower_right_causal(llamas, monkeypatch):
+    # two prompt chunks through a DynamicCache: the second chunk (L < S) takes
+    # attncore's lower-right causal path, with no mask materialized
+    import inspect
+
+    import attncore.integrations.transformers as mod
+    from transformers import DynamicCache
+    calls = []
+    real = mod.scaled_dot_product_attention
+
+    def spy(q, k, v, mask, **kw):
+        calls.append((q.shape[2], k.shape[2], mask is None, kw["is_causal"]))
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(mod, "scaled_dot_product_attention", spy)
+    ids, _ = _left_padded_batch(2)
+    ids = ids[:1]
+    res = {}
+    with torch.no_grad():
+        for k in ("attncore", "eager"):
+            model = llamas[k]
+            name = "cache" if "cache" in inspect.signature(model.forward).parameters \
+                else "past_key_values"
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :9], use_cache=True, **{name: cache})
+            res[k] = model(ids[:, 9:], use_cache=True, **{name: cache}).logits
+    torch.testing.assert_close(res["attncore"], res["eager"], rtol=1e-4, atol=1e-4)
+    assert calls[-1] == (5, 14, True, "lower_right")
+
+
+def test_llama_output_attentions_equal_eager(llamas):
+    ids, mask = _left_padded_batch(3)
+    with torch.no_grad():
+        a = llamas["attncore"](ids, attention_mask=mask, output_attentions=True).attentions
+        e = llamas["eager"](ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(a) == len(e) == 2
+    rows = mask.bool()[:, None, :, None]                # query rows of real tokens
+    for wa, we in zip(a, e):
+        assert wa is not None and wa.shape == we.shape == (3, 4, 14, 14)
+        torch.testing.assert_close(wa * rows, we * rows, rtol=1e-5, atol=1e-6)
+
+
+def test_bert_matches_sdpa_and_eager():
+    torch.manual_seed(1)
+    models = {}
+    for impl in IMPLS:
+        models[impl] = BertModel._from_config(_bert_config(), attn_implementation=impl).eval()
+    state = models["attncore"].state_dict()
+    for impl in IMPLS[1:]:
+        models[impl].load_state_dict(state)
+    ids, mask = _left_padded_batch(4)
+    mask = mask.flip(1)                                 # right padding for the encoder
+    ids = ids.flip(1)
+    with torch.no_grad():
+        out = {k: m(ids, attention_mask=mask).last_hidden_state for k, m in models.items()}
+        unpadded = {k: m(ids[:1]).last_hidden_state for k, m in models.items()}
+        att = {k: models[k](ids, attention_mask=mask, output_attentions=True).attentions
+               for k in ("attncore", "eager")}
+    for other in ("sdpa", "eager"):
+        torch.testing.assert_close(out["attncore"], out[other], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(unpadded["attncore"], unpadded[other], rtol=1e-4, atol=1e-4)
+    for wa, we in zip(att["attncore"], att["eager"]):
+        torch.testing.assert_close(wa, we, rtol=1e-5, atol=1e-6)
+
+
+def test_switching_back_and_forth():
+    torch.manual_seed(2)
+    model = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="sdpa").eval()
+    ids, mask = _left_padded_batch(5)
+    valid = mask.bool()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        for impl in ("attncore", "eager", "attncore", "sdpa"):
+            model.set_attn_implementation(impl)
+            assert model.config._attn_implementation == impl
+            got = model(ids, attention_mask=mask).logits
+            torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_from_config_by_name():
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(_llama_config(), attn_implementation="attncore")
+    assert model.config._attn_implementation == "attncore"
+
+
+def test_bfloat16_model_runs_in_bfloat16():
+    torch.manual_seed(3)
+    m = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="attncore")
+    m = m.to(torch.bfloat16).eval()
+    e = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="eager")
+    e = e.to(torch.bfloat16).eval()
+    e.load_state_dict(m.state_dict())
+    ids, _ = _left_padded_batch(6)
+    with torch.no_grad():
+        la, le = m(ids[:1]).logits, e(ids[:1]).logits
+    assert la.dtype == torch.bfloat16
+    torch.testing.assert_close(la.float(), le.float(), rtol=0.05, atol=0.05)
+
+
+# --------------------------------------------------------------------------
+# the attention function itself, against torch's scaled_dot_product_attention
+# --------------------------------------------------------------------------
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+def _inputs(B=2, H=4, Hkv=2, L=5, S=9, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    return q, k, v
+
+
+def _expected(q, k, v, mask, scale=None):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def test_forward_layout_and_lower_right_causal_without_mask():
+    q, k, v = _inputs()
+    with torch.no_grad():
+        out, w = attention_forward(_Module(), q, k, v, None, scaling=0.3)
+    assert out.shape == (2, 5, 4, 8) and out.is_contiguous() and w is None
+    L, S = 5, 9
+    lower_right = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    torch.testing.assert_close(out, _expected(q, k, v, lower_right, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_forward_sliding_window_and_position_bias():
+    q, k, v = _inputs(L=4, S=12, seed=1)
+    qpos = torch.arange(8, 12)[:, None]
+    kpos = torch.arange(12)[None, :]
+    window = (kpos <= qpos) & (kpos > qpos - 5)
+    with torch.no_grad():
+        out, _ = attention_forward(_Module(), q, k, v, None, sliding_window=5)
+    torch.testing.assert_close(out, _expected(q, k, v, window), rtol=1e-5, atol=1e-5)
+    bias = torch.randn(1, 4, 4, 12)
+    pad = torch.ones(2, 1, 4, 12, dtype=torch.bool)
+    pad[1, ..., :3] = False
+    with torch.no_grad():
+        out, _ = attention_forward(_Module(False), q, k, v, pad, position_bias=bias)
+    expected = _expected(q, k, v, bias.masked_fill(~pad, float("-inf")))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_fully_masked_rows_give_zero():
+    q, k, v = _inputs(seed=2)
+    mask = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    mask[0, :, :2] = False
+    with torch.no_grad():
+        out, w = attention_forward(_Module(), q, k, v, mask, output_attentions=True)
+    assert not torch.isnan(out).any()
+    assert (out[0, :2] == 0).all() and (w[0, :, :2] == 0).all()
+
+
+def test_forward_unsupported_features_are_clear_errors():
+    q, k, v = _inputs()
+    with torch.no_grad():
+        with pytest.raises(NotImplementedError, match="softcap"):
+            attention_forward(_Module(), q, k, v, None, softcap=30.0)
+        with pytest.raises(ValueError, match="dropout"):
+            attention_forward(_Module(), q, k, v, None, dropout=0.1)
+        with pytest.raises(TypeError, match="meta"):
+            attention_forward(_Module(), q.to("meta"), k, v, None)
+    training = _Module().train()
+    qg = q.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="gradients"):
+        attention_forward(training, qg, k, v, None)
+    with pytest.warns(UserWarning, match="no gradients"):
+        out, _ = attention_forward(_Module().eval(), qg, k, v, None)
+    assert not out.requires_grad
+
+
+def test_training_model_with_gradients_is_an_error():
+    m = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="attncore").train()
+    ids, _ = _left_padded_batch(7)
+    with pytest.raises(NotImplementedError, match="gradients"):
+        m(ids[:1])
+
+
+def test_thread_count_follows_torch(monkeypatch):
+    import attncore.integrations.transformers as mod
+    seen = []
+    real = mod.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        seen.append(kw["num_threads"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, "scaled_dot_product_attention", spy)
+    q, k, v = _inputs()
+    n = torch.get_num_threads()
+    with torch.no_grad():
+        attention_forward(_Module(), q, k, v, None)
+    assert seen == [n]
+    assert np.all(np.asarray(seen) >= 1)
+
+
+def test_mask_function_skips_only_plain_lower_right_causal():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    from attncore.integrations.transformers import attention_mask
+
+    def both(**kw):
+        kw.setdefault("mask_function", causal_mask_function)
+        return attention_mask(**kw), sdpa_mask(**dict(kw, allow_is_causal_skip=False))
+
+    # prefill, decode and a chunk after cached tokens, no padding: no mask
+    for L, S, off in ((6, 6, 0), (1, 9, 8), (3, 9, 6)):
+        ours, full = both(batch_size=2, q_length=L, kv_length=S, q_offset=off)
+        assert ours is None
+        lower_right = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        assert torch.equal(full[0, 0], lower_right)     # what attention_forward then applies
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, :2] = False
+    cases = [
+        dict(batch_size=2, q_length=3, kv_length=9, q_offset=6, attention_mask=pad),   # padding
+        dict(batch_size=2, q_length=3, kv_length=9, q_offset=0),     # keys past the queries
+        dict(batch_size=2, q_length=3, kv_length=9, q_offset=torch.tensor(6)),   # static cache
+        dict(batch_size=2, q_length=9, kv_length=9, local_size=4),   # sliding window in reach
+    ]
+    for kw in cases:
+        ours, full = both(**kw)
+        assert ours is not None and ours.dtype == torch.bool
+        assert torch.equal(ours.expand_as(full), full)
