@@ -27,7 +27,8 @@ from ._core import _sdpa
 from ._threads import blas_parallel_threads, resolve_num_threads
 # the shared checkers live in ._validation; the names stay importable from here
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
-                          parse_float_dtype, parse_mask, parse_positive_int, parse_scale)
+                          parse_float_dtype, parse_mask, parse_positive_int, parse_scale,
+                          parse_softcap, parse_window)
 from ._validation import blas_rows as _rows_ok
 from ._interop import foreign_arrays
 
@@ -224,7 +225,7 @@ def _batch_shape(q, k, v, m, enable_gqa: bool):
 
 
 def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
-                  enable_gqa, num_threads):
+                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0):
     """(out, weights or None, lse or None) when a batch, N, M or Dv is 0."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     nb = math.prod(bshape)
@@ -232,7 +233,8 @@ def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_cau
     if Dv == 0 and (need_w or need_lse) and nb and N and M:
         # weights and lse are still defined: compute them with a dummy value column
         _, w, lse = _attention(q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
-                               is_causal, scale, enable_gqa, need_w, need_lse, num_threads)
+                               is_causal, scale, enable_gqa, need_w, need_lse, num_threads,
+                               window, softcap)
         return out, w, lse
     w = np.zeros(bshape + (N, M), dtype=rdt) if need_w else None
     lse = np.full(bshape + (N,), -np.inf, dtype=cdt) if need_lse else None
@@ -259,7 +261,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[False] = False,
-    return_lse: Literal[False] = False, num_threads: int | None = None,
+    return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> np.ndarray: ...
 
 
@@ -268,7 +271,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[True],
-    return_lse: Literal[False] = False, num_threads: int | None = None,
+    return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -277,7 +281,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[False] = False,
-    return_lse: Literal[True], num_threads: int | None = None,
+    return_lse: Literal[True], window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -286,7 +291,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: bool = False,
-    return_lse: bool = False, num_threads: int | None = None,
+    return_lse: bool = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
@@ -302,6 +308,8 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     return_weights: bool = False,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     num_threads: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """Scaled dot-product attention, ``softmax(Q K^T * scale + mask) V``.
@@ -339,6 +347,19 @@ def scaled_dot_product_attention(
     return_weights : bool, default False
         Also return the attention weights, shape (..., N, M) (this
         materializes them).
+    window : (int, int), optional
+        Sliding-window (local) attention: query i attends keys j with
+        ``i + off - left <= j <= i + off + right``, where ``off`` follows the
+        causal alignment in use (0 without causal or for ``'upper_left'``,
+        ``M - N`` for ``'lower_right'``); ``-1`` leaves that side unbounded
+        (flash-attention's ``window_size`` convention).  Combines with the
+        mask and causal (every one applies).  Key tiles outside the band
+        are skipped, so the cost grows with N x window, not N x M.  A row
+        whose band holds no key gives 0.
+    softcap : float, optional
+        Logit soft-capping: the scaled scores become
+        ``softcap * tanh(score / softcap)`` before the mask is applied
+        (Gemma 2's order).  Must be finite and > 0.
     return_lse : bool, default False
         Also return the log-sum-exp of each query row, shape (..., N), in
         the compute dtype (float32 for float16 inputs): the natural log of
@@ -385,15 +406,18 @@ def scaled_dot_product_attention(
     return_weights = parse_bool(return_weights, "return_weights")
     return_lse = parse_bool(return_lse, "return_lse")
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
+    win = parse_window(window)
+    cap = parse_softcap(softcap)
     out, weights, lse = _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   return_weights, return_lse, num_threads)
+                                   return_weights, return_lse, num_threads, win, cap)
     if not (return_weights or return_lse):
         return out
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
-               return_weights: bool, return_lse: bool, num_threads):
+               return_weights: bool, return_lse: bool, num_threads,
+               window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """(out, weights or None, lse or None): the checked call."""
     q, k, v = _check_operands(query, key, value)
     N, D = q.shape[-2], q.shape[-1]
@@ -409,14 +433,15 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
 
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
-                             is_causal, scale, enable_gqa, num_threads)
-    if N > 1 and q.strides[-2] == 0 and not causal and (m is None or m.shape[-2] == 1):
+                             is_causal, scale, enable_gqa, num_threads, window, softcap)
+    banded = causal or window != (-1, -1)
+    if N > 1 and q.strides[-2] == 0 and not banded and (m is None or m.shape[-2] == 1):
         # a broadcast query row axis: every row of a batch element is the
         # same query with the same keys, so compute one and broadcast it
         # (never copy the N identical rows)
         return _broadcast_rows(
             _attention(q[..., :1, :], k, v, m, False, sc, enable_gqa, return_weights,
-                       return_lse, num_threads),
+                       return_lse, num_threads, window, softcap),
             bshape, N)
 
     # ---- lay out operands ----
@@ -440,7 +465,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
     lse = np.empty((nb, N), dtype=cdt) if return_lse else None
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
-               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse)
+               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap)
 
     out = out.reshape(out_shape)
     if rdt != cdt:

@@ -37,7 +37,9 @@ cdef extern from "ac_sdpa.h" nogil:
         Py_ssize_t mask_rs, mask_cs
         int mask_kind
         int causal
+        int win_l, win_r, band
         double scale
+        double softcap
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const uint8_t *mb, const float *mf, Py_ssize_t i0, int nq,
@@ -449,7 +451,8 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
 
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
-         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None):
+         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
+         int win_l=-1, int win_r=-1, double softcap=0.0):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -461,6 +464,10 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     multiples of its item size.  out: C-contiguous (nb, N, Dv).  weights:
     None for the flash path, else C-contiguous (nb, N, M), filled with the
     attention weights.
+        lse: None or a C-contiguous (nb, N) array receiving the row log-sum-exp.
+    win_l, win_r: sliding window (-1: unbounded on that side), aligned like
+    the causal diagonal.  softcap: > 0 caps the scaled scores (s -> softcap
+    tanh(s / softcap)) before the mask; 0 for none.
     """
     cdef Py_buffer bq, bk, bv, bm, bo, bw, bl
     cdef int have_m = 0, have_w = 0, have_l = 0, got = 0
@@ -539,7 +546,11 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
                 p.mask_cs = bm.strides[bm.ndim - 1] // bm.itemsize
         p.mask_kind = mask_kind if have_m else 0
         p.causal = causal
+        p.win_l = win_l
+        p.win_r = win_r
+        p.band = 1 if (causal != 0 or win_l >= 0 or win_r >= 0) else 0
         p.scale = scale
+        p.softcap = softcap
         ops.q = <char *>bq.buf
         ops.k = <char *>bk.buf
         ops.v = <char *>bv.buf

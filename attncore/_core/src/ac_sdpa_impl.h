@@ -22,12 +22,14 @@ AC_INLINE int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
     const ptrdiff_t cs = p->mask_cs;
     for (int r = 0; r < rows; r++) {
         ptrdiff_t i = i0 + r;
-        int ncol = nk;
-        if (p->causal) {
+        int ncol = nk, a = 0;
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, rows == 1 ? i0 + nq - 1 : i) - j0;
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            ptrdiff_t lo = ac_band_lo(p, rows == 1 ? i0 : i) - j0;
+            if (lo > a) a = lo > ncol ? ncol : (int)lo;
         }
-        int a = 0, b = ncol;
+        int b = ncol;
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs + j0 * cs;
             while (a < ncol && !mr[a * cs]) a++;
@@ -66,11 +68,18 @@ AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
     for (int r = 0; r < nq; r++) {
         AC_T *row = S + (ptrdiff_t)r * ldS;
         const ptrdiff_t i = i0 + r;
-        int ncol = nk;
-        if (p->causal) {
+        int ncol = nk, c_lo = 0;
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i) - j0;
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            ptrdiff_t lo = ac_band_lo(p, i) - j0;
+            if (lo > 0) c_lo = lo > ncol ? ncol : (int)lo;
         }
+        if (p->softcap > 0) { /* after scaling, before the mask */
+            const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
+            for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
+        }
+        for (int c = 0; c < c_lo; c++) row[c] = ninf; /* before the window */
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs + j0 * p->mask_cs;
             const ptrdiff_t cs = p->mask_cs;
@@ -175,10 +184,11 @@ AC_INLINE void AC_FN(ac_pv_small)(int nq, int nk, int Dv, const AC_T *S,
  * on tiles that have masked entries.
  */
 AC_INLINE int AC_FN(ac_tile_has_masked)(const ac_params *p, ptrdiff_t i0,
-                                        ptrdiff_t j0, int nk)
+                                        int nq, ptrdiff_t j0, int nk)
 {
     if (p->mask_kind != AC_MASK_NONE) return 1;
-    if (p->causal) return j0 + nk > ac_causal_limit(p, i0);
+    if (p->band)
+        return j0 + nk > ac_causal_limit(p, i0) || j0 < ac_band_lo(p, i0 + nq - 1);
     return 0;
 }
 
@@ -210,13 +220,15 @@ static void AC_FN(ac_pv_attended)(const ac_params *p, const uint8_t *mb,
         if (first)
             for (int d = 0; d < Dv; d++) ar[d] = 0;
         const ptrdiff_t i = i0 + r;
-        int ncol = nk;
-        if (p->causal) {
+        int ncol = nk, c0 = 0;
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i) - j0;
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            ptrdiff_t lo = ac_band_lo(p, i) - j0;
+            if (lo > 0) c0 = lo > ncol ? ncol : (int)lo;
         }
         const AC_T *Sr = S + (ptrdiff_t)r * ldS;
-        for (int c = 0; c < ncol; c++) {
+        for (int c = c0; c < ncol; c++) {
             const ptrdiff_t j = j0 + c;
             if (mb && !mb[i * p->mask_rs + j * cs]) continue;
             if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
@@ -254,13 +266,15 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
         l[r] = 0;
         bad[r] = 0;
     }
-    ptrdiff_t kend = ke;
-    if (p->causal) {
+    ptrdiff_t kend = ke, kstart = ks;
+    if (p->band) {
         ptrdiff_t lim = ac_causal_limit(p, i0 + nq - 1);
         if (lim < kend) kend = lim;
+        ptrdiff_t lo = ac_band_lo(p, i0);
+        if (lo > kstart) kstart = lo;
     }
     int first = 1;
-    for (ptrdiff_t jb = ks; jb < kend; jb += Bk) {
+    for (ptrdiff_t jb = kstart; jb < kend; jb += Bk) {
         int nk = (int)((kend - jb < Bk) ? (kend - jb) : Bk);
         ptrdiff_t j0 = jb;
         if (p->mask_kind != AC_MASK_NONE) {
@@ -300,7 +314,7 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
                 }
             }
         }
-        if (AC_FN(ac_tile_has_masked)(p, i0, j0, nk) &&
+        if (AC_FN(ac_tile_has_masked)(p, i0, nq, j0, nk) &&
             AC_FN(ac_rows_nonfinite)(v + j0 * p->v_rs, nk, Dv, p->v_rs)) {
             AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, j0, nk, S, ldS, v, acc,
                                   Dv, first);
@@ -418,9 +432,17 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         AC_T *row = W + (ptrdiff_t)r * M;
         const ptrdiff_t i = i0 + r;
         int ncol = M;
-        if (p->causal) {
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i);
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            const ptrdiff_t lo = ac_band_lo(p, i);
+            for (ptrdiff_t c = 0; c < lo && c < ncol; c++) row[c] = ninf;
+        }
+        if (p->softcap > 0) {
+            const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
+            const ptrdiff_t lo = p->band ? ac_band_lo(p, i) : 0;
+            for (int c = (int)(lo < ncol ? lo : ncol); c < ncol; c++)
+                row[c] = cap * AC_TANH(row[c] * icap);
         }
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs;
@@ -465,7 +487,7 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         for (int c = 0; c < ncol; c++) row[c] *= inv;
         if (lse) lse[r] = bm + log(s);
     }
-    if (AC_FN(ac_tile_has_masked)(p, i0, 0, M) &&
+    if (AC_FN(ac_tile_has_masked)(p, i0, nq, 0, M) &&
         AC_FN(ac_rows_nonfinite)(v, M, Dv, p->v_rs)) {
         AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, 0, M, W, M, v,
                               out + i0 * o_rs, o_rs, 1);
