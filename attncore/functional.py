@@ -24,6 +24,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._core import _sdpa
+from ._quant import dequantize, split_quantized
 from ._threads import blas_parallel_threads, resolve_num_threads
 # the shared checkers live in ._validation; the names stay importable from here
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
@@ -241,6 +242,19 @@ def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_cau
     return out, w, lse
 
 
+def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
+    """An int8 operand laid out for the kernel (last axis contiguous, rows
+    at least D apart) and its scales as (..., M, 1) of the compute dtype."""
+    D = data.shape[-1]
+    st = data.strides
+    if (D > 1 and st[-1] != 1) or (data.shape[-2] > 1 and st[-2] < D) or any(s < 0 for s in st):
+        data = np.ascontiguousarray(data)
+    sc = scales.astype(cdt, copy=False)
+    if any(s % sc.itemsize or s < 0 for s in sc.strides) or not sc.flags.aligned:
+        sc = np.ascontiguousarray(sc)
+    return data, sc[..., None]
+
+
 def _broadcast_rows(res, bshape, N: int):
     """The one-row result ``res`` (out, weights, lse; None where not asked
     for) repeated over N query rows, as new arrays."""
@@ -419,6 +433,22 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """(out, weights or None, lse or None): the checked call."""
+    key, k_scales = split_quantized(key, "key")
+    value, v_scales = split_quantized(value, "value")
+    k8 = v8 = None
+    if k_scales is not None or v_scales is not None:
+        qdt = as_float_array(query, "query").dtype
+        if k_scales is not None:
+            # shape checks on a float stand-in; int8 takes no part in promotion
+            k8, key = key, np.broadcast_to(np.zeros((), qdt), key.shape)
+        if v_scales is not None:
+            v8, value = value, np.broadcast_to(np.zeros((), qdt), value.shape)
+        if return_weights:
+            # the weights path multiplies whole rows: dequantize (a copy)
+            cd = np.result_type(qdt, np.float32)
+            key = key if k8 is None else dequantize(k8, k_scales, cd)
+            value = value if v8 is None else dequantize(v8, v_scales, cd)
+            k8 = v8 = k_scales = v_scales = None
     q, k, v = _check_operands(query, key, value)
     N, D = q.shape[-2], q.shape[-1]
     M, Dv = k.shape[-2], v.shape[-1]
@@ -435,7 +465,9 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
                              is_causal, scale, enable_gqa, num_threads, window, softcap)
     banded = causal or window != (-1, -1)
-    if N > 1 and q.strides[-2] == 0 and not banded and (m is None or m.shape[-2] == 1):
+    quantized = k8 is not None or v8 is not None
+    if N > 1 and q.strides[-2] == 0 and not banded and not quantized and \
+            (m is None or m.shape[-2] == 1):
         # a broadcast query row axis: every row of a batch element is the
         # same query with the same keys, so compute one and broadcast it
         # (never copy the N identical rows)
@@ -448,8 +480,15 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if max(N, M, D, Dv) > _INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     q = _rows_ok(q if q.dtype == cdt else q.astype(cdt))
-    k = _rows_ok(k if k.dtype == cdt else k.astype(cdt))
-    v = _rows_ok(v if v.dtype == cdt else v.astype(cdt))
+    ks = vs = None
+    if k8 is not None:
+        k, ks = _quantized_operand(k8, k_scales, cdt)
+    else:
+        k = _rows_ok(k if k.dtype == cdt else k.astype(cdt))
+    if v8 is not None:
+        v, vs = _quantized_operand(v8, v_scales, cdt)
+    else:
+        v = _rows_ok(v if v.dtype == cdt else v.astype(cdt))
     if m is not None:
         if mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
             m = m.astype(cdt)
@@ -465,7 +504,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
     lse = np.empty((nb, N), dtype=cdt) if return_lse else None
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
-               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap)
+               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
+               ks, vs)
 
     out = out.reshape(out_shape)
     if rdt != cdt:

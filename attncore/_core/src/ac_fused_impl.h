@@ -129,13 +129,13 @@ static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *PT, int nk,           \
     do {                                                                     \
         int d_ = 0;                                                          \
         for (; d_ + AC_CV * AC_W <= Dv; d_ += AC_CV * AC_W)                   \
-            AC_F(MAIN)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv, \
+            AC_F(MAIN)(ST + r_, nk, vr + d_, vr_rs, acc + r_ * Dv + d_, Dv, \
                        alpha + r_);                                          \
         for (; d_ + AC_W <= Dv; d_ += AC_W)                                  \
-            AC_F(ONE)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv,  \
+            AC_F(ONE)(ST + r_, nk, vr + d_, vr_rs, acc + r_ * Dv + d_, Dv,  \
                       alpha + r_);                                           \
         if (d_ < Dv)                                                         \
-            AC_F(TAIL)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv, \
+            AC_F(TAIL)(ST + r_, nk, vr + d_, vr_rs, acc + r_ * Dv + d_, Dv, \
                        alpha + r_, Dv - d_);                                 \
     } while (0)
 
@@ -170,9 +170,12 @@ AC_DEF_PV_TAIL(1, ac_pv1_tail)
  */
 static AC_TGT int AC_F(ac_fused_panel)(
     const ac_params *p, const float *q, const float *k, const float *v,
+    const float *ksc, const float *vsc,
     const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr, ptrdiff_t ks,
     ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad)
 {
+    /* int8 keys / values: each tile is dequantized into these buffers */
+    float *KB = scratch + p->dq_off, *VB = KB + (ptrdiff_t)AC_BK * p->D;
     const int D = p->D, Dv = p->Dv;
     float *QT = scratch;
     float *ST = QT + (ptrdiff_t)D * AC_P;
@@ -218,19 +221,36 @@ static AC_TGT int AC_F(ac_fused_panel)(
                                      j0 < ac_band_lo(p, i0 + nr - 1));
         const int plain = (p->mask_kind == AC_MASK_NONE) && !diag && !capped;
 
+        /* the key / value rows of this tile, in place or dequantized */
+        const float *kr = KB, *vr = VB;
+        ptrdiff_t kr_rs = D, vr_rs = Dv;
+        if (p->kq8) {
+            AC_DEQUANT(float, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
+                       ksc + j0 * p->ks_rs, p->ks_rs, nk, D, KB);
+        } else {
+            kr = k + j0 * p->k_rs;
+            kr_rs = p->k_rs;
+        }
+        if (p->vq8) {
+            AC_DEQUANT(float, (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
+                       vsc + j0 * p->vs_rs, p->vs_rs, nk, Dv, VB);
+        } else {
+            vr = v + j0 * p->v_rs;
+            vr_rs = p->v_rs;
+        }
+
         /* ---- scores ---- */
         VEC t0 = VSET1(ninf), t1 = VSET1(ninf);
         {
-            const float *kr = k + j0 * p->k_rs;
             int j = 0;
             for (; j + AC_KU <= nk; j += AC_KU)
-                AC_F(ac_qkmain)(QT, D, kr + j * p->k_rs, p->k_rs,
-                                   ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+                AC_F(ac_qkmain)(QT, D, kr + j * kr_rs, kr_rs,
+                                ST + (ptrdiff_t)j * AC_P, &t0, &t1);
             for (; j + 2 <= nk; j += 2)
-                AC_F(ac_qk2)(QT, D, kr + j * p->k_rs, p->k_rs,
+                AC_F(ac_qk2)(QT, D, kr + j * kr_rs, kr_rs,
                              ST + (ptrdiff_t)j * AC_P, &t0, &t1);
             for (; j < nk; j++)
-                AC_F(ac_qk1)(QT, D, kr + j * p->k_rs, p->k_rs,
+                AC_F(ac_qk1)(QT, D, kr + j * kr_rs, kr_rs,
                              ST + (ptrdiff_t)j * AC_P, &t0, &t1);
         }
         int holes = 0; /* entries of the tile hidden by mask / causal */
@@ -375,8 +395,7 @@ static AC_TGT int AC_F(ac_fused_panel)(
         /* ---- P.V ---- */
         VSTORE(alpha, al0);
         VSTORE(alpha + AC_W, al1);
-        const float *vr = v + j0 * p->v_rs;
-        if (holes && ac_rows_nonfinite_f32(vr, nk, Dv, p->v_rs)) {
+        if (holes && ac_rows_nonfinite_f32(vr, nk, Dv, vr_rs)) {
             /* inf / NaN among these values: multiply attended keys only,
                so that 0 * inf never reaches a query */
             const ptrdiff_t cs = p->mask_cs;
@@ -396,7 +415,7 @@ static AC_TGT int AC_F(ac_fused_panel)(
                     if (mb && !mb[i * p->mask_rs + j * cs]) continue;
                     if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
                     const float pc = ST[(ptrdiff_t)c * AC_P + r];
-                    const float *vj = v + j * p->v_rs;
+                    const float *vj = vr + (ptrdiff_t)c * vr_rs;
                     for (int d = 0; d < Dv; d++) ar[d] += pc * vj[d];
                 }
             }

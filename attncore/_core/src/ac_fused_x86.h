@@ -377,6 +377,7 @@ static int ac_fused_panel_rows(void)
  * the same contract as ac_sdpa_range_f32. */
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
+                              const float *ksc, const float *vsc,
                               const uint8_t *mb, const float *mf,
                               ptrdiff_t i0, int nq, ptrdiff_t ks,
                               ptrdiff_t ke, float *scratch, float *acc,
@@ -388,11 +389,11 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
         const int nr = (nq - r0 < P) ? nq - r0 : P;
         float *a = acc + (ptrdiff_t)r0 * p->Dv;
         if (ac_kernel_path == AC_PATH_AVX512)
-            processed |= ac_fused_panel_f32_avx512(p, q, k, v, mb, mf, i0 + r0, nr, ks, ke,
-                                                   scratch, a, m + r0, l + r0, bad + r0);
+            processed |= ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
+                                                   ks, ke, scratch, a, m + r0, l + r0, bad + r0);
         else
-            processed |= ac_fused_panel_f32_avx2(p, q, k, v, mb, mf, i0 + r0, nr, ks, ke,
-                                                 scratch, a, m + r0, l + r0, bad + r0);
+            processed |= ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
+                                                 ks, ke, scratch, a, m + r0, l + r0, bad + r0);
     }
     return processed;
 }
@@ -449,11 +450,13 @@ static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
 static int ac_fused_panel_rows(void) { return 16; }
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
+                              const float *ksc, const float *vsc,
                               const uint8_t *mb, const float *mf,
                               ptrdiff_t i0, int nq, ptrdiff_t ks,
                               ptrdiff_t ke, float *scratch, float *acc,
                               float *m, float *l, int *bad)
 {
+    (void)ksc; (void)vsc;
     (void)p; (void)q; (void)k; (void)v; (void)mb; (void)mf; (void)i0;
     (void)nq; (void)ks; (void)ke; (void)scratch; (void)acc; (void)m;
     (void)l; (void)bad;

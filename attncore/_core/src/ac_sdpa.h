@@ -56,7 +56,26 @@ typedef struct {
     double scale;
     double softcap;           /* > 0: s -> softcap tanh(s / softcap) after
                                  scaling, before the mask; 0: none         */
+    int kq8, vq8;             /* key / value given as int8 + a scale per
+                                 row: the k / v pointers then point at
+                                 int8_t data, the scales come separately */
+    ptrdiff_t ks_rs, vs_rs;   /* row strides of the scales (elements)      */
+    ptrdiff_t dq_off;         /* offset (elements) in the score scratch of
+                                 the dequantized key / value tile buffers  */
 } ac_params;
+
+/* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
+   stride s_rs) into out (nk x D, dense) */
+#define AC_DEQUANT(T, x, x_rs, sc, s_rs, nk, D, out)                         \
+    do {                                                                    \
+        for (int c_ = 0; c_ < (nk); c_++) {                                 \
+            const int8_t *xr_ = (x) + (ptrdiff_t)c_ * (x_rs);              \
+            const T s_ = (sc)[(ptrdiff_t)c_ * (s_rs)];                      \
+            T *o_ = (out) + (ptrdiff_t)c_ * (D);                            \
+            _Pragma("omp simd")                                             \
+            for (int d_ = 0; d_ < (D); d_++) o_[d_] = s_ * (T)xr_[d_];      \
+        }                                                                   \
+    } while (0)
 
 /* the alignment offset of the causal diagonal and of the window */
 static inline ptrdiff_t ac_band_off(const ac_params *p)
@@ -97,6 +116,7 @@ static inline ptrdiff_t ac_band_lo(const ac_params *p, ptrdiff_t i)
 
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
+                              const float *ksc, const float *vsc,
                               const uint8_t *mb, const float *mf,
                               ptrdiff_t i0, int nq, ptrdiff_t ks,
                               ptrdiff_t ke, float *scratch, float *acc,
