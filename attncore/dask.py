@@ -300,7 +300,8 @@ def scaled_dot_product_attention(
     for nm, x, opt in (("query", query, False), ("key", key, False), ("value", value, False),
                        ("attn_mask", attn_mask, True)):
         if x is not None or not opt:
-            _kind(x, nm, opt)
+            if _kind(x, nm, opt) == "dask":
+                _check_known(x, nm)
     for nm, x in (("query", query), ("key", key), ("value", value)):
         _check_float(x, nm)
         if x.ndim < 2:
@@ -356,7 +357,6 @@ def scaled_dot_product_attention(
             if nm == "attn_mask":
                 spec = {-2: n_chunks, -1: m_chunks}
             x = _wrap(x, {a: c for a, c in spec.items() if c is not None})
-        _check_known(x, nm)
         ops[nm] = x
     q, k, v = ops["query"], ops["key"], ops["value"]
     dm = ops.get("attn_mask")
@@ -468,7 +468,7 @@ def scaled_dot_product_attention(
                     nxt.append(ck)
                 level, depth = nxt, depth + 1
             dsk[okey] = (_finish, level[0], rdt_s)
-    deps = [q, k, v] + ([dm] if dm is not None else [])
+    deps: list[Any] = [q, k, v] + ([dm] if dm is not None else [])
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
     return da.Array(graph, name, chunks=out_chunks, dtype=rdt, meta=meta)
 
@@ -492,10 +492,6 @@ class _Bound:
 
     def __setstate__(self, state):
         self.fn, self.kwargs = state
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 def _apply_batch(bound: _Bound, arg_names: tuple, *blocks: np.ndarray) -> Any:
@@ -571,7 +567,7 @@ def map_batches(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
             batched.append((nm, x))
         else:
             static[nm] = x
-    labels = [f"arrays[{i}]" for i in range(len(arrays))] + [nm for nm, _ in batched[len(arrays):]]
+    labels = [f"arrays[{i}]" for i in range(len(arrays))] + [str(nm) for nm, _ in batched[len(arrays):]]
     B = None
     for lab, (_, x) in zip(labels, batched):
         _kind(x, lab)
@@ -593,7 +589,7 @@ def map_batches(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
     for (_, x) in batched:
         if isinstance(x, np.ndarray):
             x = da.from_array(x, chunks=(bchunks,) + tuple((n,) for n in x.shape[1:]))
-        spec = {ax: -1 for ax in range(1, x.ndim) if len(x.chunks[ax]) != 1}
+        spec: dict[int, Any] = {ax: -1 for ax in range(1, x.ndim) if len(x.chunks[ax]) != 1}
         if x.chunks[0] != bchunks:
             spec[0] = bchunks
         darrs.append(x.rechunk(spec) if spec else x)
@@ -615,7 +611,7 @@ def map_batches(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
     for b in range(len(bchunks)):
         dsk[(tname, b)] = (_apply_batch, fname, arg_names,
                            *[(x.name, b) + (0,) * (x.ndim - 1) for x in darrs])
-    graph_deps = list(darrs)
+    graph_deps: list[Any] = list(darrs)
     results: list[Any] = []
     for n, o in enumerate(outs):
         if o is None:
