@@ -379,8 +379,10 @@ def scaled_dot_product_attention(
         the compute dtype (float32 for float16 inputs): the natural log of
         the sum over the keys the row attends of ``exp(scale * q.k + mask)``;
         ``-inf`` for a row with nothing to attend (its output is 0), NaN
-        where the output is NaN.  With it, results over disjoint key sets
-        combine exactly (:func:`attncore.merge_attention`).
+        where an attended score is NaN (from the query, keys or a float
+        mask; NaN in values makes the output NaN but leaves lse finite).
+        With it, results over disjoint key sets combine exactly
+        (:func:`attncore.merge_attention`).
     num_threads : int, optional
         ``None``: OpenMP's default (``OMP_NUM_THREADS``, threadpoolctl);
         ``-1``: all cores; ``k >= 1``: k threads.  Results agree across
