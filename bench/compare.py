@@ -240,9 +240,9 @@ def variants(threads, repeats):
     for B, H, N, M in ((1, 8, 1, 32768), (8, 8, 1, 2048), (4, 12, 512, 512)):
         q, k, v = rand(B, H, N, 64), rand(B, H, M, 64), rand(B, H, M, 64)
         kq, vq = attncore.quantize_kv(k), attncore.quantize_kv(v)
-        fns = {"int8": lambda: attncore.scaled_dot_product_attention(
+        fns = {"int8": lambda q=q, kq=kq, vq=vq: attncore.scaled_dot_product_attention(
             q, kq, vq, num_threads=threads),
-            "float32": lambda: attncore.scaled_dot_product_attention(
+            "float32": lambda q=q, k=k, v=v: attncore.scaled_dot_product_attention(
             q, k, v, num_threads=threads)}
         med = interleaved_medians(fns, threads, repeats, torch=torch)
         bar = 1.8 if N == 1 else 1 / 1.2
