@@ -25,7 +25,8 @@ from numpy.typing import ArrayLike
 
 from ._core import _sdpa
 from ._quant import dequantize, split_quantized
-from ._threads import blas_parallel_threads, resolve_num_threads
+from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
+                       blas_small_products_ok, resolve_num_threads)
 # the shared checkers live in ._validation; the names stay importable from here
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
                           parse_float_dtype, parse_mask, parse_positive_int, parse_scale,
@@ -110,7 +111,8 @@ class Plan(NamedTuple):
 
 
 def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
-         return_weights: bool = False, kernel_path: str | None = None) -> Plan:
+         return_weights: bool = False, kernel_path: str | None = None,
+         blas_mnk: int | None = None) -> Plan:
     """Blocking, key splits and thread count of one attention call (pure).
 
     The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
@@ -119,7 +121,10 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     (decoding) and everything else use the BLAS path's tiles (``_tiles``).
     Decoding-like calls with fewer work items than threads split the keys
     (flash decoding) into chunks of at least 256 keys.  Work below
-    ``_SERIAL_FLOPS`` runs on the calling thread alone.
+    ``_SERIAL_FLOPS`` runs on the calling thread alone.  ``blas_mnk`` caps
+    the size (m n k) of every BLAS product of the BLAS path: the tiles then
+    shrink so that a BLAS that starts threads above a size (OpenBLAS) keeps
+    each product on the calling thread.
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
@@ -136,6 +141,15 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         Bk = max(1, min(512, M))  # only sizes the key splits here
     else:
         Bq, Bk = _tiles(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads)
+        if blas_mnk:
+            width = max(D, Dv)
+            if return_weights:  # products over all M keys at once
+                Bq = max(1, min(Bq, blas_mnk // max(1, M * width)))
+            else:
+                while Bk > 32 and Bq * Bk * width > blas_mnk:
+                    Bk //= 2
+                while Bq > 1 and Bq * Bk * width > blas_mnk:
+                    Bq //= 2
     nqb = -(-N // Bq)
     work = nb * nqb
     nsplit, chunk = 1, M
@@ -500,7 +514,16 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights)
     # the fused kernel and the direct loops of a few rows call no BLAS
     uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
-    nthreads = blas_parallel_threads(pl.nthreads) if uses_blas else pl.nthreads
+    nthreads = pl.nthreads
+    if uses_blas and nthreads > 1 and not blas_hold_supported():
+        if blas_small_products_ok():
+            # tiles small enough that OpenBLAS keeps every product on the
+            # calling thread: parallel, and no thread count is touched
+            pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
+                      blas_mnk=OPENBLAS_SERIAL_MNK)
+            nthreads = pl.nthreads
+        else:
+            nthreads = blas_parallel_threads(nthreads)
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
