@@ -71,8 +71,8 @@ def show_config() -> None:
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"
              if info["blas_thread_local_hold"] else
-             "no thread-local limit: float64 / weights regions that call it run on one "
-             "attncore thread"))
+             "no thread-local limit: attention keeps each product below OpenBLAS' threading "
+             "threshold; other BLAS work of the layers runs on one attncore thread"))
     if blas.get("openblas configuration"):
         print(f"{'':>16}  {blas['openblas configuration']}")
     for lib in blas.get("runtime", []):

@@ -9,8 +9,11 @@ that runs a matrix product meanwhile, or asks threadpoolctl, sees the
 counts it set itself.  The float32 kernels on x86 call no BLAS at all.
 Where BLAS is called (float64, return_weights, CPUs without AVX2), every
 thread of a kernel region holds its own BLAS to one thread through a truly
-thread-local setter, in C, inside the region; where the BLAS has none, the
-region runs on one attncore thread instead (see blas_parallel_threads).
+thread-local setter, in C, inside the region.  Where the BLAS has none:
+with OpenBLAS (its pthreads builds, as in the NumPy / SciPy wheels) the
+attention kernel keeps every product below OpenBLAS' own threading
+threshold (blas_small_products_ok), and any other region runs on one
+attncore thread (blas_parallel_threads).
 """
 from __future__ import annotations
 
