@@ -23,6 +23,7 @@ Attention, Alignment, alignments, plot_alignment
     functions, their registry, and a heat map of the weights.
 """
 from .functional import merge_attention, scaled_dot_product_attention
+from ._quant import quantize_kv
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
@@ -33,6 +34,6 @@ from ._plot import plot_alignment
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "merge_attention", "show_config", "__version__"]
+__all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
 __all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

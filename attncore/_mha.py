@@ -30,7 +30,8 @@ from ._convert import keras_arrays, to_numpy, torch_arrays
 from ._interop import foreign_arrays
 from ._linear import linear
 from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
-                          parse_mask, parse_positive_int, to_array)
+                          parse_mask, parse_positive_int, to_array, parse_window)
+from ._quant import dequantize, quantize_kv
 from .functional import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
@@ -83,22 +84,28 @@ class KVCache:
     """
 
     __slots__ = ("batch_size", "max_length", "num_kv_heads", "head_dim", "v_head_dim",
-                 "dtype", "mode", "_k", "_v", "_len", "_source", "_key_mask")
+                 "dtype", "mode", "quantized", "_k", "_v", "_ks", "_vs", "_len", "_source",
+                 "_key_mask")
     mode: str | None
     _source: object
     _key_mask: np.ndarray | None
 
     def __init__(self, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
-                 v_head_dim: int, dtype: DTypeLike = np.float32) -> None:
+                 v_head_dim: int, dtype: DTypeLike = np.float32, quantized: bool = False) -> None:
         self.batch_size = parse_positive_int(batch_size, "batch_size")
         self.max_length = parse_positive_int(max_length, "max_length")
         self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = parse_positive_int(head_dim, "head_dim")
         self.v_head_dim = parse_positive_int(v_head_dim, "v_head_dim")
         self.dtype = _layer_dtype(dtype)
+        self.quantized = parse_bool(quantized, "quantized")
         shape = (self.batch_size, self.num_kv_heads, self.max_length)
-        self._k = np.zeros(shape + (self.head_dim,), dtype=self.dtype)
-        self._v = np.zeros(shape + (self.v_head_dim,), dtype=self.dtype)
+        store = np.int8 if self.quantized else self.dtype
+        self._k = np.zeros(shape + (self.head_dim,), dtype=store)
+        self._v = np.zeros(shape + (self.v_head_dim,), dtype=store)
+        # int8 storage: one float32 scale per token and head
+        self._ks = np.zeros(shape if self.quantized else (0, 0, 0), np.float32)
+        self._vs = np.zeros(shape if self.quantized else (0, 0, 0), np.float32)
         self._len = 0
         self.mode = None
         self._source = None
@@ -111,7 +118,16 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, length={self._len}, "
                 f"max_length={self.max_length}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, mode={self.mode!r}, dtype={self.dtype})")
+                f"head_dim={self.head_dim}, mode={self.mode!r}, dtype={self.dtype}"
+                + (", storage=int8)" if self.quantized else ")"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache's buffers (keys, values and int8 scales)."""
+        n = self._k.nbytes + self._v.nbytes
+        if self.quantized:
+            n += self._ks.nbytes + self._vs.nbytes
+        return n
 
     def reset(self) -> None:
         """Forget every token (keeps the buffers; no reallocation)."""
@@ -122,14 +138,20 @@ class KVCache:
 
     @property
     def keys(self) -> np.ndarray:
-        """Projected keys held, a read-only view (batch, num_kv_heads, len, head_dim)."""
+        """Projected keys held, a read-only view (batch, num_kv_heads, len, head_dim);
+        for an int8 cache their dequantized values (a new array)."""
+        if self.quantized:
+            return dequantize(self._k[:, :, :self._len], self._ks[:, :, :self._len], self.dtype)
         v = self._k[:, :, :self._len]
         v.flags.writeable = False
         return v
 
     @property
     def values(self) -> np.ndarray:
-        """Projected values held, a read-only view (batch, num_kv_heads, len, v_head_dim)."""
+        """Projected values held, a read-only view (batch, num_kv_heads, len, v_head_dim);
+        for an int8 cache their dequantized values (a new array)."""
+        if self.quantized:
+            return dequantize(self._v[:, :, :self._len], self._vs[:, :, :self._len], self.dtype)
         v = self._v[:, :, :self._len]
         v.flags.writeable = False
         return v
@@ -147,8 +169,17 @@ class KVCache:
         T = k_new.shape[1]
         self._check_room(T)
         n = self._len
-        self._k[:, :, n:n + T] = k_new.transpose(0, 2, 1, 3)
-        self._v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
+        if self.quantized:
+            # only the new tokens are quantized (one scale per token and head)
+            kq, ks = quantize_kv(k_new.transpose(0, 2, 1, 3))
+            vq, vs = quantize_kv(v_new.transpose(0, 2, 1, 3))
+            self._k[:, :, n:n + T] = kq
+            self._v[:, :, n:n + T] = vq
+            self._ks[:, :, n:n + T] = ks
+            self._vs[:, :, n:n + T] = vs
+        else:
+            self._k[:, :, n:n + T] = k_new.transpose(0, 2, 1, 3)
+            self._v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
         self._len = n + T
 
     def append_self(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
@@ -177,9 +208,13 @@ class KVCache:
         """The key mask stored with a cross-attention memory, (B, 1, 1, S) bool, or None."""
         return self._key_mask
 
-    def view(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def view(self, length: int) -> tuple:
         """The first ``length`` keys and values as (B, Hkv, length, hd) views
-        (writable: the layer's own access)."""
+        (writable: the layer's own access); for an int8 cache the
+        ``(int8 view, scales view)`` pairs the attention kernel reads."""
+        if self.quantized:
+            return ((self._k[:, :, :length], self._ks[:, :, :length]),
+                    (self._v[:, :, :length], self._vs[:, :, :length]))
         return self._k[:, :, :length], self._v[:, :, :length]
 
 
@@ -251,8 +286,10 @@ class MultiHeadAttention:
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
                  vdim: int | None = None, num_kv_heads: int | None = None, bias: bool = True,
                  out_dim: int | None = None, dtype: DTypeLike = np.float32,
-                 rng: np.random.Generator | int | None = None) -> None:
+                 rng: np.random.Generator | int | None = None,
+                 window: tuple[int, int] | None = None) -> None:
         bias = parse_bool(bias, "bias")
+        self.window = window
         embed_dim = parse_positive_int(embed_dim, "embed_dim")
         num_heads = parse_positive_int(num_heads, "num_heads")
         kdim = parse_positive_int(kdim, "kdim", True) or embed_dim
@@ -281,6 +318,17 @@ class MultiHeadAttention:
         ow = glorot(out_dim, num_heads * hd)
         biases = [np.zeros(w.shape[0]) if bias else None for w in (qw, kw, vw, ow)]
         self._setup(num_heads, num_kv_heads, qw, kw, vw, ow, *biases, dtype=dt)
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """Sliding window ``(left, right)`` of every call (None: all keys);
+        see :func:`attncore.scaled_dot_product_attention`.  Settable."""
+        return getattr(self, "_window", None)
+
+    @window.setter
+    def window(self, value: tuple[int, int] | None) -> None:
+        win = parse_window(value)
+        self._window = None if win == (-1, -1) else win
 
     def _setup(self, num_heads, num_kv_heads, qw, kw, vw, ow, qb, kb, vb, ob, *, dtype):
         """Check the shapes against each other and lay the weights out."""
@@ -541,7 +589,7 @@ class MultiHeadAttention:
         return cls.from_arrays(**keras_arrays(layer_or_weights, config, dtype))
 
     # ------------------------------------------------------------ cache
-    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
         """An empty, preallocated :class:`KVCache` for this layer.
 
         Parameters
@@ -551,6 +599,12 @@ class MultiHeadAttention:
             Fixed capacity in tokens (self-attention: prompt plus generated
             tokens; cross-attention: the memory length).  Nothing is
             reallocated; exceeding it raises ValueError.
+        dtype : None or "int8", optional
+            None: keys and values stored in the layer's dtype.  ``"int8"``
+            (or ``numpy.int8``): stored quantized, one float32 scale per
+            token and head (:func:`attncore.quantize_kv`; appending
+            quantizes only the new tokens); attention reads them through
+            the kernel's int8 path, about a quarter of the bytes per token.
 
         Examples
         --------
@@ -558,8 +612,20 @@ class MultiHeadAttention:
         >>> for t in range(T):
         ...     y_t, _ = mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")
         """
+        quantized = False
+        if dtype is not None:
+            ok = isinstance(dtype, str) and dtype == "int8"
+            if not ok:
+                try:
+                    ok = not isinstance(dtype, str) and np.dtype(dtype) == np.int8
+                except TypeError:
+                    ok = False
+            if not ok:
+                raise ValueError(f"new_cache dtype must be None (the layer's dtype) or 'int8', "
+                                 f"got {dtype!r}")
+            quantized = True
         return KVCache(batch_size, max_length, self.num_kv_heads, self.head_dim,
-                       self.v_head_dim, self.dtype)
+                       self.v_head_dim, self.dtype, quantized=quantized)
 
     # ------------------------------------------------------------ call
     def _input(self, x, name, width, ndim):
@@ -788,7 +854,8 @@ class MultiHeadAttention:
         H, hdv = self.num_heads, self.v_head_dim
         res = scaled_dot_product_attention(
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
-            enable_gqa=self.num_kv_heads != H, return_weights=need_weights)
+            enable_gqa=self.num_kv_heads != H, return_weights=need_weights,
+            window=self.window)
         if need_weights:
             o, w = res
             if w.shape[:2] != (B, H):

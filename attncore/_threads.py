@@ -19,7 +19,8 @@ import threading
 
 from ._core import _sdpa
 
-__all__ = ["resolve_num_threads", "blas_parallel_threads", "blas_hold_supported"]
+__all__ = ["resolve_num_threads", "blas_parallel_threads", "blas_hold_supported",
+           "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
 
 
 def resolve_num_threads(num_threads) -> int:
@@ -138,3 +139,17 @@ def blas_hold_supported() -> bool:
     thread (thread-locally)."""
     unheld = _unheld if _unheld is not None else _setup()
     return not unheld
+
+
+# OpenBLAS runs a product on the calling thread alone when m * n * k is below
+# twice this (interface/gemm.c: threads = m n k / (65536 * 4))
+OPENBLAS_SERIAL_MNK = 65536 * 4
+
+
+def blas_small_products_ok() -> bool:
+    """True when every BLAS library that cannot be held thread-locally is an
+    OpenBLAS: products kept below :data:`OPENBLAS_SERIAL_MNK` multiply-adds
+    then run single-threaded by OpenBLAS' own rule, so attncore's threads may
+    call it in parallel without touching any thread count."""
+    unheld = _unheld if _unheld is not None else _setup()
+    return all(lc.internal_api == "openblas" for lc in unheld)

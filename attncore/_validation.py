@@ -199,6 +199,39 @@ def parse_scale(scale: Any, D: int) -> float:
     return s
 
 
+def parse_window(window: Any, name: str = "window") -> Tuple[int, int]:
+    """A sliding window ``(left, right)`` as two ints >= -1 (-1: unbounded
+    on that side); ``(-1, -1)`` for None."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"{name} must be None or a pair (left, right) of ints (-1 for no bound), "
+                        f"got {type(window).__name__} {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"{name} {side} must be an int >= 0 or -1 (no bound), got "
+                            f"{type(w).__name__} {w!r}")
+        w = int(w)
+        if w < -1:
+            raise ValueError(f"{name} {side} must be >= 0, or -1 for no bound, got {w}")
+        out.append(min(w, 2**31 - 1))
+    return out[0], out[1]
+
+
+def parse_softcap(softcap: Any) -> float:
+    """The logit soft cap: 0.0 for None, else a finite float > 0."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be None or a positive real number, got "
+                        f"{type(softcap).__name__} {softcap!r}")
+    c = float(softcap)
+    if not math.isfinite(c) or c <= 0:
+        raise ValueError(f"softcap must be finite and > 0, got {c}")
+    return c
+
+
 def parse_mask(mask: Any, name: str, allow_float: bool = True) -> Tuple[np.ndarray, int]:
     """The one mask parser: ``(array, kind)`` with kind ``MASK_BOOL`` or
     ``MASK_FLOAT``.

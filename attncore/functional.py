@@ -24,10 +24,13 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._core import _sdpa
-from ._threads import blas_parallel_threads, resolve_num_threads
+from ._quant import dequantize, split_quantized
+from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
+                       blas_small_products_ok, resolve_num_threads)
 # the shared checkers live in ._validation; the names stay importable from here
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
-                          parse_float_dtype, parse_mask, parse_positive_int, parse_scale)
+                          parse_float_dtype, parse_mask, parse_positive_int, parse_scale,
+                          parse_softcap, parse_window)
 from ._validation import blas_rows as _rows_ok
 from ._interop import foreign_arrays
 
@@ -108,7 +111,8 @@ class Plan(NamedTuple):
 
 
 def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
-         return_weights: bool = False, kernel_path: str | None = None) -> Plan:
+         return_weights: bool = False, kernel_path: str | None = None,
+         blas_mnk: int | None = None) -> Plan:
     """Blocking, key splits and thread count of one attention call (pure).
 
     The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
@@ -117,7 +121,10 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     (decoding) and everything else use the BLAS path's tiles (``_tiles``).
     Decoding-like calls with fewer work items than threads split the keys
     (flash decoding) into chunks of at least 256 keys.  Work below
-    ``_SERIAL_FLOPS`` runs on the calling thread alone.
+    ``_SERIAL_FLOPS`` runs on the calling thread alone.  ``blas_mnk`` caps
+    the size (m n k) of every BLAS product of the BLAS path: the tiles then
+    shrink so that a BLAS that starts threads above a size (OpenBLAS) keeps
+    each product on the calling thread.
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
@@ -134,6 +141,15 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         Bk = max(1, min(512, M))  # only sizes the key splits here
     else:
         Bq, Bk = _tiles(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads)
+        if blas_mnk:
+            width = max(D, Dv)
+            if return_weights:  # products over all M keys at once
+                Bq = max(1, min(Bq, blas_mnk // max(1, M * width)))
+            else:
+                while Bk > 32 and Bq * Bk * width > blas_mnk:
+                    Bk //= 2
+                while Bq > 1 and Bq * Bk * width > blas_mnk:
+                    Bq //= 2
     nqb = -(-N // Bq)
     work = nb * nqb
     nsplit, chunk = 1, M
@@ -224,7 +240,7 @@ def _batch_shape(q, k, v, m, enable_gqa: bool):
 
 
 def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
-                  enable_gqa, num_threads):
+                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0):
     """(out, weights or None, lse or None) when a batch, N, M or Dv is 0."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     nb = math.prod(bshape)
@@ -232,11 +248,25 @@ def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_cau
     if Dv == 0 and (need_w or need_lse) and nb and N and M:
         # weights and lse are still defined: compute them with a dummy value column
         _, w, lse = _attention(q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
-                               is_causal, scale, enable_gqa, need_w, need_lse, num_threads)
+                               is_causal, scale, enable_gqa, need_w, need_lse, num_threads,
+                               window, softcap)
         return out, w, lse
     w = np.zeros(bshape + (N, M), dtype=rdt) if need_w else None
     lse = np.full(bshape + (N,), -np.inf, dtype=cdt) if need_lse else None
     return out, w, lse
+
+
+def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
+    """An int8 operand laid out for the kernel (last axis contiguous, rows
+    at least D apart) and its scales as (..., M, 1) of the compute dtype."""
+    D = data.shape[-1]
+    st = data.strides
+    if (D > 1 and st[-1] != 1) or (data.shape[-2] > 1 and st[-2] < D) or any(s < 0 for s in st):
+        data = np.ascontiguousarray(data)
+    sc = scales.astype(cdt, copy=False)
+    if any(s % sc.itemsize or s < 0 for s in sc.strides) or not sc.flags.aligned:
+        sc = np.ascontiguousarray(sc)
+    return data, sc[..., None]
 
 
 def _broadcast_rows(res, bshape, N: int):
@@ -259,7 +289,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[False] = False,
-    return_lse: Literal[False] = False, num_threads: int | None = None,
+    return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> np.ndarray: ...
 
 
@@ -268,7 +299,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[True],
-    return_lse: Literal[False] = False, num_threads: int | None = None,
+    return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -277,7 +309,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: Literal[False] = False,
-    return_lse: Literal[True], num_threads: int | None = None,
+    return_lse: Literal[True], window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -286,7 +319,8 @@ def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
     is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
     enable_gqa: bool = False, return_weights: bool = False,
-    return_lse: bool = False, num_threads: int | None = None,
+    return_lse: bool = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
@@ -302,6 +336,8 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     return_weights: bool = False,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     num_threads: int | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """Scaled dot-product attention, ``softmax(Q K^T * scale + mask) V``.
@@ -339,13 +375,28 @@ def scaled_dot_product_attention(
     return_weights : bool, default False
         Also return the attention weights, shape (..., N, M) (this
         materializes them).
+    window : (int, int), optional
+        Sliding-window (local) attention: query i attends keys j with
+        ``i + off - left <= j <= i + off + right``, where ``off`` follows the
+        causal alignment in use (0 without causal or for ``'upper_left'``,
+        ``M - N`` for ``'lower_right'``); ``-1`` leaves that side unbounded
+        (flash-attention's ``window_size`` convention).  Combines with the
+        mask and causal (every one applies).  Key tiles outside the band
+        are skipped, so the cost grows with N x window, not N x M.  A row
+        whose band holds no key gives 0.
+    softcap : float, optional
+        Logit soft-capping: the scaled scores become
+        ``softcap * tanh(score / softcap)`` before the mask is applied
+        (Gemma 2's order).  Must be finite and > 0.
     return_lse : bool, default False
         Also return the log-sum-exp of each query row, shape (..., N), in
         the compute dtype (float32 for float16 inputs): the natural log of
         the sum over the keys the row attends of ``exp(scale * q.k + mask)``;
         ``-inf`` for a row with nothing to attend (its output is 0), NaN
-        where the output is NaN.  With it, results over disjoint key sets
-        combine exactly (:func:`attncore.merge_attention`).
+        where an attended score is NaN (from the query, keys or a float
+        mask; NaN in values makes the output NaN but leaves lse finite).
+        With it, results over disjoint key sets combine exactly
+        (:func:`attncore.merge_attention`).
     num_threads : int, optional
         ``None``: OpenMP's default (``OMP_NUM_THREADS``, threadpoolctl);
         ``-1``: all cores; ``k >= 1``: k threads.  Results agree across
@@ -385,16 +436,35 @@ def scaled_dot_product_attention(
     return_weights = parse_bool(return_weights, "return_weights")
     return_lse = parse_bool(return_lse, "return_lse")
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
+    win = parse_window(window)
+    cap = parse_softcap(softcap)
     out, weights, lse = _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   return_weights, return_lse, num_threads)
+                                   return_weights, return_lse, num_threads, win, cap)
     if not (return_weights or return_lse):
         return out
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
-               return_weights: bool, return_lse: bool, num_threads):
+               return_weights: bool, return_lse: bool, num_threads,
+               window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """(out, weights or None, lse or None): the checked call."""
+    key, k_scales = split_quantized(key, "key")
+    value, v_scales = split_quantized(value, "value")
+    k8 = v8 = None
+    if k_scales is not None or v_scales is not None:
+        qdt = as_float_array(query, "query").dtype
+        if k_scales is not None:
+            # shape checks on a float stand-in; int8 takes no part in promotion
+            k8, key = key, np.broadcast_to(np.zeros((), qdt), key.shape)
+        if v_scales is not None:
+            v8, value = value, np.broadcast_to(np.zeros((), qdt), value.shape)
+        if return_weights:
+            # the weights path multiplies whole rows: dequantize (a copy)
+            cd = np.result_type(qdt, np.float32)
+            key = key if k8 is None else dequantize(k8, k_scales, cd)
+            value = value if v8 is None else dequantize(v8, v_scales, cd)
+            k8 = v8 = k_scales = v_scales = None
     q, k, v = _check_operands(query, key, value)
     N, D = q.shape[-2], q.shape[-1]
     M, Dv = k.shape[-2], v.shape[-1]
@@ -409,22 +479,32 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
 
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
-                             is_causal, scale, enable_gqa, num_threads)
-    if N > 1 and q.strides[-2] == 0 and not causal and (m is None or m.shape[-2] == 1):
+                             is_causal, scale, enable_gqa, num_threads, window, softcap)
+    banded = causal or window != (-1, -1)
+    quantized = k8 is not None or v8 is not None
+    if N > 1 and q.strides[-2] == 0 and not banded and not quantized and \
+            (m is None or m.shape[-2] == 1):
         # a broadcast query row axis: every row of a batch element is the
         # same query with the same keys, so compute one and broadcast it
         # (never copy the N identical rows)
         return _broadcast_rows(
             _attention(q[..., :1, :], k, v, m, False, sc, enable_gqa, return_weights,
-                       return_lse, num_threads),
+                       return_lse, num_threads, window, softcap),
             bshape, N)
 
     # ---- lay out operands ----
     if max(N, M, D, Dv) > _INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     q = _rows_ok(q if q.dtype == cdt else q.astype(cdt))
-    k = _rows_ok(k if k.dtype == cdt else k.astype(cdt))
-    v = _rows_ok(v if v.dtype == cdt else v.astype(cdt))
+    ks = vs = None
+    if k8 is not None:
+        k, ks = _quantized_operand(k8, k_scales, cdt)
+    else:
+        k = _rows_ok(k if k.dtype == cdt else k.astype(cdt))
+    if v8 is not None:
+        v, vs = _quantized_operand(v8, v_scales, cdt)
+    else:
+        v = _rows_ok(v if v.dtype == cdt else v.astype(cdt))
     if m is not None:
         if mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
             m = m.astype(cdt)
@@ -434,13 +514,23 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights)
     # the fused kernel and the direct loops of a few rows call no BLAS
     uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
-    nthreads = blas_parallel_threads(pl.nthreads) if uses_blas else pl.nthreads
+    nthreads = pl.nthreads
+    if uses_blas and nthreads > 1 and not blas_hold_supported():
+        if blas_small_products_ok():
+            # tiles small enough that OpenBLAS keeps every product on the
+            # calling thread: parallel, and no thread count is touched
+            pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
+                      blas_mnk=OPENBLAS_SERIAL_MNK)
+            nthreads = pl.nthreads
+        else:
+            nthreads = blas_parallel_threads(nthreads)
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
     lse = np.empty((nb, N), dtype=cdt) if return_lse else None
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
-               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse)
+               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
+               ks, vs)
 
     out = out.reshape(out_shape)
     if rdt != cdt:

@@ -4,6 +4,7 @@
     python bench/compare.py --threads 1 2 4 --repeats 15 --cases prefill decode
     python bench/compare.py --json results.json
     python bench/compare.py --concurrency   # Python threads calling at once
+    python bench/compare.py --variants      # sliding window, softcap, int8 K/V
     python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
 
 Each case runs attncore, torch SDPA, ONNX Runtime's contrib
@@ -198,6 +199,73 @@ def sgemm_rate(threads):
         return peers.sgemm_gflops(2048)
 
 
+def variants(threads, repeats):
+    """Sliding window, soft-capping and int8 keys / values (bars in the
+    rows): attncore's variant against torch with the equivalent mask or
+    against attncore's own plain call; and the int8 cache's bytes."""
+    rows = []
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    # sliding window (1024, 0) + causal over 8192 keys
+    q, k, v = rand(1, 8, 8192, 64), rand(1, 8, 8192, 64), rand(1, 8, 8192, 64)
+    fns = {"window": lambda: attncore.scaled_dot_product_attention(
+        q, k, v, is_causal=True, window=(1024, 0), num_threads=threads),
+        "causal": lambda: attncore.scaled_dot_product_attention(
+        q, k, v, is_causal=True, num_threads=threads)}
+    if torch is not None:
+        i = np.arange(8192)[:, None]
+        j = np.arange(8192)[None, :]
+        tb = torch.from_numpy((j <= i) & (j >= i - 1024))
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+
+        def torch_band():
+            with torch.inference_mode():
+                return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tb)
+
+        fns["torch band mask"] = torch_band
+    med = interleaved_medians(fns, threads, max(3, repeats // 2), torch=torch)
+    rows.append(("window 1x8x8192^2x64 (1024,0) causal", med, "window",
+                 [("own causal", "causal", 3.0), ("torch band mask", "torch band mask", 3.0)]))
+    # softcap
+    q, k, v = rand(4, 12, 512, 64), rand(4, 12, 512, 64), rand(4, 12, 512, 64)
+    fns = {"softcap": lambda: attncore.scaled_dot_product_attention(
+        q, k, v, softcap=50.0, num_threads=threads),
+        "plain": lambda: attncore.scaled_dot_product_attention(q, k, v, num_threads=threads)}
+    med = interleaved_medians(fns, threads, repeats, torch=torch)
+    rows.append(("softcap 4x12x512^2x64", med, "softcap", [("plain / softcap", "plain", 1 / 1.15)]))
+    # int8 keys / values
+    for B, H, N, M in ((1, 8, 1, 32768), (8, 8, 1, 2048), (4, 12, 512, 512)):
+        q, k, v = rand(B, H, N, 64), rand(B, H, M, 64), rand(B, H, M, 64)
+        kq, vq = attncore.quantize_kv(k), attncore.quantize_kv(v)
+        fns = {"int8": lambda q=q, kq=kq, vq=vq: attncore.scaled_dot_product_attention(
+            q, kq, vq, num_threads=threads),
+            "float32": lambda q=q, k=k, v=v: attncore.scaled_dot_product_attention(
+            q, k, v, num_threads=threads)}
+        med = interleaved_medians(fns, threads, repeats, torch=torch)
+        bar = 1.8 if N == 1 else 1 / 1.2
+        rows.append((f"int8 K/V {B}x{H}x{N}x{M}x64", med, "int8", [("float32", "float32", bar)]))
+    fmt = "{:<38} {:>3} {:>10} {:>22} {:>8} {:>6}"
+    print(fmt.format("variant", "thr", "ms", "vs (ms)", "ratio", "bar"))
+    out = []
+    for name, med, key, comps in rows:
+        for label, other, bar in comps:
+            ratio = med[other] / med[key]
+            print(fmt.format(name, threads, f"{1e3 * med[key]:.2f}",
+                             f"{label} {1e3 * med[other]:.2f}", f"{ratio:.2f}", f">={bar:.2f}"))
+            out.append({"case": name, "threads": threads, "vs": label,
+                        "ms": 1e3 * med[key], "other_ms": 1e3 * med[other], "ratio": ratio,
+                        "bar": bar})
+    mha = attncore.MultiHeadAttention(512, 8)
+    c8, c32 = mha.new_cache(1, 4096, dtype="int8"), mha.new_cache(1, 4096)
+    print(f"int8 KV cache E512 H8 4096 tokens: {c8.nbytes / 2**20:.2f} MiB vs float32 "
+          f"{c32.nbytes / 2**20:.2f} MiB = {c8.nbytes / c32.nbytes:.3f}x (bar <= 0.3)")
+    out.append({"case": "int8 cache bytes", "ratio": c8.nbytes / c32.nbytes})
+    return out
+
+
 def concurrency(repeats=5, shape=(1, 8, 768, 768, 64)):
     """Throughput of Python threads calling at num_threads=1 at once, over
     the same calls made one after the other (2 and 4 threads)."""
@@ -248,6 +316,8 @@ def main(argv=None):
                     help="seconds of idle time before each multi-threaded sample (default 0.12)")
     ap.add_argument("--concurrency", action="store_true",
                     help="also time Python threads calling at num_threads=1 at once")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time sliding windows, soft-capping and int8 keys / values")
     ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
                     help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
@@ -283,6 +353,9 @@ def main(argv=None):
                 else "-",
                 f"{row['gflops_attncore']:.1f}", f"{sg:.0f}",
                 f"{100 * row['gflops_attncore'] / sg:.0f}"), flush=True)
+    if args.variants:
+        for threads in args.threads:
+            rows.extend(variants(threads, args.repeats))
     if args.concurrency:
         conc = concurrency()
         print(f"concurrency 1x8x768^2x64, num_threads=1: 2 Python threads {conc[2]:.2f}x, "

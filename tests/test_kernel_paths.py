@@ -200,7 +200,10 @@ def test_threads_and_key_splits(path, shape):
 def test_concurrent_python_threads_give_serial_results(path):
     args = [(rand((2, 4, 100, 32), s), rand((2, 4, 150, 32), s + 1), rand((2, 4, 150, 32), s + 2))
             for s in range(0, 24, 3)]
-    serial = [attncore.scaled_dot_product_attention(*a, num_threads=1) for a in args]
+    # the same calls one after the other (the same thread counts: tiles may
+    # depend on them, and with them the rounding)
+    serial = [attncore.scaled_dot_product_attention(*a, num_threads=1 + i % 2)
+              for i, a in enumerate(args)]
     results = [None] * len(args)
     errors = []
 

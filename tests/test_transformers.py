@@ -262,8 +262,6 @@ def test_forward_fully_masked_rows_give_zero():
 def test_forward_unsupported_features_are_clear_errors():
     q, k, v = _inputs()
     with torch.no_grad():
-        with pytest.raises(NotImplementedError, match="softcap"):
-            attention_forward(_Module(), q, k, v, None, softcap=30.0)
         with pytest.raises(ValueError, match="dropout"):
             attention_forward(_Module(), q, k, v, None, dropout=0.1)
         with pytest.raises(TypeError, match="meta"):
@@ -329,3 +327,24 @@ def test_mask_function_skips_only_plain_lower_right_causal():
         ours, full = both(**kw)
         assert ours is not None and ours.dtype == torch.bool
         assert torch.equal(ours.expand_as(full), full)
+
+
+def test_forward_softcap_and_sliding_window_in_the_kernel():
+    """softcap and sliding_window go to the kernel; checked against the
+    explicit formula (scores capped with tanh, band mask) in float64."""
+    q, k, v = _inputs(seed=5)
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    with torch.no_grad():
+        out, _ = attention_forward(_Module(), q, k, v, None, scaling=0.3, softcap=2.0,
+                                   sliding_window=4)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    kd = kd.repeat_interleave(H // kd.shape[1], dim=1)
+    vd = vd.repeat_interleave(H // vd.shape[1], dim=1)
+    s = (qd @ kd.transpose(-1, -2)) * 0.3
+    s = 2.0 * torch.tanh(s / 2.0)
+    qpos = torch.arange(S - L, S)[:, None]
+    kpos = torch.arange(S)[None, :]
+    s = s.masked_fill(~((kpos <= qpos) & (kpos > qpos - 4)), float("-inf"))
+    expected = (torch.softmax(s, -1) @ vd).transpose(1, 2)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,8 @@ def sdpa(
     out: np.ndarray, weights: Optional[np.ndarray], bshape: tuple[int, ...],
     group: int, mask_kind: int, N: int, M: int, D: int, Dv: int, causal: int,
     scale: float, Bq: int, Bk: int, nsplit: int, chunk: int, nthreads: int,
-    lse: Optional[np.ndarray] = ...,
+    lse: Optional[np.ndarray] = ..., win_l: int = ..., win_r: int = ...,
+    softcap: float = ..., k_scales: Optional[np.ndarray] = ...,
+    v_scales: Optional[np.ndarray] = ...,
 ) -> None: ...
 def exp_array(x: np.ndarray) -> np.ndarray: ...

@@ -37,13 +37,19 @@ cdef extern from "ac_sdpa.h" nogil:
         Py_ssize_t mask_rs, mask_cs
         int mask_kind
         int causal
+        int win_l, win_r, band
         double scale
+        double softcap
+        int kq8, vq8
+        Py_ssize_t ks_rs, vs_rs, dq_off
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
+                          const float *ksc, const float *vsc,
                           const uint8_t *mb, const float *mf, Py_ssize_t i0, int nq,
                           Py_ssize_t ks, Py_ssize_t ke, float *S, float *acc, float *m,
                           float *l, float *alpha, int *bad, ac_sgemm_t gemm)
     int ac_sdpa_range_f64(const ac_params *p, const double *q, const double *k, const double *v,
+                          const double *ksc, const double *vsc,
                           const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
                           Py_ssize_t ks, Py_ssize_t ke, double *S, double *acc, double *m,
                           double *l, double *alpha, int *bad, ac_dgemm_t gemm)
@@ -147,15 +153,16 @@ def omp_num_procs():
 # per work item
 # --------------------------------------------------------------------------
 cdef inline int _range(const ac_params *p, const floating *q, const floating *k,
-                       const floating *v, const uint8_t *mb, const floating *mf,
+                       const floating *v, const floating *ksc, const floating *vsc,
+                       const uint8_t *mb, const floating *mf,
                        Py_ssize_t i0, int nq, Py_ssize_t ks, Py_ssize_t ke,
                        floating *S, floating *acc, floating *m, floating *l,
                        floating *alpha, int *bad) noexcept nogil:
     if floating is float:
-        return ac_sdpa_range_f32(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc, m, l,
+        return ac_sdpa_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S, acc, m, l,
                                  alpha, bad, <ac_sgemm_t>sgemm)
     else:
-        return ac_sdpa_range_f64(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc, m, l,
+        return ac_sdpa_range_f64(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S, acc, m, l,
                                  alpha, bad, <ac_dgemm_t>dgemm)
 
 
@@ -202,6 +209,10 @@ cdef struct _Ops:
     const Py_ssize_t *ko
     const Py_ssize_t *vo
     const Py_ssize_t *mo
+    char *ksc
+    char *vsc
+    const Py_ssize_t *kso
+    const Py_ssize_t *vso
 
 
 cdef inline void _lse_rows(int nq, int processed, const floating *m, const floating *l,
@@ -230,8 +241,21 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
     cdef Py_ssize_t i0 = qb * p.Bq
     cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
     cdef const floating *q = (<const floating *>ops.q) + ops.qo[b]
-    cdef const floating *k = (<const floating *>ops.k) + ops.ko[b]
-    cdef const floating *v = (<const floating *>ops.v) + ops.vo[b]
+    cdef const floating *k
+    cdef const floating *v
+    cdef const floating *ksc = NULL
+    cdef const floating *vsc = NULL
+    # int8 keys / values: element offsets are byte offsets
+    if p.kq8:
+        k = <const floating *>(ops.k + ops.ko[b])
+        ksc = (<const floating *>ops.ksc) + ops.kso[b]
+    else:
+        k = (<const floating *>ops.k) + ops.ko[b]
+    if p.vq8:
+        v = <const floating *>(ops.v + ops.vo[b])
+        vsc = (<const floating *>ops.vsc) + ops.vso[b]
+    else:
+        v = (<const floating *>ops.v) + ops.vo[b]
     cdef const uint8_t *mb = NULL
     cdef const floating *mf = NULL
     if p.mask_kind == 1:
@@ -252,7 +276,7 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
         # the output rows (contiguous, ld Dv) are the accumulator: the
         # finish then scales them in place instead of copying
         o = (<floating *>ops.out) + (b * p.N + i0) * Dv
-        processed = _range(p, q, k, v, mb, mf, i0, nq, 0, p.M, S, o, m, l, alpha, bad)
+        processed = _range(p, q, k, v, ksc, vsc, mb, mf, i0, nq, 0, p.M, S, o, m, l, alpha, bad)
         _finish(nq, p.Dv, processed, o, l, bad, o, Dv)
         if ops.lse != NULL:
             _lse_rows(nq, processed, m, l, bad, (<floating *>ops.lse) + b * p.N + i0)
@@ -265,7 +289,8 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
         acc = part + w * Bq * (Dv + 2)
         m = acc + Bq * Dv
         l = m + Bq
-        _range(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc, m, l, alpha, pbad + w * Bq)
+        _range(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S, acc, m, l, alpha,
+               pbad + w * Bq)
 
 
 cdef inline void _merge_item(const ac_params *p, _Ops *ops, Py_ssize_t t,
@@ -449,7 +474,8 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
 
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
-         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None):
+         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
+         int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -461,9 +487,14 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     multiples of its item size.  out: C-contiguous (nb, N, Dv).  weights:
     None for the flash path, else C-contiguous (nb, N, M), filled with the
     attention weights.
+        lse: None or a C-contiguous (nb, N) array receiving the row log-sum-exp.
+    win_l, win_r: sliding window (-1: unbounded on that side), aligned like
+    the causal diagonal.  softcap: > 0 caps the scaled scores (s -> softcap
+    tanh(s / softcap)) before the mask; 0 for none.
     """
-    cdef Py_buffer bq, bk, bv, bm, bo, bw, bl
-    cdef int have_m = 0, have_w = 0, have_l = 0, got = 0
+    cdef Py_buffer bq, bk, bv, bm, bo, bw, bl, bks, bvs
+    cdef int have_m = 0, have_w = 0, have_l = 0, have_ks = 0, have_vs = 0, got = 0
+    cdef Py_ssize_t dq_rows
     cdef ac_params p
     cdef _Ops ops
     cdef Py_ssize_t nb = 1, d, nd = len(bshape)
@@ -478,7 +509,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         nb *= shp[d]
     if nb == 0 or N == 0:
         return
-    offs = <Py_ssize_t *>malloc(4 * nb * sizeof(Py_ssize_t))
+    offs = <Py_ssize_t *>malloc(6 * nb * sizeof(Py_ssize_t))
     if offs == NULL:
         raise MemoryError()
     try:
@@ -507,8 +538,24 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
             is64 = False
         else:
             raise TypeError("kernel dtype must be float32 or float64")
-        if bk.itemsize != bq.itemsize or bv.itemsize != bq.itemsize or bo.itemsize != bq.itemsize:
-            raise TypeError("query, key, value and out must share one dtype")
+        if k_scales is not None:
+            PyObject_GetBuffer(k_scales, &bks, PyBUF_RECORDS_RO)
+            have_ks = 1
+        if v_scales is not None:
+            PyObject_GetBuffer(v_scales, &bvs, PyBUF_RECORDS_RO)
+            have_vs = 1
+        if (bk.itemsize != (1 if have_ks else bq.itemsize)
+                or bv.itemsize != (1 if have_vs else bq.itemsize)
+                or bo.itemsize != bq.itemsize
+                or (have_ks and bks.itemsize != bq.itemsize)
+                or (have_vs and bvs.itemsize != bq.itemsize)):
+            raise TypeError("query, key, value and out must share one dtype (int8 key / value "
+                            "with scales of that dtype)")
+        if have_w and (have_ks or have_vs):
+            raise TypeError("the weights path takes float keys and values")
+        if ((have_ks and (bks.ndim < 2 or bks.ndim - 2 > nd))
+                or (have_vs and (bvs.ndim < 2 or bvs.ndim - 2 > nd))):
+            raise ValueError("scale ranks do not match the batch shape")
         if (bq.ndim < 2 or bk.ndim < 2 or bv.ndim < 2 or bq.ndim - 2 > nd or bk.ndim - 2 > nd
                 or bv.ndim - 2 > nd or (have_m and (bm.ndim < 2 or bm.ndim - 2 > nd))):
             raise ValueError("operand ranks do not match the batch shape")
@@ -526,6 +573,22 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
             p.s_len = AC_FUSED_SCRATCH(D, Dv)
         p.s_len = (p.s_len + 15) // 16 * 16
+        p.kq8 = have_ks
+        p.vq8 = have_vs
+        p.dq_off = 0
+        p.ks_rs = 0
+        p.vs_rs = 0
+        if have_ks or have_vs:
+            # dequantized key / value tile buffers after the score scratch
+            dq_rows = Bk if Bk > 128 else 128
+            p.dq_off = p.s_len
+            p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
+        if have_ks:
+            _fill_offsets(&bks, nd, shp, group, offs + 4 * nb)
+            p.ks_rs = _row_stride(&bks)
+        if have_vs:
+            _fill_offsets(&bvs, nd, shp, group, offs + 5 * nb)
+            p.vs_rs = _row_stride(&bvs)
         p.q_rs = _row_stride(&bq)
         p.k_rs = _row_stride(&bk)
         p.v_rs = _row_stride(&bv)
@@ -539,7 +602,11 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
                 p.mask_cs = bm.strides[bm.ndim - 1] // bm.itemsize
         p.mask_kind = mask_kind if have_m else 0
         p.causal = causal
+        p.win_l = win_l
+        p.win_r = win_r
+        p.band = 1 if (causal != 0 or win_l >= 0 or win_r >= 0) else 0
         p.scale = scale
+        p.softcap = softcap
         ops.q = <char *>bq.buf
         ops.k = <char *>bk.buf
         ops.v = <char *>bv.buf
@@ -551,6 +618,10 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         ops.ko = offs + nb
         ops.vo = offs + 2 * nb
         ops.mo = offs + 3 * nb
+        ops.ksc = <char *>bks.buf if have_ks else NULL
+        ops.vsc = <char *>bvs.buf if have_vs else NULL
+        ops.kso = offs + 4 * nb
+        ops.vso = offs + 5 * nb
         with nogil:
             if have_w:
                 if is64:
@@ -565,6 +636,10 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if err:
             raise MemoryError("attncore: could not allocate the kernel's scratch memory")
     finally:
+        if have_vs:
+            PyBuffer_Release(&bvs)
+        if have_ks:
+            PyBuffer_Release(&bks)
         if have_l:
             PyBuffer_Release(&bl)
         if have_w:

@@ -196,10 +196,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         Default ``D ** -0.5``.
     is_causal : bool, optional
     **kwargs
-        ``sliding_window`` (applied as a mask when no mask is given),
+        ``sliding_window`` (the kernel's window when no mask is given),
+        ``softcap`` (logit soft-capping, fused in the kernel),
         ``position_bias`` (added to the scores), ``output_attentions``
         (return the weights; also taken from ``module.config``).
-        ``softcap`` and attention sinks (``s_aux``) are not supported.
+        Attention sinks (``s_aux``) are not supported.
 
     Returns
     -------
@@ -207,10 +208,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attn_weights : torch.Tensor (B, H, L, S) or None
     """
     torch = sys.modules["torch"]
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            f"softcap={kwargs['softcap']!r}: attncore has no logit soft-capping yet; use "
-            f"attn_implementation='eager' for this model")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(
             "attention sinks (s_aux) are not supported by attncore; use "
@@ -237,6 +234,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     causal = False
     mask = None
+    win = None
     if attention_mask is not None:
         m = attention_mask
         if m.shape[-1] > S:  # a mask sized for a longer (static) cache
@@ -248,8 +246,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         causal = bool(is_causal) and L > 1
         window = kwargs.get("sliding_window")
         if window is not None and S > window:
-            mask = _window_mask(L, S, int(window), causal)
-            causal = False
+            # the kernel's band (out-of-band key tiles skipped): `window`
+            # keys ending at each query's position
+            if causal or L == 1:
+                causal, win = True, (int(window) - 1, 0)
+            elif L == S:
+                win = (int(window) - 1, -1)
+            else:
+                mask = _window_mask(L, S, int(window), causal)
     bias = kwargs.get("position_bias")
     if bias is not None:
         b = _as_numpy(bias, "position_bias")
@@ -265,8 +269,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
     res = scaled_dot_product_attention(
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
-        enable_gqa=True, return_weights=bool(need_weights),
-        num_threads=torch.get_num_threads())
+        enable_gqa=True, return_weights=bool(need_weights), window=win,
+        softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads())
     out, w = res if need_weights else (res, None)
 
     o = torch.from_numpy(out)

@@ -129,13 +129,13 @@ static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *PT, int nk,           \
     do {                                                                     \
         int d_ = 0;                                                          \
         for (; d_ + AC_CV * AC_W <= Dv; d_ += AC_CV * AC_W)                   \
-            AC_F(MAIN)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv, \
+            AC_F(MAIN)(ST + r_, nk, vr + d_, vr_rs, acc + r_ * Dv + d_, Dv, \
                        alpha + r_);                                          \
         for (; d_ + AC_W <= Dv; d_ += AC_W)                                  \
-            AC_F(ONE)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv,  \
+            AC_F(ONE)(ST + r_, nk, vr + d_, vr_rs, acc + r_ * Dv + d_, Dv,  \
                       alpha + r_);                                           \
         if (d_ < Dv)                                                         \
-            AC_F(TAIL)(ST + r_, nk, vr + d_, p->v_rs, acc + r_ * Dv + d_, Dv, \
+            AC_F(TAIL)(ST + r_, nk, vr + d_, vr_rs, acc + r_ * Dv + d_, Dv, \
                        alpha + r_, Dv - d_);                                 \
     } while (0)
 
@@ -170,14 +170,20 @@ AC_DEF_PV_TAIL(1, ac_pv1_tail)
  */
 static AC_TGT int AC_F(ac_fused_panel)(
     const ac_params *p, const float *q, const float *k, const float *v,
+    const float *ksc, const float *vsc,
     const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr, ptrdiff_t ks,
     ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad)
 {
+    /* int8 keys / values: each tile is dequantized into these buffers */
+    float *KB = scratch + p->dq_off, *VB = KB + (ptrdiff_t)AC_BK * p->D;
     const int D = p->D, Dv = p->Dv;
     float *QT = scratch;
     float *ST = QT + (ptrdiff_t)D * AC_P;
     const float log2e = 1.44269504088896341f;
-    const float qs = (float)p->scale * log2e;
+    /* scores in base-2 units: log2(e) goes into the query scale, or after
+       the soft cap when there is one */
+    const int capped = p->softcap > 0;
+    const float qs = capped ? (float)p->scale : (float)p->scale * log2e;
     const float ninf = -INFINITY;
 
     /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond nr */
@@ -188,15 +194,18 @@ static AC_TGT int AC_F(ac_fused_panel)(
 
     VEC m0 = VSET1(ninf), m1 = VSET1(ninf);
     VEC l0 = VZERO(), l1 = VZERO();
-    ptrdiff_t kend = ke;
-    if (p->causal) {
+    ptrdiff_t kend = ke, kstart = ks;
+    if (p->band) {
+        /* the keys some row of the panel may see: skip the rest */
         ptrdiff_t lim = ac_causal_limit(p, i0 + nr - 1);
         if (lim < kend) kend = lim;
+        ptrdiff_t lo = ac_band_lo(p, i0);
+        if (lo > kstart) kstart = lo;
     }
-    const ptrdiff_t off = (p->causal == AC_CAUSAL_LOWER_RIGHT)
-                              ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
+    const ptrdiff_t off = ac_band_off(p);
+    const ptrdiff_t right = ac_band_right(p);
     int processed = 0;
-    for (ptrdiff_t jb = ks; jb < kend; jb += AC_BK) {
+    for (ptrdiff_t jb = kstart; jb < kend; jb += AC_BK) {
         int nk = (int)((kend - jb < AC_BK) ? (kend - jb) : AC_BK);
         ptrdiff_t j0 = jb;
         if (p->mask_kind != AC_MASK_NONE) {
@@ -206,23 +215,42 @@ static AC_TGT int AC_F(ac_fused_panel)(
             j0 = jb + lo;
             nk = hi - lo;
         }
-        /* causal: does the tile reach past the first row's diagonal? */
-        const int diag = p->causal && (j0 + nk > ac_causal_limit(p, i0));
-        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag;
+        /* band: does the tile reach past the first row's right edge, or
+           before the last row's left edge? */
+        const int diag = p->band && (j0 + nk > ac_causal_limit(p, i0) ||
+                                     j0 < ac_band_lo(p, i0 + nr - 1));
+        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag && !capped;
+
+        /* the key / value rows of this tile, in place or dequantized */
+        const float *kr = KB, *vr = VB;
+        ptrdiff_t kr_rs = D, vr_rs = Dv;
+        if (p->kq8) {
+            AC_DEQUANT(float, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
+                       ksc + j0 * p->ks_rs, p->ks_rs, nk, D, KB);
+        } else {
+            kr = k + j0 * p->k_rs;
+            kr_rs = p->k_rs;
+        }
+        if (p->vq8) {
+            AC_DEQUANT(float, (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
+                       vsc + j0 * p->vs_rs, p->vs_rs, nk, Dv, VB);
+        } else {
+            vr = v + j0 * p->v_rs;
+            vr_rs = p->v_rs;
+        }
 
         /* ---- scores ---- */
         VEC t0 = VSET1(ninf), t1 = VSET1(ninf);
         {
-            const float *kr = k + j0 * p->k_rs;
             int j = 0;
             for (; j + AC_KU <= nk; j += AC_KU)
-                AC_F(ac_qkmain)(QT, D, kr + j * p->k_rs, p->k_rs,
-                                   ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+                AC_F(ac_qkmain)(QT, D, kr + j * kr_rs, kr_rs,
+                                ST + (ptrdiff_t)j * AC_P, &t0, &t1);
             for (; j + 2 <= nk; j += 2)
-                AC_F(ac_qk2)(QT, D, kr + j * p->k_rs, p->k_rs,
+                AC_F(ac_qk2)(QT, D, kr + j * kr_rs, kr_rs,
                              ST + (ptrdiff_t)j * AC_P, &t0, &t1);
             for (; j < nk; j++)
-                AC_F(ac_qk1)(QT, D, kr + j * p->k_rs, p->k_rs,
+                AC_F(ac_qk1)(QT, D, kr + j * kr_rs, kr_rs,
                              ST + (ptrdiff_t)j * AC_P, &t0, &t1);
         }
         int holes = 0; /* entries of the tile hidden by mask / causal */
@@ -230,6 +258,17 @@ static AC_TGT int AC_F(ac_fused_panel)(
             /* mask and causal structure, then the tile max again */
             int touched = 0;
             const ptrdiff_t cs = p->mask_cs;
+            if (capped) {
+                /* s -> cap tanh(s / cap), then to base-2 units */
+                const VEC icap = VSET1((float)(1.0 / p->softcap));
+                const VEC cl = VSET1((float)p->softcap * log2e);
+                for (int c = 0; c < nk; c++) {
+                    float *sr = ST + (ptrdiff_t)c * AC_P;
+                    VSTORE(sr, VMUL(cl, VTANH(VMUL(VLOAD(sr), icap))));
+                    VSTORE(sr + AC_W, VMUL(cl, VTANH(VMUL(VLOAD(sr + AC_W), icap))));
+                }
+                touched = 1;
+            }
             if (p->mask_kind != AC_MASK_NONE && p->mask_rs == 0) {
                 /* one mask row for every query row (key padding) */
                 for (int c = 0; c < nk; c++) {
@@ -283,13 +322,26 @@ static AC_TGT int AC_F(ac_fused_panel)(
                 }
             }
             if (diag) {
-                /* key j is hidden from rows i with j >= i + off + 1 */
+                /* key j is hidden from rows i with j > i + off + right
+                   (lanes r <= t) and with j < i + off - win_l (lanes
+                   r >= u) */
                 for (int c = 0; c < nk; c++) {
                     float *sr = ST + (ptrdiff_t)c * AC_P;
-                    const ptrdiff_t t = j0 + c - off - 1 - i0;
-                    if (t < 0) continue;
-                    VSTORE(sr, VCAUSAL(VLOAD(sr), 0, t));
-                    VSTORE(sr + AC_W, VCAUSAL(VLOAD(sr + AC_W), AC_W, t));
+                    const ptrdiff_t j = j0 + c;
+                    if (right >= 0) {
+                        const ptrdiff_t t = j - off - right - 1 - i0;
+                        if (t >= 0) {
+                            VSTORE(sr, VCAUSAL(VLOAD(sr), 0, t));
+                            VSTORE(sr + AC_W, VCAUSAL(VLOAD(sr + AC_W), AC_W, t));
+                        }
+                    }
+                    if (p->win_l >= 0) {
+                        const ptrdiff_t u = j - off + p->win_l + 1 - i0;
+                        if (u < AC_P) {
+                            VSTORE(sr, VHIDE_FROM(VLOAD(sr), 0, u));
+                            VSTORE(sr + AC_W, VHIDE_FROM(VLOAD(sr + AC_W), AC_W, u));
+                        }
+                    }
                 }
                 holes = 1;
             }
@@ -343,8 +395,7 @@ static AC_TGT int AC_F(ac_fused_panel)(
         /* ---- P.V ---- */
         VSTORE(alpha, al0);
         VSTORE(alpha + AC_W, al1);
-        const float *vr = v + j0 * p->v_rs;
-        if (holes && ac_rows_nonfinite_f32(vr, nk, Dv, p->v_rs)) {
+        if (holes && ac_rows_nonfinite_f32(vr, nk, Dv, vr_rs)) {
             /* inf / NaN among these values: multiply attended keys only,
                so that 0 * inf never reaches a query */
             const ptrdiff_t cs = p->mask_cs;
@@ -352,17 +403,19 @@ static AC_TGT int AC_F(ac_fused_panel)(
                 float *ar = acc + (ptrdiff_t)r * Dv;
                 for (int d = 0; d < Dv; d++) ar[d] *= alpha[r];
                 const ptrdiff_t i = i0 + r;
-                int ncol = nk;
-                if (p->causal) {
+                int ncol = nk, c0 = 0;
+                if (p->band) {
                     ptrdiff_t lim = ac_causal_limit(p, i) - j0;
                     if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+                    ptrdiff_t lo = ac_band_lo(p, i) - j0;
+                    if (lo > 0) c0 = lo > ncol ? ncol : (int)lo;
                 }
-                for (int c = 0; c < ncol; c++) {
+                for (int c = c0; c < ncol; c++) {
                     const ptrdiff_t j = j0 + c;
                     if (mb && !mb[i * p->mask_rs + j * cs]) continue;
                     if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
                     const float pc = ST[(ptrdiff_t)c * AC_P + r];
-                    const float *vj = v + j * p->v_rs;
+                    const float *vj = vr + (ptrdiff_t)c * vr_rs;
                     for (int d = 0; d < Dv; d++) ar[d] += pc * vj[d];
                 }
             }

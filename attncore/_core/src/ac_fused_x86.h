@@ -56,6 +56,8 @@
 #define VEXP2(x) ac_exp2_avx512(x)
 #define VCAUSAL(x, lane0, t) ac_causal_avx512((x), (lane0), (t))
 #define VZERO_IF_NINF(x) ac_zero_ninf_avx512(x)
+#define VHIDE_FROM(x, lane0, u) ac_hide_from_avx512((x), (lane0), (u))
+#define VTANH(x) ac_tanh_avx512(x)
 #define VLOADN(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1u), (p))
 #define VSTOREN(p, x, n) _mm512_mask_storeu_ps((p), (__mmask16)((1u << (n)) - 1u), (x))
 #define VGATHER(p, stride, lane0, nr) ac_gather_avx512((p), (stride), (lane0), (nr))
@@ -141,6 +143,31 @@ static AC_TGT inline __m512 ac_causal_avx512(__m512 x, int lane0, ptrdiff_t t)
     return _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
 }
 
+/* lanes whose row index (lane0 + lane) >= u -> -inf */
+static AC_TGT inline __m512 ac_hide_from_avx512(__m512 x, int lane0, ptrdiff_t u)
+{
+    const int uu = u < -64 ? -64 : (int)u;
+    const __m512i iota = _mm512_add_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(lane0));
+    const __mmask16 hide = _mm512_cmpge_epi32_mask(iota, _mm512_set1_epi32(uu));
+    return _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
+}
+
+/* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) = 2^(-2 log2(e) |x|)
+ * (absolute error a few 1e-8; NaN propagates, +-inf give +-1) */
+static AC_TGT inline __m512 ac_tanh_avx512(__m512 x)
+{
+    const __m512 ax = _mm512_abs_ps(x);
+    const __m512 e = ac_exp2_avx512(_mm512_mul_ps(ax, _mm512_set1_ps(-2.8853900817779268f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    /* copy the sign of x (NaN keeps its NaN) */
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(t),
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+}
+
 static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 {
     const __mmask16 k = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
@@ -173,6 +200,8 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #undef VEXP2
 #undef VCAUSAL
 #undef VZERO_IF_NINF
+#undef VHIDE_FROM
+#undef VTANH
 
 /* ------------------------------------------------------------ AVX2 + FMA */
 #define AC_ISA avx2
@@ -195,6 +224,8 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define VEXP2(x) ac_exp2_avx2(x)
 #define VCAUSAL(x, lane0, t) ac_causal_avx2((x), (lane0), (t))
 #define VZERO_IF_NINF(x) ac_zero_ninf_avx2(x)
+#define VHIDE_FROM(x, lane0, u) ac_hide_from_avx2((x), (lane0), (u))
+#define VTANH(x) ac_tanh_avx2(x)
 #define VLOADN(p, n) _mm256_maskload_ps((p), ac_lanes_avx2(n))
 #define VSTOREN(p, x, n) _mm256_maskstore_ps((p), ac_lanes_avx2(n), (x))
 #define VGATHER(p, stride, lane0, nr) ac_gather_avx2((p), (stride), (lane0), (nr))
@@ -280,6 +311,26 @@ static AC_TGT inline __m256 ac_causal_avx2(__m256 x, int lane0, ptrdiff_t t)
     return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), hide);
 }
 
+static AC_TGT inline __m256 ac_hide_from_avx2(__m256 x, int lane0, ptrdiff_t u)
+{
+    const int uu = u < -64 ? -64 : (int)u;
+    const __m256i iota = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(lane0));
+    const __m256 hide = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(uu - 1)));
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), hide);
+}
+
+static AC_TGT inline __m256 ac_tanh_avx2(__m256 x)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = ac_exp2_avx2(_mm256_mul_ps(ax, _mm256_set1_ps(-2.8853900817779268f)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_or_ps(t, _mm256_and_ps(sign, x));
+}
+
 static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 {
     const __m256 k = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
@@ -312,6 +363,8 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #undef VEXP2
 #undef VCAUSAL
 #undef VZERO_IF_NINF
+#undef VHIDE_FROM
+#undef VTANH
 
 /* -------------------------------------------------------------- dispatch */
 /* query rows per panel of the path in use (the driver sizes blocks by it) */
@@ -324,6 +377,7 @@ static int ac_fused_panel_rows(void)
  * the same contract as ac_sdpa_range_f32. */
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
+                              const float *ksc, const float *vsc,
                               const uint8_t *mb, const float *mf,
                               ptrdiff_t i0, int nq, ptrdiff_t ks,
                               ptrdiff_t ke, float *scratch, float *acc,
@@ -335,11 +389,11 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
         const int nr = (nq - r0 < P) ? nq - r0 : P;
         float *a = acc + (ptrdiff_t)r0 * p->Dv;
         if (ac_kernel_path == AC_PATH_AVX512)
-            processed |= ac_fused_panel_f32_avx512(p, q, k, v, mb, mf, i0 + r0, nr, ks, ke,
-                                                   scratch, a, m + r0, l + r0, bad + r0);
+            processed |= ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
+                                                   ks, ke, scratch, a, m + r0, l + r0, bad + r0);
         else
-            processed |= ac_fused_panel_f32_avx2(p, q, k, v, mb, mf, i0 + r0, nr, ks, ke,
-                                                 scratch, a, m + r0, l + r0, bad + r0);
+            processed |= ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
+                                                 ks, ke, scratch, a, m + r0, l + r0, bad + r0);
     }
     return processed;
 }
@@ -396,11 +450,13 @@ static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
 static int ac_fused_panel_rows(void) { return 16; }
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
+                              const float *ksc, const float *vsc,
                               const uint8_t *mb, const float *mf,
                               ptrdiff_t i0, int nq, ptrdiff_t ks,
                               ptrdiff_t ke, float *scratch, float *acc,
                               float *m, float *l, int *bad)
 {
+    (void)ksc; (void)vsc;
     (void)p; (void)q; (void)k; (void)v; (void)mb; (void)mf; (void)i0;
     (void)nq; (void)ks; (void)ke; (void)scratch; (void)acc; (void)m;
     (void)l; (void)bad;

@@ -48,15 +48,65 @@ typedef struct {
     ptrdiff_t mask_rs, mask_cs;   /* mask strides (elements; 0 = broadcast)  */
     int mask_kind;            /* AC_MASK_*                                   */
     int causal;               /* AC_CAUSAL_*                                 */
+    int win_l, win_r;         /* sliding window: query i attends keys
+                                 i + off - win_l .. i + off + win_r (-1: no
+                                 bound on that side); off = M - N under
+                                 lower-right causal alignment, else 0      */
+    int band;                 /* causal or a window bound: rows see a band */
     double scale;
+    double softcap;           /* > 0: s -> softcap tanh(s / softcap) after
+                                 scaling, before the mask; 0: none         */
+    int kq8, vq8;             /* key / value given as int8 + a scale per
+                                 row: the k / v pointers then point at
+                                 int8_t data, the scales come separately */
+    ptrdiff_t ks_rs, vs_rs;   /* row strides of the scales (elements)      */
+    ptrdiff_t dq_off;         /* offset (elements) in the score scratch of
+                                 the dequantized key / value tile buffers  */
 } ac_params;
 
-/* first key column a query row may not see (exclusive limit) under causal */
+/* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
+   stride s_rs) into out (nk x D, dense) */
+#define AC_DEQUANT(T, x, x_rs, sc, s_rs, nk, D, out)                         \
+    do {                                                                    \
+        for (int c_ = 0; c_ < (nk); c_++) {                                 \
+            const int8_t *xr_ = (x) + (ptrdiff_t)c_ * (x_rs);              \
+            const T s_ = (sc)[(ptrdiff_t)c_ * (s_rs)];                      \
+            T *o_ = (out) + (ptrdiff_t)c_ * (D);                            \
+            _Pragma("omp simd")                                             \
+            for (int d_ = 0; d_ < (D); d_++) o_[d_] = s_ * (T)xr_[d_];      \
+        }                                                                   \
+    } while (0)
+
+/* the alignment offset of the causal diagonal and of the window */
+static inline ptrdiff_t ac_band_off(const ac_params *p)
+{
+    return (p->causal == AC_CAUSAL_LOWER_RIGHT) ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
+}
+
+/* the right edge of the band, relative to the diagonal: -1 for none */
+static inline ptrdiff_t ac_band_right(const ac_params *p)
+{
+    ptrdiff_t e = p->causal ? 0 : -1;
+    if (p->win_r >= 0 && (e < 0 || p->win_r < e)) e = p->win_r;
+    return e;
+}
+
+/* first key column a query row may not see (exclusive limit; M without an
+   upper bound) */
 static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
 {
-    ptrdiff_t off = (p->causal == AC_CAUSAL_LOWER_RIGHT)
-                        ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
-    return i + off + 1;
+    const ptrdiff_t e = ac_band_right(p);
+    if (e < 0) return p->M;
+    const ptrdiff_t lim = i + ac_band_off(p) + e + 1;
+    return lim < p->M ? lim : p->M;
+}
+
+/* first key column a query row may see (0 without a lower bound) */
+static inline ptrdiff_t ac_band_lo(const ac_params *p, ptrdiff_t i)
+{
+    if (p->win_l < 0) return 0;
+    const ptrdiff_t lo = i + ac_band_off(p) - p->win_l;
+    return lo > 0 ? lo : 0;
 }
 
 /* query blocks of at most this many rows use direct loops, not BLAS */
@@ -66,6 +116,7 @@ static inline ptrdiff_t ac_causal_limit(const ac_params *p, ptrdiff_t i)
 
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
+                              const float *ksc, const float *vsc,
                               const uint8_t *mb, const float *mf,
                               ptrdiff_t i0, int nq, ptrdiff_t ks,
                               ptrdiff_t ke, float *scratch, float *acc,
@@ -76,12 +127,14 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_IS_F32 1
 #define AC_SUF f32
 #define AC_EXP ac_expf
+#define AC_TANH tanhf
 #define AC_GEMM_T ac_sgemm_t
 #include "ac_sdpa_impl.h"
 #undef AC_T
 #undef AC_IS_F32
 #undef AC_SUF
 #undef AC_EXP
+#undef AC_TANH
 #undef AC_GEMM_T
 
 /* the fused float32 kernel (uses the float helpers above) */
@@ -91,12 +144,14 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_IS_F32 0
 #define AC_SUF f64
 #define AC_EXP ac_exp
+#define AC_TANH tanh
 #define AC_GEMM_T ac_dgemm_t
 #include "ac_sdpa_impl.h"
 #undef AC_T
 #undef AC_IS_F32
 #undef AC_SUF
 #undef AC_EXP
+#undef AC_TANH
 #undef AC_GEMM_T
 
 #endif /* AC_SDPA_H */

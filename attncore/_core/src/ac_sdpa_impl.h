@@ -22,12 +22,14 @@ AC_INLINE int AC_FN(ac_tile_range)(const ac_params *p, const uint8_t *mb,
     const ptrdiff_t cs = p->mask_cs;
     for (int r = 0; r < rows; r++) {
         ptrdiff_t i = i0 + r;
-        int ncol = nk;
-        if (p->causal) {
+        int ncol = nk, a = 0;
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, rows == 1 ? i0 + nq - 1 : i) - j0;
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            ptrdiff_t lo = ac_band_lo(p, rows == 1 ? i0 : i) - j0;
+            if (lo > a) a = lo > ncol ? ncol : (int)lo;
         }
-        int a = 0, b = ncol;
+        int b = ncol;
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs + j0 * cs;
             while (a < ncol && !mr[a * cs]) a++;
@@ -66,11 +68,18 @@ AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
     for (int r = 0; r < nq; r++) {
         AC_T *row = S + (ptrdiff_t)r * ldS;
         const ptrdiff_t i = i0 + r;
-        int ncol = nk;
-        if (p->causal) {
+        int ncol = nk, c_lo = 0;
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i) - j0;
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            ptrdiff_t lo = ac_band_lo(p, i) - j0;
+            if (lo > 0) c_lo = lo > ncol ? ncol : (int)lo;
         }
+        if (p->softcap > 0) { /* after scaling, before the mask */
+            const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
+            for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
+        }
+        for (int c = 0; c < c_lo; c++) row[c] = ninf; /* before the window */
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs + j0 * p->mask_cs;
             const ptrdiff_t cs = p->mask_cs;
@@ -175,10 +184,11 @@ AC_INLINE void AC_FN(ac_pv_small)(int nq, int nk, int Dv, const AC_T *S,
  * on tiles that have masked entries.
  */
 AC_INLINE int AC_FN(ac_tile_has_masked)(const ac_params *p, ptrdiff_t i0,
-                                        ptrdiff_t j0, int nk)
+                                        int nq, ptrdiff_t j0, int nk)
 {
     if (p->mask_kind != AC_MASK_NONE) return 1;
-    if (p->causal) return j0 + nk > ac_causal_limit(p, i0);
+    if (p->band)
+        return j0 + nk > ac_causal_limit(p, i0) || j0 < ac_band_lo(p, i0 + nq - 1);
     return 0;
 }
 
@@ -199,8 +209,8 @@ AC_INLINE int AC_FN(ac_rows_nonfinite)(const AC_T *v, int nk, int Dv,
 static void AC_FN(ac_pv_attended)(const ac_params *p, const uint8_t *mb,
                                   const AC_T *mf, ptrdiff_t i0, int nq,
                                   ptrdiff_t j0, int nk, const AC_T *S,
-                                  int ldS, const AC_T *v, AC_T *acc,
-                                  ptrdiff_t acc_rs, int first)
+                                  int ldS, const AC_T *vt, ptrdiff_t vt_rs,
+                                  AC_T *acc, ptrdiff_t acc_rs, int first)
 {
     const int Dv = p->Dv;
     const ptrdiff_t cs = p->mask_cs;
@@ -210,18 +220,20 @@ static void AC_FN(ac_pv_attended)(const ac_params *p, const uint8_t *mb,
         if (first)
             for (int d = 0; d < Dv; d++) ar[d] = 0;
         const ptrdiff_t i = i0 + r;
-        int ncol = nk;
-        if (p->causal) {
+        int ncol = nk, c0 = 0;
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i) - j0;
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            ptrdiff_t lo = ac_band_lo(p, i) - j0;
+            if (lo > 0) c0 = lo > ncol ? ncol : (int)lo;
         }
         const AC_T *Sr = S + (ptrdiff_t)r * ldS;
-        for (int c = 0; c < ncol; c++) {
+        for (int c = c0; c < ncol; c++) {
             const ptrdiff_t j = j0 + c;
             if (mb && !mb[i * p->mask_rs + j * cs]) continue;
             if (mf && mf[i * p->mask_rs + j * cs] == ninf) continue;
             const AC_T pc = Sr[c];
-            const AC_T *vj = v + j * p->v_rs;
+            const AC_T *vj = vt + (ptrdiff_t)c * vt_rs;
 #pragma omp simd
             for (int d = 0; d < Dv; d++) ar[d] += pc * vj[d];
         }
@@ -237,6 +249,7 @@ static void AC_FN(ac_pv_attended)(const ac_params *p, const uint8_t *mb,
  */
 static AC_CLONES int AC_FN(ac_sdpa_range)(
     const ac_params *p, const AC_T *q, const AC_T *k, const AC_T *v,
+    const AC_T *ksc, const AC_T *vsc,
     const uint8_t *mb, const AC_T *mf, ptrdiff_t i0, int nq, ptrdiff_t ks,
     ptrdiff_t ke, AC_T *S, AC_T *acc, AC_T *m, AC_T *l, AC_T *alpha,
     int *bad, AC_GEMM_T gemm)
@@ -246,21 +259,25 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
     /* the fused kernel (no BLAS, nothing of K / V packed) where the CPU
        has one; a handful of rows stay with the direct loops below */
     if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS)
-        return ac_fused_range_f32(p, q, k, v, mb, mf, i0, nq, ks, ke, S, acc,
-                                  m, l, bad);
+        return ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
+                                  acc, m, l, bad);
 #endif
+    /* int8 keys / values: each tile is dequantized into these buffers */
+    AC_T *KB = S + p->dq_off, *VB = KB + (ptrdiff_t)Bk * p->D;
     for (int r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
         bad[r] = 0;
     }
-    ptrdiff_t kend = ke;
-    if (p->causal) {
+    ptrdiff_t kend = ke, kstart = ks;
+    if (p->band) {
         ptrdiff_t lim = ac_causal_limit(p, i0 + nq - 1);
         if (lim < kend) kend = lim;
+        ptrdiff_t lo = ac_band_lo(p, i0);
+        if (lo > kstart) kstart = lo;
     }
     int first = 1;
-    for (ptrdiff_t jb = ks; jb < kend; jb += Bk) {
+    for (ptrdiff_t jb = kstart; jb < kend; jb += Bk) {
         int nk = (int)((kend - jb < Bk) ? (kend - jb) : Bk);
         ptrdiff_t j0 = jb;
         if (p->mask_kind != AC_MASK_NONE) {
@@ -270,23 +287,52 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
             j0 = jb + lo;
             nk = hi - lo;
         }
+        /* the key / value rows of this tile, in place or dequantized */
+        const AC_T *kt = KB, *vt = VB;
+        ptrdiff_t kt_rs = p->D, vt_rs = Dv;
+#if AC_IS_F32 && AC_HAVE_X86_SMALL
+        /* a few rows on AVX-512: int8 rows are read as they are */
+        const int k_direct = p->kq8 && ac_avx512_ok && nq <= AC_SMALL_ROWS;
+        const int v_direct = p->vq8 && ac_avx512_ok && nq <= AC_SMALL_ROWS &&
+                             !AC_FN(ac_tile_has_masked)(p, i0, nq, j0, nk);
+#else
+        const int k_direct = 0, v_direct = 0;
+#endif
+        if (p->kq8 && !k_direct) {
+            AC_DEQUANT(AC_T, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
+                       ksc + j0 * p->ks_rs, p->ks_rs, nk, p->D, KB);
+        } else if (!p->kq8) {
+            kt = k + j0 * p->k_rs;
+            kt_rs = p->k_rs;
+        }
+        if (p->vq8 && !v_direct) {
+            AC_DEQUANT(AC_T, (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
+                       vsc + j0 * p->vs_rs, p->vs_rs, nk, Dv, VB);
+        } else if (!p->vq8) {
+            vt = v + j0 * p->v_rs;
+            vt_rs = p->v_rs;
+        }
         if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (ac_avx512_ok)
+            if (k_direct)
+                ac_scores_small_q8_avx512(nq, nk, p->D, (AC_T)p->scale,
+                                          q + i0 * p->q_rs, p->q_rs,
+                                          (const int8_t *)(const void *)k + j0 * p->k_rs,
+                                          p->k_rs, ksc + j0 * p->ks_rs, p->ks_rs, S, ldS);
+            else if (ac_avx512_ok)
                 ac_scores_small_f32_avx512(nq, nk, p->D, (AC_T)p->scale,
                                            q + i0 * p->q_rs, p->q_rs,
-                                           k + j0 * p->k_rs, p->k_rs, S, ldS);
+                                           kt, kt_rs, S, ldS);
             else
 #endif
             AC_FN(ac_scores_small)(nq, nk, p->D, (AC_T)p->scale,
-                                   q + i0 * p->q_rs, p->q_rs,
-                                   k + j0 * p->k_rs, p->k_rs, S, ldS);
+                                   q + i0 * p->q_rs, p->q_rs, kt, kt_rs, S, ldS);
         } else {
             char ta = 'T', tb = 'N';
             int mm = nk, nn = nq, kk = p->D;
-            int lda = (int)p->k_rs, ldb = (int)p->q_rs, ldc = ldS;
+            int lda = (int)kt_rs, ldb = (int)p->q_rs, ldc = ldS;
             AC_T al = (AC_T)p->scale, be = 0;
-            gemm(&ta, &tb, &mm, &nn, &kk, &al, (AC_T *)(k + j0 * p->k_rs),
+            gemm(&ta, &tb, &mm, &nn, &kk, &al, (AC_T *)kt,
                  &lda, (AC_T *)(q + i0 * p->q_rs), &ldb, &be, S, &ldc);
         }
         AC_FN(ac_softmax_tile)(p, mb, mf, i0, nq, j0, nk, S, m, l, alpha, bad);
@@ -300,25 +346,28 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
                 }
             }
         }
-        if (AC_FN(ac_tile_has_masked)(p, i0, j0, nk) &&
-            AC_FN(ac_rows_nonfinite)(v + j0 * p->v_rs, nk, Dv, p->v_rs)) {
-            AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, j0, nk, S, ldS, v, acc,
-                                  Dv, first);
+        if (AC_FN(ac_tile_has_masked)(p, i0, nq, j0, nk) &&
+            AC_FN(ac_rows_nonfinite)(vt, nk, Dv, vt_rs)) {
+            AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, j0, nk, S, ldS, vt, vt_rs,
+                                  acc, Dv, first);
         } else if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (ac_avx512_ok)
-                ac_pv_small_f32_avx512(nq, nk, Dv, S, ldS, v + j0 * p->v_rs,
-                                       p->v_rs, acc, first);
+            if (v_direct)
+                ac_pv_small_q8_avx512(nq, nk, Dv, S, ldS,
+                                      (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
+                                      vsc + j0 * p->vs_rs, p->vs_rs, acc, first);
+            else if (ac_avx512_ok)
+                ac_pv_small_f32_avx512(nq, nk, Dv, S, ldS, vt, vt_rs, acc, first);
             else
 #endif
-            AC_FN(ac_pv_small)(nq, nk, Dv, S, ldS, v + j0 * p->v_rs, p->v_rs,
+            AC_FN(ac_pv_small)(nq, nk, Dv, S, ldS, vt, vt_rs,
                                acc, first);
         } else {
             char ta = 'N', tb = 'N';
             int mm = Dv, nn = nq, kk = nk;
-            int lda = (int)p->v_rs, ldb = ldS, ldc = Dv;
+            int lda = (int)vt_rs, ldb = ldS, ldc = Dv;
             AC_T one = 1, be = first ? 0 : 1;
-            gemm(&ta, &tb, &mm, &nn, &kk, &one, (AC_T *)(v + j0 * p->v_rs),
+            gemm(&ta, &tb, &mm, &nn, &kk, &one, (AC_T *)vt,
                  &lda, S, &ldb, &be, acc, &ldc);
         }
         first = 0;
@@ -418,9 +467,17 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         AC_T *row = W + (ptrdiff_t)r * M;
         const ptrdiff_t i = i0 + r;
         int ncol = M;
-        if (p->causal) {
+        if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i);
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
+            const ptrdiff_t lo = ac_band_lo(p, i);
+            for (ptrdiff_t c = 0; c < lo && c < ncol; c++) row[c] = ninf;
+        }
+        if (p->softcap > 0) {
+            const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
+            const ptrdiff_t lo = p->band ? ac_band_lo(p, i) : 0;
+            for (int c = (int)(lo < ncol ? lo : ncol); c < ncol; c++)
+                row[c] = cap * AC_TANH(row[c] * icap);
         }
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs;
@@ -465,9 +522,9 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         for (int c = 0; c < ncol; c++) row[c] *= inv;
         if (lse) lse[r] = bm + log(s);
     }
-    if (AC_FN(ac_tile_has_masked)(p, i0, 0, M) &&
+    if (AC_FN(ac_tile_has_masked)(p, i0, nq, 0, M) &&
         AC_FN(ac_rows_nonfinite)(v, M, Dv, p->v_rs)) {
-        AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, 0, M, W, M, v,
+        AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, 0, M, W, M, v, p->v_rs,
                               out + i0 * o_rs, o_rs, 1);
     } else {
         char ta = 'N', tb = 'N';

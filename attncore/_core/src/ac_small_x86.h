@@ -15,6 +15,7 @@
 #define AC_SMALL_X86_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
@@ -149,6 +150,109 @@ static AC_AVX512 void ac_pv_small_f32_avx512(
                     for (int t = 0; t < nv; t++)
                         x[t] = _mm512_fmadd_ps(
                             pj, _mm512_maskz_loadu_ps(t == nv - 1 ? last : 0xFFFF, vc + 16 * t), x[t]);
+                }
+            }
+            for (int t = 0; t < nv; t++)
+                _mm512_mask_storeu_ps(ar + c0 + 16 * t, t == nv - 1 ? last : 0xFFFF, x[t]);
+        }
+    }
+}
+
+/* 16 int8 values from p as floats; n < 16 reads only the first n (the
+ * rest are 0) */
+static AC_AVX512 inline __m512 ac_i8x16(const int8_t *p, int n)
+{
+    if (n >= 16)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    int8_t tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)tmp)));
+}
+
+/* S[r, j] = scale * ks[j] * (q_r . k8_j): int8 keys scored without a float
+ * copy (decoding at a quarter of the key bytes) */
+static AC_AVX512 void ac_scores_small_q8_avx512(
+    int nq, int nk, int D, float scale, const float *q, ptrdiff_t q_rs,
+    const int8_t *k, ptrdiff_t k_rs, const float *ks, ptrdiff_t ks_rs,
+    float *S, int ldS)
+{
+    const int Dm = D & ~15;
+    const __mmask16 tail = (__mmask16)((1u << (D - Dm)) - 1u);
+    for (int r = 0; r < nq; r++) {
+        const float *qr = q + r * q_rs;
+        float *Sr = S + (ptrdiff_t)r * ldS;
+        int j = 0;
+        for (; j + 4 <= nk; j += 4) {
+            const int8_t *k0 = k + (ptrdiff_t)j * k_rs;
+            const int8_t *k1 = k0 + k_rs, *k2 = k1 + k_rs, *k3 = k2 + k_rs;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            int d = 0;
+            for (; d < Dm; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(qr + d);
+                a0 = _mm512_fmadd_ps(qv, ac_i8x16(k0 + d, 16), a0);
+                a1 = _mm512_fmadd_ps(qv, ac_i8x16(k1 + d, 16), a1);
+                a2 = _mm512_fmadd_ps(qv, ac_i8x16(k2 + d, 16), a2);
+                a3 = _mm512_fmadd_ps(qv, ac_i8x16(k3 + d, 16), a3);
+            }
+            if (tail) {
+                const __m512 qv = _mm512_maskz_loadu_ps(tail, qr + d);
+                a0 = _mm512_fmadd_ps(qv, ac_i8x16(k0 + d, D - Dm), a0);
+                a1 = _mm512_fmadd_ps(qv, ac_i8x16(k1 + d, D - Dm), a1);
+                a2 = _mm512_fmadd_ps(qv, ac_i8x16(k2 + d, D - Dm), a2);
+                a3 = _mm512_fmadd_ps(qv, ac_i8x16(k3 + d, D - Dm), a3);
+            }
+            Sr[j + 0] = _mm512_reduce_add_ps(a0) * (scale * ks[(ptrdiff_t)(j + 0) * ks_rs]);
+            Sr[j + 1] = _mm512_reduce_add_ps(a1) * (scale * ks[(ptrdiff_t)(j + 1) * ks_rs]);
+            Sr[j + 2] = _mm512_reduce_add_ps(a2) * (scale * ks[(ptrdiff_t)(j + 2) * ks_rs]);
+            Sr[j + 3] = _mm512_reduce_add_ps(a3) * (scale * ks[(ptrdiff_t)(j + 3) * ks_rs]);
+        }
+        for (; j < nk; j++) {
+            const int8_t *kj = k + (ptrdiff_t)j * k_rs;
+            __m512 a0 = _mm512_setzero_ps();
+            int d = 0;
+            for (; d < Dm; d += 16)
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), ac_i8x16(kj + d, 16), a0);
+            if (tail)
+                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, qr + d), ac_i8x16(kj + d, D - Dm), a0);
+            Sr[j] = _mm512_reduce_add_ps(a0) * (scale * ks[(ptrdiff_t)j * ks_rs]);
+        }
+    }
+}
+
+/* acc[r, :] (+)= sum_j P[r, j] vs[j] v8_j (acc nq x Dv contiguous) */
+static AC_AVX512 void ac_pv_small_q8_avx512(
+    int nq, int nk, int Dv, const float *S, int ldS, const int8_t *v,
+    ptrdiff_t v_rs, const float *vs, ptrdiff_t vs_rs, float *acc, int first)
+{
+    for (int r = 0; r < nq; r++) {
+        const float *Sr = S + (ptrdiff_t)r * ldS;
+        float *ar = acc + (ptrdiff_t)r * Dv;
+        for (int c0 = 0; c0 < Dv; c0 += 128) {
+            const int cw = (Dv - c0 < 128) ? (Dv - c0) : 128;
+            const int nv = (cw + 15) >> 4;
+            const int lastn = cw - 16 * (nv - 1);
+            const __mmask16 last = (__mmask16)((lastn == 16) ? 0xFFFFu : ((1u << lastn) - 1u));
+            __m512 x[8];
+            for (int t = 0; t < 8; t++) x[t] = _mm512_setzero_ps();
+            if (!first)
+                for (int t = 0; t < nv; t++)
+                    x[t] = _mm512_maskz_loadu_ps(t == nv - 1 ? last : 0xFFFF, ar + c0 + 16 * t);
+            const int8_t *vc = v + c0;
+            if (nv == 4 && lastn == 16) {
+                for (int j = 0; j < nk; j++, vc += v_rs) {
+                    const __m512 pj = _mm512_set1_ps(Sr[j] * vs[(ptrdiff_t)j * vs_rs]);
+                    x[0] = _mm512_fmadd_ps(pj, ac_i8x16(vc + 0, 16), x[0]);
+                    x[1] = _mm512_fmadd_ps(pj, ac_i8x16(vc + 16, 16), x[1]);
+                    x[2] = _mm512_fmadd_ps(pj, ac_i8x16(vc + 32, 16), x[2]);
+                    x[3] = _mm512_fmadd_ps(pj, ac_i8x16(vc + 48, 16), x[3]);
+                }
+            } else {
+                for (int j = 0; j < nk; j++, vc += v_rs) {
+                    const __m512 pj = _mm512_set1_ps(Sr[j] * vs[(ptrdiff_t)j * vs_rs]);
+                    for (int t = 0; t < nv; t++)
+                        x[t] = _mm512_fmadd_ps(pj, ac_i8x16(vc + 16 * t, t == nv - 1 ? lastn : 16),
+                                               x[t]);
                 }
             }
             for (int t = 0; t < nv; t++)

@@ -1,0 +1,148 @@
+"""int8 keys / values: quantize_kv's round-trip bound, the kernel with
+quantized K, V or both against float64 attention over the dequantized
+arrays (every path, decode and prefill shapes, masks, causal, windows,
+GQA, threads), the int8 KV cache of MultiHeadAttention, and bad inputs."""
+import numpy as np
+import pytest
+
+import attncore
+from attncore import _kernels, quantize_kv
+
+from reference import attention as ref
+
+PATHS = ["avx512", "avx2", "portable"]
+TOL32 = dict(rtol=3e-5, atol=3e-6)
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param not in _kernels.available_kernel_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    with _kernels.forced_kernel_path(request.param):
+        yield request.param
+
+
+def rand(shape, seed, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def deq(pair):
+    q, s = pair
+    return q.astype(np.float64) * s.astype(np.float64)[..., None]
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 5, 17), -1), ((2, 4, 9, 64), -1), ((6, 8), 0),
+                                        ((4, 3), 1)])
+def test_round_trip_bound(shape, axis):
+    x = rand(shape, 1, np.float64) * 7
+    x[0] = 0  # an all-zero slice
+    q, s = quantize_kv(x, axis=axis)
+    assert q.dtype == np.int8 and s.dtype == np.float32
+    assert s.shape == tuple(n for i, n in enumerate(shape) if i != axis % len(shape))
+    se = np.expand_dims(s.astype(np.float64), axis)
+    assert np.all(np.abs(q * se - x) <= se / 2 + 1e-12)
+    assert np.all(np.abs(q) <= 127)
+    # the largest magnitude of every slice maps to +-127
+    assert np.all(np.max(np.abs(q), axis=axis)[np.max(np.abs(x), axis=axis) > 0] == 127)
+
+
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+@pytest.mark.parametrize("N,M", [(1, 3000), (3, 130), (70, 300), (300, 1000)])
+@pytest.mark.parametrize("causal", [0, 2])
+def test_kernel_against_dequantized(path, which, N, M, causal):
+    q, k, v = rand((2, 4, N, 64), 1), rand((2, 2, M, 64), 2), rand((2, 2, M, 40), 3)
+    kq, vq = quantize_kv(k), quantize_kv(v)
+    kk = kq if "k" in which else k
+    vv = vq if "v" in which else v
+    expected = ref(q, deq(kq) if "k" in which else k, deq(vq) if "v" in which else v,
+                   causal=causal, group=2)[0]
+    for t in (1, 2):
+        out = attncore.scaled_dot_product_attention(
+            q, kk, vv, is_causal={0: False, 2: "lower_right"}[causal], enable_gqa=True,
+            num_threads=t)
+        np.testing.assert_allclose(out, expected, **TOL32)
+
+
+def test_kernel_with_masks_windows_and_weights(path):
+    q, k, v = rand((2, 2, 50, 32), 1), rand((2, 2, 200, 32), 2), rand((2, 2, 200, 16), 3)
+    kq, vq = quantize_kv(k), quantize_kv(v)
+    mask = np.random.default_rng(4).random((2, 1, 1, 200)) > 0.3
+    i = np.arange(50)[:, None] + 150
+    j = np.arange(200)[None, :]
+    band = (j <= i) & (j >= i - 20)
+    out, w = attncore.scaled_dot_product_attention(
+        q, kq, vq, mask, is_causal="lower_right", window=(20, 0), return_weights=True)
+    eo, ew = ref(q, deq(kq), deq(vq), mask & band)
+    np.testing.assert_allclose(out, eo, **TOL32)
+    np.testing.assert_allclose(w, ew, **TOL32)
+
+
+def test_float64_query_with_quantized_keys():
+    q, k, v = rand((1, 10, 16), 1, np.float64), rand((1, 40, 16), 2), rand((1, 40, 8), 3)
+    kq = quantize_kv(k)
+    out = attncore.scaled_dot_product_attention(q, kq, v)
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, ref(q, deq(kq), v)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_accuracy_against_float(path):
+    """int8 attention stays close to the float attention it replaces (the
+    figure the docs quote: relative error of a few 1e-3)."""
+    x = rand((1, 8, 512, 64), 5)
+    pos = attncore.sinusoidal_encoding(512, 64)
+    k, v = x + pos, rand((1, 8, 512, 64), 6) + pos
+    q = rand((1, 8, 16, 64), 7)
+    full = attncore.scaled_dot_product_attention(q, k, v)
+    quant = attncore.scaled_dot_product_attention(q, quantize_kv(k), quantize_kv(v))
+    rel = np.linalg.norm(quant - full) / np.linalg.norm(full)
+    assert rel < 2e-2
+
+
+def test_mha_int8_cache_equals_attention_over_dequantized_cache():
+    rng = np.random.default_rng(0)
+    mha = attncore.MultiHeadAttention(64, 4, num_kv_heads=2, rng=0)
+    x = rng.standard_normal((2, 40, 64)).astype(np.float32)
+    cache = mha.new_cache(2, 64, dtype="int8")
+    mha(x[:, :30], cache=cache, is_causal="lower_right")
+    y, _ = mha(x[:, 30:31], cache=cache, is_causal="lower_right")
+    # the same step by hand: projections, attention over the dequantized cache
+    keys, values = cache.keys.astype(np.float64), cache.values.astype(np.float64)
+    assert keys.shape == (2, 2, 31, 16)
+    xq = x[:, 30:31].astype(np.float64) @ mha.q_weight.T.astype(np.float64) + mha.q_bias
+    q4 = xq.reshape(2, 1, 4, 16).transpose(0, 2, 1, 3)
+    o = ref(q4, keys, values, group=2)[0]
+    o = o.transpose(0, 2, 1, 3).reshape(2, 1, 64) @ mha.out_weight.T.astype(np.float64) \
+        + mha.out_bias
+    np.testing.assert_allclose(y, o, rtol=2e-4, atol=2e-5)
+    # appending quantized only the new tokens: the first 30 are unchanged
+    before = cache.keys[:, :, :30].copy()
+    mha(x[:, 31:32], cache=cache, is_causal="lower_right")
+    np.testing.assert_array_equal(cache.keys[:, :, :30], before)
+    f32 = mha.new_cache(2, 64)
+    assert cache.nbytes < 0.35 * f32.nbytes
+
+
+@pytest.mark.parametrize("key,exc,match", [
+    (np.zeros((5, 8), np.int8), TypeError, "without scales"),
+    ((np.zeros((5, 8), np.float32), np.ones(5, np.float32)), TypeError, "int8"),
+    ((np.zeros((5, 8), np.int8), np.ones(4, np.float32)), ValueError, "scales"),
+    ((np.zeros((5, 8), np.int8), np.ones((5, 8), np.float32)), ValueError, "scales"),
+], ids=["int8-without-scales", "float-pair", "short-scales", "scales-with-last-axis"])
+def test_bad_quantized_inputs(key, exc, match):
+    q = np.zeros((3, 8), np.float32)
+    with pytest.raises(exc, match=match):
+        attncore.scaled_dot_product_attention(q, key, np.zeros((5, 8), np.float32))
+
+
+def test_bad_quantize_kv_inputs():
+    with pytest.raises(ValueError, match="finite"):
+        quantize_kv(np.array([[1.0, np.inf]]))
+    with pytest.raises(TypeError, match="axis"):
+        quantize_kv(np.ones((2, 2)), axis=1.0)
+    with pytest.raises(ValueError, match="axis"):
+        quantize_kv(np.ones((2, 2)), axis=2)
+    with pytest.raises(TypeError):
+        quantize_kv(np.ones((2, 2), np.int32))
+    mha = attncore.MultiHeadAttention(16, 2)
+    with pytest.raises(ValueError, match="int8"):
+        mha.new_cache(1, 8, dtype="int4")

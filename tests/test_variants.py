@@ -1,0 +1,210 @@
+"""Sliding windows and logit soft-capping against an explicit float64
+formulation (band mask / tanh cap written out) and torch's SDPA with the
+equivalent mask, on every kernel path."""
+import numpy as np
+import pytest
+
+import attncore
+from attncore import _kernels
+
+from reference import attention as ref
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # pragma: no cover - torch is a test extra
+    torch = None
+
+PATHS = ["avx512", "avx2", "portable"]
+TOL = {np.float16: dict(rtol=3e-3, atol=3e-3), np.float32: dict(rtol=3e-5, atol=3e-6),
+       np.float64: dict(rtol=1e-10, atol=1e-11)}
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    if request.param not in _kernels.available_kernel_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    with _kernels.forced_kernel_path(request.param):
+        yield request.param
+
+
+def rand(shape, seed, dtype=np.float64):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def band(N, M, window, causal):
+    """bool (N, M): the keys each query may see under causal + window."""
+    off = M - N if causal == "lower_right" else 0
+    i = np.arange(N)[:, None]
+    j = np.arange(M)[None, :]
+    ok = np.ones((N, M), bool)
+    if causal:
+        ok &= j <= i + off
+    left, right = window
+    if left >= 0:
+        ok &= j >= i + off - left
+    if right >= 0:
+        ok &= j <= i + off + right
+    return ok
+
+
+def capped_reference(q, k, v, mask, cap, scale=None):
+    """float64 attention with s -> cap * tanh(s / cap) before the mask."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    D = q.shape[-1]
+    s = q @ np.swapaxes(k, -1, -2) * (scale if scale is not None else 1 / np.sqrt(D))
+    s = cap * np.tanh(s / cap)
+    if mask is not None:
+        if mask.dtype == bool:
+            s = np.where(mask, s, -np.inf)
+        else:
+            s = s + mask
+    mx = np.max(s, axis=-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0)
+    e = np.exp(s - mx)
+    tot = e.sum(-1, keepdims=True)
+    w = np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0)
+    return w @ v
+
+
+MASKS = ["none", "bool_full", "keypad", "float"]
+
+
+def make_mask(kind, B, N, M, seed=3):
+    rng = np.random.default_rng(seed)
+    if kind == "none":
+        return None
+    if kind == "bool_full":
+        return rng.random((B, 1, N, M)) > 0.3
+    if kind == "keypad":
+        m = np.ones((B, 1, 1, M), bool)
+        m[0, ..., : M // 4] = False
+        return m
+    return np.where(rng.random((1, 1, N, M)) > 0.2, rng.standard_normal((1, 1, N, M)), -np.inf)
+
+
+# ------------------------------------------------------------------ window
+@pytest.mark.parametrize("window", [(16, 0), (5, 9), (-1, 3), (40, -1), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True, "lower_right"])
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("N,M", [(90, 200), (200, 90)])
+def test_window_against_band_reference(path, window, causal, mask_kind, N, M):
+    B, H, D = 2, 2, 16
+    q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, 8), 3)
+    mask = make_mask(mask_kind, B, N, M)
+    allowed = band(N, M, window, causal)
+    if mask is None:
+        full = allowed
+    elif mask.dtype == bool:
+        full = mask & allowed
+    else:
+        full = np.where(allowed, mask, -np.inf)
+    for dtype in (np.float32, np.float64):
+        out = attncore.scaled_dot_product_attention(
+            q.astype(dtype), k.astype(dtype), v.astype(dtype),
+            None if mask is None else mask.astype(dtype) if mask.dtype != bool else mask,
+            is_causal=causal, window=window)
+        np.testing.assert_allclose(out, ref(q, k, v, full)[0], **TOL[dtype])
+
+
+@pytest.mark.parametrize("Hk", [1, 2])
+def test_window_gqa_float16_threads(path, Hk):
+    q, k, v = rand((1, 4, 300, 32), 1), rand((1, Hk, 300, 32), 2), rand((1, Hk, 300, 32), 3)
+    expected = ref(q, k, v, band(300, 300, (50, 0), True), group=4 // Hk)[0]
+    for t in (1, 2):
+        out = attncore.scaled_dot_product_attention(
+            q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), is_causal=True,
+            window=(50, 0), enable_gqa=True, num_threads=t)
+        np.testing.assert_allclose(out, expected, **TOL[np.float32])
+    out16 = attncore.scaled_dot_product_attention(
+        q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), is_causal=True,
+        window=(50, 0), enable_gqa=True)
+    assert out16.dtype == np.float16
+    np.testing.assert_allclose(out16.astype(np.float64), expected, **TOL[np.float16])
+
+
+def test_window_leaving_rows_empty_gives_zero(path):
+    # lower-right with N > M: the first N - M rows see no key; a window
+    # (0, 0) under no causal lets row i see only key i, so rows >= M are empty
+    q, k, v = rand((1, 50, 8), 1, np.float32), rand((1, 20, 8), 2, np.float32), rand((1, 20, 8), 3,
+                                                                                     np.float32)
+    out, lse = attncore.scaled_dot_product_attention(q, k, v, window=(0, 0), return_lse=True)
+    assert np.all(out[0, 20:] == 0) and np.all(np.isneginf(lse[0, 20:]))
+    np.testing.assert_allclose(out[0, :20], v[0], rtol=1e-6)
+
+
+def test_window_weights_and_lse(path):
+    q, k, v = rand((2, 60, 16), 1, np.float32), rand((2, 80, 16), 2, np.float32), rand((2, 80, 4), 3,
+                                                                                      np.float32)
+    allowed = band(60, 80, (7, 2), "lower_right")
+    out, w, lse = attncore.scaled_dot_product_attention(
+        q, k, v, is_causal="lower_right", window=(7, 2), return_weights=True, return_lse=True)
+    eo, ew = ref(q, k, v, allowed)
+    np.testing.assert_allclose(out, eo, **TOL[np.float32])
+    np.testing.assert_allclose(w, ew, **TOL[np.float32])
+    s = np.where(allowed, q.astype(np.float64) @ np.swapaxes(k, -1, -2) / 4, -np.inf)
+    np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_window_matches_torch_with_explicit_mask(path):
+    q, k, v = (rand((2, 4, 128, 32), s, np.float32) for s in (1, 2, 3))
+    allowed = band(128, 128, (31, 0), True)
+    out = attncore.scaled_dot_product_attention(q, k, v, is_causal=True, window=(31, 0))
+    with torch.inference_mode():
+        expected = F.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v)),
+                                                  attn_mask=torch.from_numpy(allowed)).numpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ softcap
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
+def test_softcap_against_tanh_reference(path, mask_kind, causal, cap):
+    B, N, M = 2, 70, 150
+    q, k, v = rand((B, 2, N, 16), 1) * 3, rand((B, 2, M, 16), 2), rand((B, 2, M, 8), 3)
+    mask = make_mask(mask_kind, B, N, M)
+    allowed = band(N, M, (-1, -1), causal)
+    if mask is None:
+        full = allowed
+    elif mask.dtype == bool:
+        full = mask & allowed
+    else:
+        full = np.where(allowed, mask, -np.inf)
+    expected = capped_reference(q, k, v, full, cap)
+    for dtype in (np.float32, np.float64):
+        m = None if mask is None else mask if mask.dtype == bool else mask.astype(dtype)
+        out = attncore.scaled_dot_product_attention(
+            q.astype(dtype), k.astype(dtype), v.astype(dtype), m, is_causal=causal, softcap=cap)
+        np.testing.assert_allclose(out, expected, **TOL[dtype])
+
+
+def test_softcap_with_infinite_scores_and_weights(path):
+    # +-inf scores from the inputs are capped to +-cap (before the mask)
+    q, k, v = rand((1, 40, 8), 1, np.float32), rand((1, 60, 8), 2, np.float32), rand((1, 60, 4), 3,
+                                                                                     np.float32)
+    q[0, 5] = 0
+    q[0, 5, 0] = np.inf   # scores +inf / -inf by the sign of k[:, 0]
+    out, w = attncore.scaled_dot_product_attention(q, k, v, softcap=2.0, return_weights=True)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(w))
+    with np.errstate(invalid="ignore"):
+        expected = capped_reference(q, k, v, None, 2.0)
+    np.testing.assert_allclose(out, expected, **TOL[np.float32])
+
+
+@pytest.mark.parametrize("bad,exc", [((1,), TypeError), ((1, 2, 3), TypeError), ((-2, 0), ValueError),
+                                     ((1.5, 0), TypeError), ((True, 0), TypeError), ("10", TypeError),
+                                     (5, TypeError)])
+def test_bad_window(bad, exc):
+    q = np.zeros((4, 8), np.float32)
+    with pytest.raises(exc, match="window"):
+        attncore.scaled_dot_product_attention(q, q, q, window=bad)
+
+
+@pytest.mark.parametrize("bad,exc", [(0, ValueError), (-1.0, ValueError), (np.inf, ValueError),
+                                     (np.nan, ValueError), ("5", TypeError), (True, TypeError)])
+def test_bad_softcap(bad, exc):
+    q = np.zeros((4, 8), np.float32)
+    with pytest.raises(exc, match="softcap"):
+        attncore.scaled_dot_product_attention(q, q, q, softcap=bad)
