@@ -10,7 +10,6 @@ examples use only files that ship in installed packages.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import sys
@@ -125,36 +124,3 @@ if html_theme == "pydata_sphinx_theme":
         "show_toc_level": 2,
         "secondary_sidebar_items": ["page-toc"],
     }
-
-
-def _add_dask_api(app, docname, source):
-    """List ``attncore.dask`` in the API reference once that module exists
-    (an autodoc of a module that is not there would fail the -W build)."""
-    if docname != "api":
-        return
-    if importlib.util.find_spec("dask") is None:
-        return
-    try:
-        importlib.import_module("attncore.dask")
-    except ImportError:
-        return
-    source[0] += _DASK_API
-
-
-_DASK_API = """
-
-Scaling out on Dask
--------------------
-
-.. currentmodule:: attncore.dask
-
-.. autosummary::
-   :toctree: generated
-
-   scaled_dot_product_attention
-   map_batches
-"""
-
-
-def setup(app):
-    app.connect("source-read", _add_dask_api)
