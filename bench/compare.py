@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
 import attncore._kernels  # noqa: E402,F401
-from timing import interleaved_medians  # noqa: E402
+from timing import cpu_model, interleaved_medians  # noqa: E402
 
 import peers  # noqa: E402
 
@@ -167,18 +167,6 @@ def peak_memory(N=16384, D=64, threads=1):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     growth, out_bytes = (int(x) for x in res.stdout.split())
     return growth, out_bytes
-
-
-def cpu_model():
-    """The CPU's model name (Linux /proc/cpuinfo; platform otherwise)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def header():

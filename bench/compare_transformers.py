@@ -55,6 +55,9 @@ from threadpoolctl import threadpool_limits
 import attncore
 import attncore.integrations.transformers as act
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import cpu_model  # noqa: E402
+
 CASES = ["prefill 1x4096", "prefill 4x512 left-pad", "decode 128 after 2048"]
 # issue 10: attention alone >= 1.3x sdpa; end to end prefill at 4096 >= 1.05x; decode >= 1.0x
 BARS = {"prefill 1x4096": (1.05, 1.3), "prefill 4x512 left-pad": (None, 1.3),
@@ -168,19 +171,8 @@ def run_case(case, models, threads, repeats, decode_steps, settle=0.1):
             "bars": BARS[case], "max_abs_diff_logits": err}
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def header():
-    return (f"cpu: {_cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}\n"
+    return (f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}\n"
             f"attncore {attncore.__version__}, numpy {np.__version__}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}")
 

@@ -6,20 +6,11 @@ import numpy as np
 import pytest
 
 import attncore
-from attncore import _kernels, quantize_kv
+from attncore import quantize_kv
 
 from reference import attention as ref
 
-PATHS = ["avx512", "avx2", "portable"]
 TOL32 = dict(rtol=3e-5, atol=3e-6)
-
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    if request.param not in _kernels.available_kernel_paths():
-        pytest.skip(f"this CPU cannot run the {request.param} path")
-    with _kernels.forced_kernel_path(request.param):
-        yield request.param
 
 
 def rand(shape, seed, dtype=np.float32):

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import attncore
-from attncore import _kernels
 
 from reference import attention as ref
 
@@ -15,17 +14,8 @@ try:
 except ImportError:  # pragma: no cover - torch is a test extra
     torch = None
 
-PATHS = ["avx512", "avx2", "portable"]
 TOL = {np.float16: dict(rtol=3e-3, atol=3e-3), np.float32: dict(rtol=3e-5, atol=3e-6),
        np.float64: dict(rtol=1e-10, atol=1e-11)}
-
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    if request.param not in _kernels.available_kernel_paths():
-        pytest.skip(f"this CPU cannot run the {request.param} path")
-    with _kernels.forced_kernel_path(request.param):
-        yield request.param
 
 
 def rand(shape, seed, dtype=np.float64):
