@@ -209,9 +209,18 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define VEC __m256
 #define AC_W 8
 #define AC_P 16
-#define AC_KU 6
-#define AC_RU 4
-#define AC_CV 2
+#ifndef AC_KU256
+#define AC_KU256 6
+#endif
+#ifndef AC_RU256
+#define AC_RU256 4
+#endif
+#ifndef AC_CV256
+#define AC_CV256 2
+#endif
+#define AC_KU AC_KU256
+#define AC_RU AC_RU256
+#define AC_CV AC_CV256
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(a) _mm256_loadu_ps(a)
 #define VSTORE(a, x) _mm256_storeu_ps((a), (x))
