@@ -280,7 +280,8 @@ def _restore(r, kind, bf16, like):
 # --------------------------------------------------------------------------
 # the decorator
 # --------------------------------------------------------------------------
-def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_arg=None):
+def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_arg=None,
+                   last_in_compute_dtype=None):
     """Wrap a public function so that it takes and returns foreign arrays.
 
     Parameters
@@ -298,6 +299,11 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
     keep_bf16 : bool
         Return bfloat16 for bfloat16 inputs (False where the function's
         result dtype is fixed, e.g. by a layer's dtype).
+    last_in_compute_dtype : str, optional
+        A bool keyword: when the call passes it True, the last array of the
+        result tuple stays in the compute dtype (float32) for bfloat16
+        inputs (the log-sum-exp of ``return_lse``: 3 significant digits
+        would spoil merging).
     dtype_arg : str, optional
         An argument that takes a dtype: torch dtypes are accepted there
         (and a torch dtype makes the result a torch tensor when no array
@@ -345,7 +351,8 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
                         except TypeError:
                             if not _has_bf16(slots, args, kwargs):
                                 raise
-            return _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs)
+            return _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
+                         last_in_compute_dtype)
 
         return wrapper
 
@@ -362,7 +369,8 @@ def _has_bf16(slots, args, kwargs) -> bool:
     return False
 
 
-def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs):
+def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
+          last_in_compute_dtype=None):
     args = list(args)
     n = len(args)
     done = {}                       # id(input) -> converted: one object stays one object
@@ -408,6 +416,10 @@ def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs):
     r = fn(*args, **kwargs)
     if not convert_out:
         return r
+    if (bf16_out and last_in_compute_dtype and kwargs.get(last_in_compute_dtype) is True
+            and type(r) is tuple):
+        return (_restore(r[:-1], kind, bf16_out, like)
+                + (_restore(r[-1], kind, False, like),))
     return _restore(r, kind, bf16_out, like)
 
 

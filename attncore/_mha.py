@@ -171,8 +171,14 @@ class KVCache:
         n = self._len
         if self.quantized:
             # only the new tokens are quantized (one scale per token and head)
-            kq, ks = quantize_kv(k_new.transpose(0, 2, 1, 3))
-            vq, vs = quantize_kv(v_new.transpose(0, 2, 1, 3))
+            try:
+                kq, ks = quantize_kv(k_new.transpose(0, 2, 1, 3))
+                vq, vs = quantize_kv(v_new.transpose(0, 2, 1, 3))
+            except ValueError:
+                raise ValueError(
+                    "int8 KV cache: the projected keys / values of the new tokens hold inf or "
+                    "NaN, which cannot be quantized (a float cache would carry them); the cache "
+                    "is unchanged") from None
             self._k[:, :, n:n + T] = kq
             self._v[:, :, n:n + T] = vq
             self._ks[:, :, n:n + T] = ks

@@ -204,7 +204,8 @@ def parse_window(window: Any, name: str = "window") -> Tuple[int, int]:
     on that side); ``(-1, -1)`` for None."""
     if window is None:
         return -1, -1
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+    if (isinstance(window, (str, bytes, set, frozenset, dict)) or not hasattr(window, "__len__")
+            or len(window) != 2):
         raise TypeError(f"{name} must be None or a pair (left, right) of ints (-1 for no bound), "
                         f"got {type(window).__name__} {window!r}")
     out = []
@@ -229,6 +230,9 @@ def parse_softcap(softcap: Any) -> float:
     c = float(softcap)
     if not math.isfinite(c) or c <= 0:
         raise ValueError(f"softcap must be finite and > 0, got {c}")
+    if not 1e-30 <= c <= 1e30:
+        # 1 / softcap and softcap * log2(e) must stay finite in float32
+        raise ValueError(f"softcap must be between 1e-30 and 1e30, got {c}")
     return c
 
 

@@ -324,7 +324,7 @@ def scaled_dot_product_attention(
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
-@foreign_arrays(("query", "key", "value"), ("attn_mask",))
+@foreign_arrays(("query", "key", "value"), ("attn_mask",), last_in_compute_dtype="return_lse")
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,

@@ -185,7 +185,7 @@ def test_softcap_with_infinite_scores_and_weights(path):
 
 @pytest.mark.parametrize("bad,exc", [((1,), TypeError), ((1, 2, 3), TypeError), ((-2, 0), ValueError),
                                      ((1.5, 0), TypeError), ((True, 0), TypeError), ("10", TypeError),
-                                     (5, TypeError)])
+                                     (5, TypeError), ({1, 2}, TypeError)])
 def test_bad_window(bad, exc):
     q = np.zeros((4, 8), np.float32)
     with pytest.raises(exc, match="window"):
@@ -193,8 +193,38 @@ def test_bad_window(bad, exc):
 
 
 @pytest.mark.parametrize("bad,exc", [(0, ValueError), (-1.0, ValueError), (np.inf, ValueError),
-                                     (np.nan, ValueError), ("5", TypeError), (True, TypeError)])
+                                     (np.nan, ValueError), ("5", TypeError), (True, TypeError),
+                                     (1e-40, ValueError), (1e39, ValueError)])
 def test_bad_softcap(bad, exc):
     q = np.zeros((4, 8), np.float32)
     with pytest.raises(exc, match="softcap"):
         attncore.scaled_dot_product_attention(q, q, q, softcap=bad)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_float_mask_outside_the_window_never_leaks(path, bad, return_weights, dtype):
+    """A NaN / inf float-mask entry at a key outside a row's band is not
+    attended: the row is what it is without that entry."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((8, 4)).astype(dtype)
+    k = rng.standard_normal((5, 4)).astype(dtype)
+    v = rng.standard_normal((5, 3)).astype(dtype)
+    mask = np.zeros((8, 5), dtype)
+    mask[3, 0] = bad          # row 3 sees keys 2..4 under window (1, 1)
+    mask[7, 1] = bad          # row 7's band (6..8) lies past the keys: empty
+    res = attncore.scaled_dot_product_attention(q, k, v, mask, window=(1, 1), return_lse=True,
+                                                return_weights=return_weights)
+    out, lse = res[0], res[-1]
+    allowed = band(8, 5, (1, 1), False)
+    np.testing.assert_allclose(out, ref(q, k, v, allowed)[0], **TOL[dtype])
+    assert np.all(np.isfinite(lse[:5])) and np.all(np.isneginf(lse[6:]))
+    assert np.all(out[6:] == 0)
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_lse_of_bfloat16_inputs_stays_float32():
+    t = torch.from_numpy(rand((2, 6, 8), 1, np.float32)).to(torch.bfloat16)
+    out, lse = attncore.scaled_dot_product_attention(t, t, t, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32

@@ -111,11 +111,13 @@ cdef int _run(const ac_add_params *p, const _Ops *ops, Py_ssize_t nb, int nthrea
             idx = <int *>malloc((p.M + 1) * sizeof(int))
             if scratch == NULL or idx == NULL:
                 errp[0] = -1
-            else:
-                ac_blas_hold()
-                for it in prange(items, schedule='dynamic'):
+            # every thread reaches the worksharing loop (one without scratch
+            # skips its items; the call then raises)
+            ac_blas_hold()
+            for it in prange(items, schedule='dynamic'):
+                if scratch != NULL and idx != NULL:
                     _item(p, ops, it, nqb, scratch, idx)
-                ac_blas_release()
+            ac_blas_release()
             free(scratch)
             free(idx)
     return err

@@ -71,15 +71,17 @@ cdef int _run_fused(const float *x, Py_ssize_t x_rs, const float *w, Py_ssize_t 
         scratch = <float *>malloc(AC_LINEAR_SCRATCH(K) * sizeof(float))
         if scratch == NULL:
             errp[0] = -1
-        else:
-            for t in prange(nitems, schedule='static'):
+        # every thread reaches the worksharing loop (one without scratch
+        # skips its items; the call then raises)
+        for t in prange(nitems, schedule='static'):
+            if scratch != NULL:
                 rb = t // ncb
                 cb = t - rb * ncb
                 r0 = rb * rstep
                 c0 = cb * cstep
                 ac_linear_rows_f32(x, x_rs, r0, min(rstep, R - r0), w, w_rs, bias, out, o_rs,
                                    c0, min(C, c0 + cstep), K, scratch)
-            free(scratch)
+        free(scratch)
     return err
 
 ctypedef fused floating:

@@ -358,21 +358,22 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
             buf = <floating *>_align64(raw)
             if buf == NULL:
                 errp[0] = -1
-            elif p.causal == 0 and p.mask_kind == 0:
+            # every thread of the team reaches the worksharing loop (one
+            # without scratch skips its items; the call then raises)
+            ac_blas_hold()
+            if p.causal == 0 and p.mask_kind == 0:
                 # equal work items: a static schedule keeps each thread on the
                 # same items call after call (their K/V stay in its cache)
-                ac_blas_hold()
                 for w in prange(W, schedule='static'):
-                    _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
-                ac_blas_release()
-                free(raw)
+                    if buf != NULL:
+                        _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
             else:
                 # causal / masked items differ in cost: balance dynamically
-                ac_blas_hold()
                 for w in prange(W, schedule='dynamic'):
-                    _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
-                ac_blas_release()
-                free(raw)
+                    if buf != NULL:
+                        _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad)
+            ac_blas_release()
+            free(raw)
         if nsplit > 1 and err == 0:
             for t in prange(nb * nqb, schedule='static', num_threads=nthreads):
                 _merge_item(p, ops, t, nqb, nsplit, part, pbad)

@@ -80,26 +80,28 @@ AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
             for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
         }
         for (int c = 0; c < c_lo; c++) row[c] = ninf; /* before the window */
+        /* the mask only over the band: columns before it stay -inf, so a
+           NaN / inf mask entry there never reaches the row */
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs + j0 * p->mask_cs;
             const ptrdiff_t cs = p->mask_cs;
             if (cs == 1) {
 #pragma omp simd
-                for (int c = 0; c < ncol; c++) row[c] = mr[c] ? row[c] : ninf;
+                for (int c = c_lo; c < ncol; c++) row[c] = mr[c] ? row[c] : ninf;
             } else {
-                for (int c = 0; c < ncol; c++) row[c] = mr[c * cs] ? row[c] : ninf;
+                for (int c = c_lo; c < ncol; c++) row[c] = mr[c * cs] ? row[c] : ninf;
             }
         } else if (mf) {
             const AC_T *mr = mf + i * p->mask_rs + j0 * p->mask_cs;
             const ptrdiff_t cs = p->mask_cs;
             if (cs == 1) {
 #pragma omp simd
-                for (int c = 0; c < ncol; c++) {
+                for (int c = c_lo; c < ncol; c++) {
                     AC_T mv = mr[c];
                     row[c] = (mv == ninf) ? ninf : row[c] + mv;
                 }
             } else {
-                for (int c = 0; c < ncol; c++) {
+                for (int c = c_lo; c < ncol; c++) {
                     AC_T mv = mr[c * cs];
                     row[c] = (mv == ninf) ? ninf : row[c] + mv;
                 }
@@ -466,27 +468,27 @@ static AC_CLONES void AC_FN(ac_weights_block)(
     for (int r = 0; r < nq; r++) {
         AC_T *row = W + (ptrdiff_t)r * M;
         const ptrdiff_t i = i0 + r;
-        int ncol = M;
+        int ncol = M, c_lo = 0;
         if (p->band) {
             ptrdiff_t lim = ac_causal_limit(p, i);
             if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
             const ptrdiff_t lo = ac_band_lo(p, i);
-            for (ptrdiff_t c = 0; c < lo && c < ncol; c++) row[c] = ninf;
+            c_lo = lo < ncol ? (int)lo : ncol;
+            for (int c = 0; c < c_lo; c++) row[c] = ninf;
         }
         if (p->softcap > 0) {
             const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
-            const ptrdiff_t lo = p->band ? ac_band_lo(p, i) : 0;
-            for (int c = (int)(lo < ncol ? lo : ncol); c < ncol; c++)
-                row[c] = cap * AC_TANH(row[c] * icap);
+            for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
         }
+        /* the mask only over the band (see ac_softmax_tile) */
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs;
             const ptrdiff_t cs = p->mask_cs;
-            for (int c = 0; c < ncol; c++) row[c] = mr[c * cs] ? row[c] : ninf;
+            for (int c = c_lo; c < ncol; c++) row[c] = mr[c * cs] ? row[c] : ninf;
         } else if (mf) {
             const AC_T *mr = mf + i * p->mask_rs;
             const ptrdiff_t cs = p->mask_cs;
-            for (int c = 0; c < ncol; c++) {
+            for (int c = c_lo; c < ncol; c++) {
                 AC_T mv = mr[c * cs];
                 row[c] = (mv == ninf) ? ninf : row[c] + mv;
             }
