@@ -13,11 +13,13 @@ from typing import Any, Tuple
 
 import numpy as np
 
+from ._interop import foreign_arrays
 from ._validation import as_float_array
 
 __all__ = ["quantize_kv"]
 
 
+@foreign_arrays(("x",), keep_bf16=False)
 def quantize_kv(x: Any, axis: int = -1) -> Tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 quantization with one float32 scale per slice along ``axis``.
 
@@ -37,6 +39,8 @@ def quantize_kv(x: Any, axis: int = -1) -> Tuple[np.ndarray, np.ndarray]:
     -------
     q : ndarray of int8, the shape of ``x``
     scales : ndarray of float32, the shape of ``x`` without ``axis``
+        Of the input's array type (torch in, torch out; see the interop
+        rules of :func:`scaled_dot_product_attention`).
 
     Examples
     --------

@@ -570,6 +570,8 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
         In the outputs' (promoted) dtype.
     lse : ndarray, shape (..., N)
         The log-sum-exp over all the keys (float32 at least).
+        Both are NumPy arrays whatever the parts were (the parts may be any
+        arrays NumPy reads: torch CPU tensors, JAX arrays, ...).
 
     Notes
     -----
