@@ -153,50 +153,68 @@ def test_key_dim_mismatch_named(seq):
         attncore.Attention("mlp", v=np.ones(4))(seq["q"][..., :4], seq["k"])
 
 
-def test_bad_shapes_and_masks(seq):
+# (id, exception, message pattern naming the argument,
+#  (layer, seq) -> the bad call, on the "dot" layer)
+BAD_SHAPES_AND_MASKS = [
+    ("mask-shape", ValueError, "mask must have shape \\(B, S\\) = \\(3, 7\\)",
+     lambda att, s: att(s["q"], s["k"], mask=np.ones((3, 6), bool))),
+    ("mask-shape-2d-memory", ValueError, "mask must have shape \\(B, H, W\\)",
+     lambda att, s: att(s["q"], s["k"].reshape(3, 7, 1, 6), mask=np.ones((3, 7), bool))),
+    ("mask-float", TypeError, "mask must be a bool array",
+     lambda att, s: att(s["q"], s["k"], mask=np.ones((3, 7)))),
+    ("keys-rank", ValueError, "keys must have shape",
+     lambda att, s: att(s["q"], s["k"][0])),
+    ("query-rank", ValueError, "query must have shape",
+     lambda att, s: att(s["q"][0, 0], s["k"])),
+    ("values-length", ValueError, "values must have the leading shape",
+     lambda att, s: att(s["q"], s["k"], s["vals"][:, :5])),
+    ("query-batch", ValueError, "query batch size",
+     lambda att, s: att(s["q"][:2], s["k"])),
+    ("memory-other-alignment", ValueError, "memory was prepared by .*another alignment",
+     lambda att, s: att.step(s["q"][:, 0], make("bilinear").prepare(s["k"]))),
+    ("memory-not-Memory", TypeError, "memory must be the Memory",
+     lambda att, s: att.step(s["q"][:, 0], s["k"])),
+]
+
+
+@pytest.mark.parametrize("exc, match, call", [c[1:] for c in BAD_SHAPES_AND_MASKS],
+                         ids=[c[0] for c in BAD_SHAPES_AND_MASKS])
+def test_bad_shapes_and_masks(seq, exc, match, call):
     att = make("dot")
-    with pytest.raises(ValueError, match="mask must have shape \\(B, S\\) = \\(3, 7\\)"):
-        att(seq["q"], seq["k"], mask=np.ones((3, 6), bool))
-    with pytest.raises(ValueError, match="mask must have shape \\(B, H, W\\)"):
-        att(seq["q"], seq["k"].reshape(3, 7, 1, 6), mask=np.ones((3, 7), bool))
-    with pytest.raises(TypeError, match="mask must be a bool array"):
-        att(seq["q"], seq["k"], mask=np.ones((3, 7)))
-    with pytest.raises(ValueError, match="keys must have shape"):
-        att(seq["q"], seq["k"][0])
-    with pytest.raises(ValueError, match="query must have shape"):
-        att(seq["q"][0, 0], seq["k"])
-    with pytest.raises(ValueError, match="values must have the leading shape"):
-        att(seq["q"], seq["k"], seq["vals"][:, :5])
-    with pytest.raises(ValueError, match="batch size"):
-        att(seq["q"][:2], seq["k"])
-    mem = make("bilinear").prepare(seq["k"])
-    with pytest.raises(ValueError, match="another alignment"):
-        att.step(seq["q"][:, 0], mem)
-    with pytest.raises(TypeError, match="Memory"):
-        att.step(seq["q"][:, 0], seq["k"])
-    # a mask with batch size 1 broadcasts
+    with pytest.raises(exc, match=match):
+        call(att, seq)
+
+
+def test_mask_of_batch_size_one_broadcasts(seq):
+    att = make("dot")
     c = att(seq["q"], seq["k"], mask=seq["mask"][:1])
     c2 = att(seq["q"], seq["k"], mask=np.repeat(seq["mask"][:1], 3, 0))
     np.testing.assert_array_equal(c, c2)
 
 
-def test_bad_params_named():
-    with pytest.raises(TypeError, match="'mlp'.*missing parameter 'v'"):
-        attncore.Attention("mlp", q_weight=np.ones((3, 3)))
-    with pytest.raises(ValueError, match="'q_weight' must have 4 rows"):
-        attncore.Attention("mlp", q_weight=np.ones((3, 3)), v=np.ones(4))
-    with pytest.raises(ValueError, match="'bias' must have shape \\(A,\\)"):
-        attncore.Attention("mlp", v=np.ones(4), bias=np.ones((4, 1)))
-    with pytest.raises(TypeError, match="'weight'.*dtype int"):
-        attncore.Attention("bilinear", weight=np.ones((3, 3), int))
-    with pytest.raises(TypeError, match="missing parameter 'weight'"):
-        attncore.Attention("general")
-    with pytest.raises(TypeError, match="'scale' must be a real scalar"):
-        attncore.Attention("dot", scale="big")
-    with pytest.raises(TypeError, match="scaled_dot"):
-        attncore.Attention("scaled_dot", scale=2.0)
-    with pytest.raises(ValueError, match="unknown alignment 'nope'; available: .*bilinear"):
-        attncore.Attention("nope")
+# (id, exception, message pattern naming the parameter, Attention arguments)
+BAD_PARAMS = [
+    ("mlp-v-missing", TypeError, "'mlp'.*missing parameter 'v'",
+     ("mlp",), dict(q_weight=np.ones((3, 3)))),
+    ("mlp-q_weight-rows", ValueError, "'q_weight' must have 4 rows",
+     ("mlp",), dict(q_weight=np.ones((3, 3)), v=np.ones(4))),
+    ("mlp-bias-shape", ValueError, "'bias' must have shape \\(A,\\)",
+     ("mlp",), dict(v=np.ones(4), bias=np.ones((4, 1)))),
+    ("bilinear-weight-int", TypeError, "'weight'.*dtype int",
+     ("bilinear",), dict(weight=np.ones((3, 3), int))),
+    ("general-weight-missing", TypeError, "missing parameter 'weight'", ("general",), {}),
+    ("dot-scale-str", TypeError, "'scale' must be a real scalar", ("dot",), dict(scale="big")),
+    ("scaled_dot-scale", TypeError, "scaled_dot.*unexpected keyword argument 'scale'",
+     ("scaled_dot",), dict(scale=2.0)),
+    ("unknown-alignment", ValueError, "unknown alignment 'nope'; available: .*bilinear", ("nope",), {}),
+]
+
+
+@pytest.mark.parametrize("exc, match, args, kw", [c[1:] for c in BAD_PARAMS],
+                         ids=[c[0] for c in BAD_PARAMS])
+def test_bad_params_named(exc, match, args, kw):
+    with pytest.raises(exc, match=match):
+        attncore.Attention(*args, **kw)
 
 
 class WrongShape(attncore.Alignment):

@@ -508,40 +508,76 @@ def _err(exc, pattern, fn, *a, **kw):
         fn(*a, **kw)
 
 
-def test_bad_inputs():
-    _err(ValueError, "embed_dim must be divisible by num_heads, got embed_dim=10 and num_heads=3",
-         MultiHeadAttention, 10, 3)
-    _err(ValueError, "num_kv_heads must divide num_heads, got num_kv_heads=3 and num_heads=4",
-         MultiHeadAttention, 16, 4, num_kv_heads=3)
-    _err(TypeError, "num_heads must be an int", MultiHeadAttention, 16, 4.0)
-    _err(ValueError, "embed_dim must be >= 1", MultiHeadAttention, 0, 1)
-    _err(TypeError, "dtype must be float32 or float64", MultiHeadAttention, 16, 4, dtype=np.int32)
+# (id, exception, message pattern naming the argument, (embed_dim, num_heads), keywords)
+BAD_CONSTRUCTION = [
+    ("embed_dim-not-divisible", ValueError,
+     "embed_dim must be divisible by num_heads, got embed_dim=10 and num_heads=3",
+     (10, 3), {}),
+    ("num_kv_heads-not-dividing", ValueError,
+     "num_kv_heads must divide num_heads, got num_kv_heads=3 and num_heads=4",
+     (16, 4), dict(num_kv_heads=3)),
+    ("num_heads-float", TypeError, "num_heads must be an int", (16, 4.0), {}),
+    ("embed_dim-zero", ValueError, "embed_dim must be >= 1", (0, 1), {}),
+    ("dtype-int", TypeError, "dtype must be float32 or float64",
+     (16, 4), dict(dtype=np.int32)),
+]
+
+
+@pytest.mark.parametrize("exc, pattern, args, kw", [c[1:] for c in BAD_CONSTRUCTION],
+                         ids=[c[0] for c in BAD_CONSTRUCTION])
+def test_bad_construction(exc, pattern, args, kw):
+    _err(exc, pattern, MultiHeadAttention, *args, **kw)
+
+
+def _args(*args, **kw):
+    return args, kw
+
+
+# (id, exception, message pattern naming the argument,
+#  (q, k, v) -> (args, kwargs) of a call of MultiHeadAttention(16, 4, kdim=8, vdim=6))
+BAD_CALLS = [
+    ("query-embed_dim", ValueError, r"query last dimension must be embed_dim=16, got shape \(2, 3, 15\)",
+     lambda q, k, v: _args(rand((2, 3, 15)), k, v)),
+    ("key-kdim", ValueError, r"key last dimension must be kdim=8, got shape \(2, 5, 6\)",
+     lambda q, k, v: _args(q, v, v)),
+    ("value-vdim", ValueError, r"value last dimension must be vdim=6, got shape \(2, 5, 8\)",
+     lambda q, k, v: _args(q, k, k)),
+    ("key-value-length", ValueError,
+     r"key and value must have the same length .* key shape \(2, 5, 8\) and value shape \(2, 4, 6\)",
+     lambda q, k, v: _args(q, k, v[:, :4])),
+    ("key-batch", ValueError, "key and value must have the query's batch size 2",
+     lambda q, k, v: _args(q, k[:1], v[:1])),
+    ("key-rank", ValueError, r"key must have as many dimensions as query \(3\)",
+     lambda q, k, v: _args(q, k[0], v[0])),
+    ("query-rank", ValueError, r"query must be \(batch, length, 16\) or unbatched",
+     lambda q, k, v: _args(q[None], k, v)),
+    ("query-int", TypeError, "query must be a float16, float32 or float64 array, got dtype int64",
+     lambda q, k, v: _args(np.ones((2, 3, 16), dtype=np.int64), k, v)),
+    ("value-without-key", ValueError, "value given without key",
+     lambda q, k, v: _args(q, value=v)),
+    ("key_mask-shape", ValueError, r"key_mask must have shape \(2, 5\) \(batch, key length\), got \(2, 4\)",
+     lambda q, k, v: _args(q, k, v, key_mask=np.ones((2, 4), bool))),
+    ("key_mask-int", TypeError, "key_mask must be a bool array .*got dtype int64",
+     lambda q, k, v: _args(q, k, v, key_mask=np.ones((2, 5), dtype=np.int64))),
+    ("attn_mask-shape", ValueError,
+     r"attn_mask must have shape \(L, S\), \(B, L, S\) or \(B, num_heads, L, S\) "
+     r"= \(3, 5\), \(2, 3, 5\) or \(2, 4, 3, 5\).*got \(3, 4\)",
+     lambda q, k, v: _args(q, k, v, attn_mask=np.ones((3, 4), bool))),
+    ("attn_mask-heads", ValueError, r"attn_mask must have shape",
+     lambda q, k, v: _args(q, k, v, attn_mask=np.ones((2, 3, 3, 5), bool))),
+    ("attn_mask-int", TypeError, "attn_mask must be a bool array .* got dtype int64",
+     lambda q, k, v: _args(q, k, v, attn_mask=np.ones((3, 5), dtype=np.int64))),
+    ("is_causal-str", ValueError, "is_causal must be False, True, 'upper_left' or 'lower_right'",
+     lambda q, k, v: _args(q, k, v, is_causal="yes")),
+]
+
+
+@pytest.mark.parametrize("exc, pattern, make", [c[1:] for c in BAD_CALLS],
+                         ids=[c[0] for c in BAD_CALLS])
+def test_bad_inputs(exc, pattern, make):
     m = MultiHeadAttention(16, 4, kdim=8, vdim=6, rng=0)
-    q, k, v = rand((2, 3, 16)), rand((2, 5, 8)), rand((2, 5, 6))
-    _err(ValueError, r"query last dimension must be embed_dim=16, got shape \(2, 3, 15\)",
-         m, rand((2, 3, 15)), k, v)
-    _err(ValueError, r"key last dimension must be kdim=8, got shape \(2, 5, 6\)", m, q, v, v)
-    _err(ValueError, r"value last dimension must be vdim=6, got shape \(2, 5, 8\)", m, q, k, k)
-    _err(ValueError, r"key and value must have the same length .* key shape \(2, 5, 8\) and "
-         r"value shape \(2, 4, 6\)", m, q, k, v[:, :4])
-    _err(ValueError, "key and value must have the query's batch size 2", m, q, k[:1], v[:1])
-    _err(ValueError, r"key must have as many dimensions as query \(3\)", m, q, k[0], v[0])
-    _err(ValueError, r"query must be \(batch, length, 16\) or unbatched", m, q[None], k, v)
-    _err(TypeError, "query must be a float16, float32 or float64 array, got dtype int64",
-         m, np.ones((2, 3, 16), dtype=np.int64), k, v)
-    _err(ValueError, "value given without key", m, q, value=v)
-    _err(ValueError, r"key_mask must have shape \(2, 5\) \(batch, key length\), got \(2, 4\)",
-         m, q, k, v, key_mask=np.ones((2, 4), bool))
-    _err(TypeError, "key_mask must be a bool array .*got dtype int64",
-         m, q, k, v, key_mask=np.ones((2, 5), dtype=np.int64))
-    _err(ValueError, r"attn_mask must have shape \(L, S\), \(B, L, S\) or \(B, num_heads, L, S\) "
-         r"= \(3, 5\), \(2, 3, 5\) or \(2, 4, 3, 5\).*got \(3, 4\)",
-         m, q, k, v, attn_mask=np.ones((3, 4), bool))
-    _err(ValueError, r"attn_mask must have shape", m, q, k, v, attn_mask=np.ones((2, 3, 3, 5), bool))
-    _err(TypeError, "attn_mask must be a bool array .* got dtype int64",
-         m, q, k, v, attn_mask=np.ones((3, 5), dtype=np.int64))
-    _err(ValueError, "is_causal must be False, True, 'upper_left' or 'lower_right'",
-         m, q, k, v, is_causal="yes")
+    args, kw = make(rand((2, 3, 16)), rand((2, 5, 8)), rand((2, 5, 6)))
+    _err(exc, pattern, m, *args, **kw)
 
 
 # ---------------------------------------------------------------- KV cache

@@ -118,32 +118,39 @@ def test_add_positional_encoding(dtype):
     np.testing.assert_array_equal(np.concatenate(steps, axis=1), y)
 
 
-def test_errors():
-    with pytest.raises(ValueError, match="dim must be >= 1, got 0"):
-        sinusoidal_encoding(4, 0)
-    with pytest.raises(TypeError, match="dim must be an int"):
-        sinusoidal_encoding(4, 8.0)
-    with pytest.raises(ValueError, match="layout must be 'interleaved' or 'split', got 'sin'"):
-        sinusoidal_encoding(4, 8, layout="sin")
-    with pytest.raises(ValueError, match="base must be finite and > 1, got 1.0"):
-        sinusoidal_encoding(4, 8, base=1.0)
-    with pytest.raises(ValueError, match="as a length must be >= 0, got -1"):
-        sinusoidal_encoding(-1, 8)
-    with pytest.raises(TypeError, match="got dtype bool"):
-        sinusoidal_encoding(np.array([True]), 8)
-    with pytest.raises(TypeError, match="dtype must be float16, float32 or float64, got int32"):
-        sinusoidal_encoding(4, 8, dtype=np.int32)
-    with pytest.raises(ValueError, match="must be finite"):
-        sinusoidal_encoding(np.array([np.nan]), 8)
-    x = np.zeros((3, 4), np.float32)
-    with pytest.raises(ValueError, match="mode must be 'add' or 'concat', got 'mul'"):
-        add_positional_encoding(x, mode="mul")
-    with pytest.raises(ValueError, match=r"x must have at least 2 dimensions .* got shape \(4,\)"):
-        add_positional_encoding(x[0])
-    with pytest.raises(TypeError, match="x must be a float16, float32 or float64 array"):
-        add_positional_encoding(np.zeros((3, 4), np.int64))
-    with pytest.raises(TypeError, match="offset must be an int or a float"):
-        add_positional_encoding(x, offset="1")
+_X = np.zeros((3, 4), np.float32)
+
+# (id, exception, message pattern naming the argument, the bad call)
+BAD_CALLS = [
+    ("dim-zero", ValueError, "dim must be >= 1, got 0", lambda: sinusoidal_encoding(4, 0)),
+    ("dim-float", TypeError, "dim must be an int", lambda: sinusoidal_encoding(4, 8.0)),
+    ("layout", ValueError, "layout must be 'interleaved' or 'split', got 'sin'",
+     lambda: sinusoidal_encoding(4, 8, layout="sin")),
+    ("base-one", ValueError, "base must be finite and > 1, got 1.0",
+     lambda: sinusoidal_encoding(4, 8, base=1.0)),
+    ("length-negative", ValueError, "length_or_positions as a length must be >= 0, got -1",
+     lambda: sinusoidal_encoding(-1, 8)),
+    ("positions-bool", TypeError, "length_or_positions must be .*got dtype bool",
+     lambda: sinusoidal_encoding(np.array([True]), 8)),
+    ("dtype-int", TypeError, "dtype must be float16, float32 or float64, got int32",
+     lambda: sinusoidal_encoding(4, 8, dtype=np.int32)),
+    ("positions-nan", ValueError, "length_or_positions must be finite",
+     lambda: sinusoidal_encoding(np.array([np.nan]), 8)),
+    ("mode", ValueError, "mode must be 'add' or 'concat', got 'mul'",
+     lambda: add_positional_encoding(_X, mode="mul")),
+    ("x-1d", ValueError, r"x must have at least 2 dimensions .* got shape \(4,\)",
+     lambda: add_positional_encoding(_X[0])),
+    ("x-int", TypeError, "x must be a float16, float32 or float64 array",
+     lambda: add_positional_encoding(np.zeros((3, 4), np.int64))),
+    ("offset-str", TypeError, "offset must be an int or a float",
+     lambda: add_positional_encoding(_X, offset="1")),
+]
+
+
+@pytest.mark.parametrize("exc, match, call", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_errors(exc, match, call):
+    with pytest.raises(exc, match=match):
+        call()
 
 
 def test_float_scalar_length_is_rejected():

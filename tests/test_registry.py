@@ -38,14 +38,16 @@ def _ep(name, value, dist):
 
 
 @pytest.fixture
-def fake_eps(monkeypatch):
-    """Replace entry-point discovery with a list the test fills in."""
-    entries = []
-    monkeypatch.setattr(_registry, "_entry_points", lambda: list(entries))
+def fake_eps():
+    """The entry points the test registry discovers (the test fills it in)."""
+    return []
+
+
+@pytest.fixture
+def reg(fake_eps, monkeypatch):
+    """A fresh registry reading its entry points from ``fake_eps``."""
     monkeypatch.delenv(alignments.DISABLE_ENV, raising=False)
-    alignments.refresh()
-    yield entries
-    alignments.refresh()
+    return _registry.Registry(entry_points=lambda: list(fake_eps))
 
 
 @pytest.fixture
@@ -56,14 +58,6 @@ def fake_module(monkeypatch):
     mod.NotAlignment = object
     monkeypatch.setitem(sys.modules, "ac_fake_plugin", mod)
     return mod
-
-
-@pytest.fixture
-def cleanup():
-    names = []
-    yield names
-    for n in names:
-        _registry._unregister(n)
 
 
 def test_builtins_listed_and_created():
@@ -78,40 +72,57 @@ def test_builtins_listed_and_created():
     assert d["dot"]["origin"] == "built-in"
 
 
-def test_register_call_decorator_lazy_and_replace(cleanup, fake_module):
-    cleanup += ["half", "half_lazy", "half_deco"]
-    assert alignments.register("half", Half) is Half
-    assert alignments.register("half", Half) is Half  # identical: no-op
+def test_register_call_decorator_lazy_and_replace(reg, fake_module):
+    assert reg.register("half", Half) is Half
+    assert reg.register("half", Half) is Half  # identical: no-op
 
-    @alignments.register("half_deco")
+    @reg.register("half_deco")
     class Deco(Half):
         pass
 
-    assert alignments.get("half_deco") is Deco
-    alignments.register("half_lazy", "ac_fake_plugin:Half")
-    assert alignments.available(details=True)["half_lazy"]["status"] == "not loaded"
-    assert alignments.get("half_lazy") is Half
+    assert reg.get("half_deco") is Deco
+    reg.register("half_lazy", "ac_fake_plugin:Half")
+    assert reg.available(details=True)["half_lazy"]["status"] == "not loaded"
+    assert reg.get("half_lazy") is Half
     with pytest.raises(ValueError, match="already registered"):
-        alignments.register("half", Deco)
-    alignments.register("half", Deco, replace=True)
-    assert alignments.get("half") is Deco
+        reg.register("half", Deco)
+    reg.register("half", Deco, replace=True)
+    assert reg.get("half") is Deco
     with pytest.raises(ValueError, match="built-in"):
-        alignments.register("dot", Half)
+        reg.register("dot", Half)
     with pytest.raises(TypeError, match="Alignment"):
-        alignments.register("bad", object)
+        reg.register("bad", object)
     with pytest.raises(TypeError, match="module:Class"):
-        alignments.register("bad", "not a target")
+        reg.register("bad", "not a target")
     with pytest.raises(TypeError, match="name"):
-        alignments.register("", Half)
+        reg.register("", Half)
 
 
-def test_register_overrides_builtin_with_replace(cleanup):
-    cleanup.append("scaled_dot")
-    alignments.register("scaled_dot", Half, replace=True)
-    assert alignments.get("scaled_dot") is Half
-    assert alignments.available(details=True)["scaled_dot"]["origin"] == "registered"
-    _registry._unregister("scaled_dot")
-    assert alignments.get("scaled_dot").__name__ == "ScaledDot"
+def test_register_overrides_builtin_with_replace(reg):
+    reg.register("scaled_dot", Half, replace=True)
+    assert reg.get("scaled_dot") is Half
+    assert reg.available(details=True)["scaled_dot"]["origin"] == "registered"
+    reg.unregister("scaled_dot")
+    assert reg.get("scaled_dot").__name__ == "ScaledDot"
+
+
+def test_module_functions_use_one_default_registry():
+    assert isinstance(_registry._default, _registry.Registry)
+    try:
+        alignments.register("half_default", Half)
+        assert _registry._default.get("half_default") is Half
+        assert "half_default" in alignments.available()
+        assert attncore.Attention("half_default").alignment_name == "half_default"
+    finally:
+        _registry._unregister("half_default")
+    assert "half_default" not in alignments.available()
+
+
+def test_fresh_registries_are_independent(reg):
+    reg.register("half_local", Half)
+    assert reg.get("half_local") is Half
+    assert "half_local" not in alignments.available()
+    assert "half_local" not in _registry.Registry(entry_points=list).available()
 
 
 def test_unknown_name_lists_available():
@@ -131,54 +142,53 @@ def test_create_names_alignment_and_parameter():
         alignments.create("bilinear", weights=np.ones((3, 3)))
 
 
-def test_entry_point_discovered_lazily_and_loaded(fake_eps, fake_module):
+def test_entry_point_discovered_lazily_and_loaded(reg, fake_eps, fake_module):
     fake_eps.append(_ep("half_ep", "ac_fake_plugin:Half", "fake-dist"))
-    info = alignments.available(details=True)["half_ep"]
+    info = reg.available(details=True)["half_ep"]
     assert info["origin"] == "entry point" and info["status"] == "not loaded"
     assert info["distribution"] == "fake-dist"
-    assert alignments.get("half_ep") is Half
-    assert alignments.available(details=True)["half_ep"]["status"] == "loaded"
+    assert reg.get("half_ep") is Half
+    assert reg.available(details=True)["half_ep"]["status"] == "loaded"
     q = np.ones((1, 2, 3))
     k = np.ones((1, 4, 3))
-    ctx = attncore.Attention("half_ep")(q, k)
+    ctx = attncore.Attention(reg.create("half_ep"))(q, k)
     np.testing.assert_allclose(ctx, np.ones((1, 2, 3)))
 
 
-def test_precedence_registered_over_builtin_over_entry_point(fake_eps, fake_module, cleanup):
+def test_precedence_registered_over_builtin_over_entry_point(reg, fake_eps, fake_module):
     fake_eps.append(_ep("dot", "ac_fake_plugin:Half", "shadow-dist"))
     fake_eps.append(_ep("mine", "ac_fake_plugin:Half", "other-dist"))
     with pytest.warns(RuntimeWarning, match="shadowed by the built-in"):
-        alignments.available()
-    assert alignments.get("dot").__name__ == "Dot"
-    cleanup.append("mine")
+        reg.available()
+    assert reg.get("dot").__name__ == "Dot"
 
     class Mine(Half):
         pass
 
-    alignments.register("mine", Mine)  # explicit beats the entry point, no replace needed
-    assert alignments.get("mine") is Mine
-    assert alignments.available(details=True)["mine"]["origin"] == "registered"
+    reg.register("mine", Mine)  # explicit beats the entry point, no replace needed
+    assert reg.get("mine") is Mine
+    assert reg.available(details=True)["mine"]["origin"] == "registered"
 
 
-def test_duplicate_entry_points_warn_and_error(fake_eps, fake_module):
+def test_duplicate_entry_points_warn_and_error(reg, fake_eps, fake_module):
     fake_eps.append(_ep("twin", "ac_fake_plugin:Half", "dist-one"))
     fake_eps.append(_ep("twin", "ac_fake_plugin:Half", "dist-two"))
     fake_eps.append(_ep("single", "ac_fake_plugin:Half", "dist-three"))
     with pytest.warns(RuntimeWarning, match="dist-one.*dist-two"):
-        names = alignments.available()
+        names = reg.available()
     assert "twin" in names
     with pytest.raises(alignments.AlignmentConflictError, match="dist-one.*dist-two"):
-        alignments.get("twin")
-    assert "conflict" in alignments.available(details=True)["twin"]["status"]
-    assert alignments.get("single") is Half  # others unaffected
+        reg.get("twin")
+    assert "conflict" in reg.available(details=True)["twin"]["status"]
+    assert reg.get("single") is Half  # others unaffected
 
 
-def test_same_distribution_twice_is_not_a_conflict(fake_eps, fake_module):
+def test_same_distribution_twice_is_not_a_conflict(reg, fake_eps, fake_module):
     fake_eps.append(_ep("once", "ac_fake_plugin:Half", "dist-a"))
     fake_eps.append(_ep("once", "ac_fake_plugin:Half", "dist-a"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert alignments.get("once") is Half
+        assert reg.get("once") is Half
 
 
 @pytest.mark.parametrize("value, what", [
@@ -186,59 +196,58 @@ def test_same_distribution_twice_is_not_a_conflict(fake_eps, fake_module):
     ("ac_fake_plugin:NotAlignment", "subclass of attncore.Alignment"),
     ("ac_no_such_module_xyz:Thing", "not installed"),
 ])
-def test_broken_plugin_one_warning_error_when_requested(fake_eps, fake_module, value, what):
+def test_broken_plugin_one_warning_error_when_requested(reg, fake_eps, fake_module, value, what):
     fake_eps.append(_ep("broken", value, "broken-dist"))
     fake_eps.append(_ep("fine", "ac_fake_plugin:Half", "fine-dist"))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        alignments.available()
-        assert alignments.get("fine") is Half  # nothing else affected
+        reg.available()
+        assert reg.get("fine") is Half  # nothing else affected
         for _ in range(2):
             with pytest.raises(alignments.AlignmentLoadError, match="broken") as ei:
-                alignments.get("broken")
+                reg.get("broken")
             assert what in str(ei.value)
-        alignments.available()
+        reg.available()
     runtime = [w for w in rec if issubclass(w.category, RuntimeWarning)]
     assert len(runtime) == 1, [str(w.message) for w in runtime]
     assert "broken-dist" in str(runtime[0].message)
-    assert alignments.available(details=True)["broken"]["status"].startswith("broken")
+    assert reg.available(details=True)["broken"]["status"].startswith("broken")
 
 
-def test_registration_beats_a_broken_entry_point_of_the_same_name(fake_eps, fake_module, cleanup):
+def test_registration_beats_a_broken_entry_point_of_the_same_name(reg, fake_eps, fake_module):
     fake_eps.append(_ep("mine2", "ac_no_such_module_xyz:Thing", "broken-dist"))
-    cleanup.append("mine2")
 
     class Mine(Half):
         pass
 
-    alignments.register("mine2", Mine)   # before the first scan
+    reg.register("mine2", Mine)   # before the first scan
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # the shadowed broken plugin is not even reported
-        alignments.available()
-    assert alignments.get("mine2") is Mine
-    alignments.refresh()                 # and again after a rescan
-    assert alignments.get("mine2") is Mine
+        reg.available()
+    assert reg.get("mine2") is Mine
+    reg.refresh()                 # and again after a rescan
+    assert reg.get("mine2") is Mine
 
 
-def test_disable_autoload(fake_eps, fake_module, monkeypatch):
+def test_disable_autoload(reg, fake_eps, fake_module, monkeypatch):
     fake_eps.append(_ep("half_ep", "ac_fake_plugin:Half", "fake-dist"))
     monkeypatch.setenv(alignments.DISABLE_ENV, "1")
-    alignments.refresh()
-    assert "half_ep" not in alignments.available()
+    reg.refresh()
+    assert "half_ep" not in reg.available()
     with pytest.raises(alignments.AlignmentNotFoundError, match="DISABLE_PLUGIN_AUTOLOAD"):
-        alignments.get("half_ep")
-    assert alignments.get("mlp").__name__ == "MLP"  # built-ins still work
+        reg.get("half_ep")
+    assert reg.get("mlp").__name__ == "MLP"  # built-ins still work
     monkeypatch.delenv(alignments.DISABLE_ENV)
-    alignments.refresh()
-    assert alignments.get("half_ep") is Half
+    reg.refresh()
+    assert reg.get("half_ep") is Half
 
 
-def test_refresh_rescans(fake_eps, fake_module):
-    assert "late" not in alignments.available()
+def test_refresh_rescans(reg, fake_eps, fake_module):
+    assert "late" not in reg.available()
     fake_eps.append(_ep("late", "ac_fake_plugin:Half", "late-dist"))
-    assert "late" not in alignments.available()  # cached scan
-    alignments.refresh()
-    assert "late" in alignments.available()
+    assert "late" not in reg.available()  # cached scan
+    reg.refresh()
+    assert "late" in reg.available()
 
 
 def test_import_attncore_is_lazy():

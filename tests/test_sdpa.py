@@ -285,40 +285,84 @@ def _err(exc, match, *args, **kw):
         sdpa(*args, **kw)
 
 
-def test_bad_inputs():
-    q, k, v = qkv((2, 4, 8), (2, 6, 8), (2, 6, 3))
-    _err(ValueError, r"query must have at least 2 dimensions.*\(8,\)", q[0, 0], k, v)
-    _err(ValueError, r"key last dimension must equal query's \(D = 8\)", q, k[..., :5], v)
-    _err(ValueError, r"value must have as many rows as key \(M = 6\)", q, k, v[:, :5])
-    _err(ValueError, r"batch dimensions .* not broadcastable: query \(2,\), key \(3,\)",
-         q, rand((3, 6, 8)), rand((3, 6, 3)))
-    _err(ValueError, r"attn_mask must be broadcastable to \(\.\.\., N, M\) = \(\.\.\., 4, 6\), got shape \(4, 5\)",
-         q, k, v, np.ones((4, 5), bool))
-    _err(ValueError, r"batch dimensions .*attn_mask \(3,\)", q, k, v, np.ones((3, 4, 6), bool))
-    _err(TypeError, r"attn_mask must be a bool array .* got dtype int64", q, k, v, np.ones((4, 6), np.int64))
-    _err(ValueError, r"is_causal must be False, True, 'upper_left' or 'lower_right', got 'lower'",
-         q, k, v, is_causal="lower")
-    _err(ValueError, r"is_causal .* got 1", q, k, v, is_causal=1)
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
-        _err(ValueError, r"scale must be finite and > 0", q, k, v, scale=bad)
-    _err(TypeError, r"scale must be a positive real number", q, k, v, scale="1")
-    _err(ValueError, r"num_threads must be None, -1 \(all cores\) or >= 1, got 0", q, k, v, num_threads=0)
-    _err(ValueError, r"num_threads .* got -2", q, k, v, num_threads=-2)
-    _err(TypeError, r"num_threads must be None or an int", q, k, v, num_threads=1.5)
-    for dt in (np.int32, np.complex64, object, bool):
-        _err(TypeError, rf"query must be a float16, float32 or float64 array, got dtype {np.dtype(dt)}",
-             q.astype(dt), k, v)
-    _err(TypeError, r"value must be a float16", q, k, v.astype(np.int64))
+def _args(*args, **kw):
+    return args, kw
 
 
-def test_bad_gqa():
-    q, k, v = qkv((2, 8, 4, 8), (2, 3, 6, 8), (2, 3, 6, 8))
-    _err(ValueError, r"key/value heads \(axis -3, 3\) must divide the query heads \(8\)",
-         q, k, v, enable_gqa=True)
-    q, k, v = qkv((2, 8, 4, 8), (2, 2, 6, 8), (2, 2, 6, 8))
-    _err(ValueError, r"pass enable_gqa=True", q, k, v)
-    _err(ValueError, r"key and value must have the same number of heads", q, k, v[:, :1], enable_gqa=True)
-    _err(ValueError, r"enable_gqa=True needs a head axis", q[0, 0], k[0, 0], v[0, 0], enable_gqa=True)
+# (id, exception, message pattern naming the argument, (q, k, v) -> (args, kwargs))
+BAD_INPUTS = [
+    ("query-1d", ValueError, r"query must have at least 2 dimensions.*\(8,\)",
+     lambda q, k, v: _args(q[0, 0], k, v)),
+    ("key-dim", ValueError, r"key last dimension must equal query's \(D = 8\)",
+     lambda q, k, v: _args(q, k[..., :5], v)),
+    ("value-rows", ValueError, r"value must have as many rows as key \(M = 6\)",
+     lambda q, k, v: _args(q, k, v[:, :5])),
+    ("batch-not-broadcastable", ValueError,
+     r"batch dimensions .* not broadcastable: query \(2,\), key \(3,\)",
+     lambda q, k, v: _args(q, rand((3, 6, 8)), rand((3, 6, 3)))),
+    ("attn_mask-shape", ValueError,
+     r"attn_mask must be broadcastable to \(\.\.\., N, M\) = \(\.\.\., 4, 6\), got shape \(4, 5\)",
+     lambda q, k, v: _args(q, k, v, np.ones((4, 5), bool))),
+    ("attn_mask-batch", ValueError, r"batch dimensions .*attn_mask \(3,\)",
+     lambda q, k, v: _args(q, k, v, np.ones((3, 4, 6), bool))),
+    ("attn_mask-int", TypeError, r"attn_mask must be a bool array .* got dtype int64",
+     lambda q, k, v: _args(q, k, v, np.ones((4, 6), np.int64))),
+    ("is_causal-str", ValueError,
+     r"is_causal must be False, True, 'upper_left' or 'lower_right', got 'lower'",
+     lambda q, k, v: _args(q, k, v, is_causal="lower")),
+    ("is_causal-int", ValueError, r"is_causal .* got 1",
+     lambda q, k, v: _args(q, k, v, is_causal=1)),
+    ("scale-zero", ValueError, r"scale must be finite and > 0",
+     lambda q, k, v: _args(q, k, v, scale=0.0)),
+    ("scale-negative", ValueError, r"scale must be finite and > 0",
+     lambda q, k, v: _args(q, k, v, scale=-1.0)),
+    ("scale-inf", ValueError, r"scale must be finite and > 0",
+     lambda q, k, v: _args(q, k, v, scale=float("inf"))),
+    ("scale-nan", ValueError, r"scale must be finite and > 0",
+     lambda q, k, v: _args(q, k, v, scale=float("nan"))),
+    ("scale-str", TypeError, r"scale must be a positive real number",
+     lambda q, k, v: _args(q, k, v, scale="1")),
+    ("num_threads-zero", ValueError, r"num_threads must be None, -1 \(all cores\) or >= 1, got 0",
+     lambda q, k, v: _args(q, k, v, num_threads=0)),
+    ("num_threads-minus2", ValueError, r"num_threads .* got -2",
+     lambda q, k, v: _args(q, k, v, num_threads=-2)),
+    ("num_threads-float", TypeError, r"num_threads must be None or an int",
+     lambda q, k, v: _args(q, k, v, num_threads=1.5)),
+    *[(f"query-{np.dtype(dt)}", TypeError,
+       rf"query must be a float16, float32 or float64 array, got dtype {np.dtype(dt)}",
+       lambda q, k, v, dt=dt: _args(q.astype(dt), k, v))
+      for dt in (np.int32, np.complex64, object, bool)],
+    ("value-int64", TypeError, r"value must be a float16",
+     lambda q, k, v: _args(q, k, v.astype(np.int64))),
+]
+
+
+@pytest.mark.parametrize("exc, match, make", [c[1:] for c in BAD_INPUTS],
+                         ids=[c[0] for c in BAD_INPUTS])
+def test_bad_inputs(exc, match, make):
+    args, kw = make(*qkv((2, 4, 8), (2, 6, 8), (2, 6, 3)))
+    _err(exc, match, *args, **kw)
+
+
+# (id, exception, message pattern, key/value heads, (q, k, v) -> (args, kwargs))
+BAD_GQA = [
+    ("heads-do-not-divide", ValueError, r"key/value heads \(axis -3, 3\) must divide the query heads \(8\)",
+     3, lambda q, k, v: _args(q, k, v, enable_gqa=True)),
+    ("enable_gqa-missing", ValueError, r"pass enable_gqa=True",
+     2, lambda q, k, v: _args(q, k, v)),
+    ("value-heads", ValueError, r"key and value must have the same number of heads",
+     2, lambda q, k, v: _args(q, k, v[:, :1], enable_gqa=True)),
+    ("enable_gqa-no-head-axis", ValueError, r"enable_gqa=True needs a head axis",
+     2, lambda q, k, v: _args(q[0, 0], k[0, 0], v[0, 0], enable_gqa=True)),
+]
+
+
+@pytest.mark.parametrize("exc, match, kv_heads, make", [c[1:] for c in BAD_GQA],
+                         ids=[c[0] for c in BAD_GQA])
+def test_bad_gqa(exc, match, kv_heads, make):
+    q, k, v = qkv((2, 8, 4, 8), (2, kv_heads, 6, 8), (2, kv_heads, 6, 8))
+    args, kw = make(q, k, v)
+    _err(exc, match, *args, **kw)
 
 
 # ---------------------------------------------------------------- torch

@@ -21,6 +21,7 @@ from libc.stdlib cimport malloc, free
 from libc.stdint cimport uint8_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
+from attncore._core._blas cimport ac_sgemm_t, ac_dgemm_t
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
 
 ctypedef fused floating:
@@ -28,8 +29,6 @@ ctypedef fused floating:
     double
 
 cdef extern from "ac_additive.h" nogil:
-    ctypedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *, float *, int *, float *, int *, float *, float *, int *) noexcept nogil
-    ctypedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
     ctypedef struct ac_add_params:
         int M, A, Dv
         Py_ssize_t qp_rs, kp_rs, val_rs, w_rs, o_rs

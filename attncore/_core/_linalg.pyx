@@ -7,12 +7,13 @@ block one single-threaded gemm from ``scipy.linalg.cython_blas``.  The layers
 use it for their projections so that one call never has two thread pools
 (OpenBLAS' and OpenMP's) competing for the cores.
 """
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
 
 from libc.stdlib cimport malloc, free
 
+from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
 
 cdef extern from "ac_sdpa.h" nogil:
@@ -187,20 +188,22 @@ def linear(x, w, bias, out, int nthreads):
     (attncore._threads.blas_parallel_threads).  The float32 path on x86
     calls no BLAS.
     """
-    cdef Py_buffer bx, bw, bb, bo
-    cdef int got = 0, have_b = 0
+    cdef _Buffers bufs
+    cdef Py_buffer *bx
+    cdef Py_buffer *bw
+    cdef Py_buffer *bo
+    cdef Py_buffer *bb = NULL
+    cdef bint have_b
     cdef int R, C, K
     cdef int err = 0
-    PyObject_GetBuffer(x, &bx, PyBUF_RECORDS_RO)
-    got = 1
+    bufs.n = 0
     try:
-        PyObject_GetBuffer(w, &bw, PyBUF_RECORDS_RO)
-        got = 2
-        PyObject_GetBuffer(out, &bo, PyBUF_RECORDS)
-        got = 3
+        bx = _acquire(&bufs, x, PyBUF_RECORDS_RO)
+        bw = _acquire(&bufs, w, PyBUF_RECORDS_RO)
+        bo = _acquire(&bufs, out, PyBUF_RECORDS)
         if bias is not None:
-            PyObject_GetBuffer(bias, &bb, PyBUF_RECORDS_RO)
-            have_b = 1
+            bb = _acquire(&bufs, bias, PyBUF_RECORDS_RO)
+        have_b = bb != NULL
         if bx.ndim != 2 or bw.ndim != 2 or bo.ndim != 2:
             raise ValueError("linear: x, w and out must be 2-D")
         R = <int>bx.shape[0]
@@ -219,28 +222,22 @@ def linear(x, w, bias, out, int nthreads):
             return
         if bx.itemsize == 4 and ac_kernel_path != 0:
             with nogil:
-                err = _run_fused(<const float *>bx.buf, _rs(&bx, K), <const float *>bw.buf,
-                                 _rs(&bw, K), <const float *>bb.buf if have_b else NULL,
-                                 <float *>bo.buf, _rs(&bo, C), R, C, K, nthreads)
+                err = _run_fused(<const float *>bx.buf, _rs(bx, K), <const float *>bw.buf,
+                                 _rs(bw, K), <const float *>bb.buf if have_b else NULL,
+                                 <float *>bo.buf, _rs(bo, C), R, C, K, nthreads)
             if err:
                 raise MemoryError("attncore: could not allocate the kernel's scratch memory")
         elif bx.itemsize == 4:
             with nogil:
-                _run(<const float *>bx.buf, _rs(&bx, K), <const float *>bw.buf, _rs(&bw, K),
+                _run(<const float *>bx.buf, _rs(bx, K), <const float *>bw.buf, _rs(bw, K),
                      <const float *>bb.buf if have_b else NULL, <float *>bo.buf,
-                     _rs(&bo, C), R, C, K, nthreads)
+                     _rs(bo, C), R, C, K, nthreads)
         elif bx.itemsize == 8:
             with nogil:
-                _run(<const double *>bx.buf, _rs(&bx, K), <const double *>bw.buf, _rs(&bw, K),
+                _run(<const double *>bx.buf, _rs(bx, K), <const double *>bw.buf, _rs(bw, K),
                      <const double *>bb.buf if have_b else NULL, <double *>bo.buf,
-                     _rs(&bo, C), R, C, K, nthreads)
+                     _rs(bo, C), R, C, K, nthreads)
         else:
             raise TypeError("linear: float32 or float64 expected")
     finally:
-        if have_b:
-            PyBuffer_Release(&bb)
-        if got >= 3:
-            PyBuffer_Release(&bo)
-        if got >= 2:
-            PyBuffer_Release(&bw)
-        PyBuffer_Release(&bx)
+        _release_all(&bufs)

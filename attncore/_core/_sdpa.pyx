@@ -11,13 +11,15 @@ offsets (one per flattened batch element).  Offsets carry broadcasting
 (stride 0), grouped-query head mapping and arbitrary batch strides, so no
 operand is ever expanded or copied here.
 """
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free
 from libc.stdint cimport uint8_t
 from libc.math cimport log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
+from attncore._core._blas cimport ac_sgemm_t, ac_dgemm_t
+from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport (
     AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs, ac_blas_hold,
     ac_blas_release, set_blas_local_fns)
@@ -27,8 +29,6 @@ ctypedef fused floating:
     double
 
 cdef extern from "ac_sdpa.h" nogil:
-    ctypedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *, float *, int *, float *, int *, float *, float *, int *) noexcept nogil
-    ctypedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *, double *, int *, double *, int *, double *, double *, int *) noexcept nogil
     ctypedef struct ac_params:
         int N, M, D, Dv
         Py_ssize_t s_len
@@ -493,8 +493,17 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     the causal diagonal.  softcap: > 0 caps the scaled scores (s -> softcap
     tanh(s / softcap)) before the mask; 0 for none.
     """
-    cdef Py_buffer bq, bk, bv, bm, bo, bw, bl, bks, bvs
-    cdef int have_m = 0, have_w = 0, have_l = 0, have_ks = 0, have_vs = 0, got = 0
+    cdef _Buffers bufs
+    cdef Py_buffer *bq
+    cdef Py_buffer *bk
+    cdef Py_buffer *bv
+    cdef Py_buffer *bo
+    cdef Py_buffer *bm = NULL
+    cdef Py_buffer *bw = NULL
+    cdef Py_buffer *bl = NULL
+    cdef Py_buffer *bks = NULL
+    cdef Py_buffer *bvs = NULL
+    cdef bint have_m, have_w, have_ks, have_vs
     cdef Py_ssize_t dq_rows
     cdef ac_params p
     cdef _Ops ops
@@ -513,24 +522,18 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     offs = <Py_ssize_t *>malloc(6 * nb * sizeof(Py_ssize_t))
     if offs == NULL:
         raise MemoryError()
+    bufs.n = 0
     try:
-        PyObject_GetBuffer(q, &bq, PyBUF_RECORDS_RO)
-        got = 1
-        PyObject_GetBuffer(k, &bk, PyBUF_RECORDS_RO)
-        got = 2
-        PyObject_GetBuffer(v, &bv, PyBUF_RECORDS_RO)
-        got = 3
-        PyObject_GetBuffer(out, &bo, PyBUF_RECORDS)
-        got = 4
+        bq = _acquire(&bufs, q, PyBUF_RECORDS_RO)
+        bk = _acquire(&bufs, k, PyBUF_RECORDS_RO)
+        bv = _acquire(&bufs, v, PyBUF_RECORDS_RO)
+        bo = _acquire(&bufs, out, PyBUF_RECORDS)
         if mask is not None:
-            PyObject_GetBuffer(mask, &bm, PyBUF_RECORDS_RO)
-            have_m = 1
+            bm = _acquire(&bufs, mask, PyBUF_RECORDS_RO)
         if weights is not None:
-            PyObject_GetBuffer(weights, &bw, PyBUF_RECORDS)
-            have_w = 1
+            bw = _acquire(&bufs, weights, PyBUF_RECORDS)
         if lse is not None:
-            PyObject_GetBuffer(lse, &bl, PyBUF_RECORDS)
-            have_l = 1
+            bl = _acquire(&bufs, lse, PyBUF_RECORDS)
             if bl.itemsize != bq.itemsize or bl.len != nb * N * bl.itemsize:
                 raise ValueError("lse must be a C-contiguous (nb, N) array of the kernel dtype")
         if bq.itemsize == 8:
@@ -540,11 +543,13 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         else:
             raise TypeError("kernel dtype must be float32 or float64")
         if k_scales is not None:
-            PyObject_GetBuffer(k_scales, &bks, PyBUF_RECORDS_RO)
-            have_ks = 1
+            bks = _acquire(&bufs, k_scales, PyBUF_RECORDS_RO)
         if v_scales is not None:
-            PyObject_GetBuffer(v_scales, &bvs, PyBUF_RECORDS_RO)
-            have_vs = 1
+            bvs = _acquire(&bufs, v_scales, PyBUF_RECORDS_RO)
+        have_m = bm != NULL
+        have_w = bw != NULL
+        have_ks = bks != NULL
+        have_vs = bvs != NULL
         if (bk.itemsize != (1 if have_ks else bq.itemsize)
                 or bv.itemsize != (1 if have_vs else bq.itemsize)
                 or bo.itemsize != bq.itemsize
@@ -560,9 +565,9 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if (bq.ndim < 2 or bk.ndim < 2 or bv.ndim < 2 or bq.ndim - 2 > nd or bk.ndim - 2 > nd
                 or bv.ndim - 2 > nd or (have_m and (bm.ndim < 2 or bm.ndim - 2 > nd))):
             raise ValueError("operand ranks do not match the batch shape")
-        _fill_offsets(&bq, nd, shp, 1, offs)
-        _fill_offsets(&bk, nd, shp, group, offs + nb)
-        _fill_offsets(&bv, nd, shp, group, offs + 2 * nb)
+        _fill_offsets(bq, nd, shp, 1, offs)
+        _fill_offsets(bk, nd, shp, group, offs + nb)
+        _fill_offsets(bv, nd, shp, group, offs + 2 * nb)
         p.N = N
         p.M = M
         p.D = D
@@ -585,18 +590,18 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
             p.dq_off = p.s_len
             p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
         if have_ks:
-            _fill_offsets(&bks, nd, shp, group, offs + 4 * nb)
-            p.ks_rs = _row_stride(&bks)
+            _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
+            p.ks_rs = _row_stride(bks)
         if have_vs:
-            _fill_offsets(&bvs, nd, shp, group, offs + 5 * nb)
-            p.vs_rs = _row_stride(&bvs)
-        p.q_rs = _row_stride(&bq)
-        p.k_rs = _row_stride(&bk)
-        p.v_rs = _row_stride(&bv)
+            _fill_offsets(bvs, nd, shp, group, offs + 5 * nb)
+            p.vs_rs = _row_stride(bvs)
+        p.q_rs = _row_stride(bq)
+        p.k_rs = _row_stride(bk)
+        p.v_rs = _row_stride(bv)
         p.mask_rs = 0
         p.mask_cs = 0
         if have_m:
-            _fill_offsets(&bm, nd, shp, 1, offs + 3 * nb)
+            _fill_offsets(bm, nd, shp, 1, offs + 3 * nb)
             if bm.shape[bm.ndim - 2] != 1:
                 p.mask_rs = bm.strides[bm.ndim - 2] // bm.itemsize
             if bm.shape[bm.ndim - 1] != 1:
@@ -614,7 +619,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         ops.out = <char *>bo.buf
         ops.mask = <char *>bm.buf if have_m else NULL
         ops.w = <char *>bw.buf if have_w else NULL
-        ops.lse = <char *>bl.buf if have_l else NULL
+        ops.lse = <char *>bl.buf if bl != NULL else NULL
         ops.qo = offs
         ops.ko = offs + nb
         ops.vo = offs + 2 * nb
@@ -637,24 +642,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if err:
             raise MemoryError("attncore: could not allocate the kernel's scratch memory")
     finally:
-        if have_vs:
-            PyBuffer_Release(&bvs)
-        if have_ks:
-            PyBuffer_Release(&bks)
-        if have_l:
-            PyBuffer_Release(&bl)
-        if have_w:
-            PyBuffer_Release(&bw)
-        if have_m:
-            PyBuffer_Release(&bm)
-        if got >= 4:
-            PyBuffer_Release(&bo)
-        if got >= 3:
-            PyBuffer_Release(&bv)
-        if got >= 2:
-            PyBuffer_Release(&bk)
-        if got >= 1:
-            PyBuffer_Release(&bq)
+        _release_all(&bufs)
         free(offs)
 
 
