@@ -27,7 +27,7 @@ from numpy.typing import ArrayLike
 
 from . import alignments as _alignments
 from ._core import _additive
-from ._threads import blas_parallel_threads, resolve_num_threads
+from ._threads import OPENBLAS_SERIAL_MNK, blas_parallel_threads, resolve_num_threads, threads_for
 from ._interop import foreign_arrays
 from .alignments._base import Alignment
 from .alignments._builtin import MLP, Bilinear, Dot, ScaledDot
@@ -36,12 +36,6 @@ from .functional import scaled_dot_product_attention
 
 __all__ = ["Attention", "Memory"]
 
-# below this many tanh evaluations the additive kernel runs on one thread
-_SERIAL_TANH = 1 << 17
-# OpenBLAS (and MKL) run a product below this many multiply-adds on the
-# calling thread alone; the additive kernel's weights @ values products stay
-# below it for the shapes of seq2seq models (16 rows x S keys x Dv)
-_BLAS_SERIAL_MACS = 65536 * 4
 # The additive kernel's factored form, tanh(x + y) = 1 - 2 / (1 + e^{2x} e^{2y})
 # with e^{2x} per query and e^{2y} per key precomputed, needs one division per
 # term instead of a full tanh.  It is used while every projected query and key
@@ -441,13 +435,15 @@ class Attention:
             values = np.zeros((values.shape[0], S, 1), dtype=cdt)
         out = np.empty((B, T, values.shape[-1]), dtype=cdt)
         weights = np.empty((B, T, S), dtype=cdt) if return_weights else None
-        nthreads = resolve_num_threads(self.num_threads)
-        if B * T * S * A < _SERIAL_TANH:
-            nthreads = 1
+        # about two flops per tanh evaluation of the (B, T, S, A) scores
+        nthreads = threads_for(2.0 * B * T * S * A, self.num_threads)
         block = max(1, min(16, -(-(B * T) // (4 * nthreads)), T))
         items = B * (-(-T // block))
         nthreads = max(1, min(nthreads, items))
-        if block * S * values.shape[-1] >= _BLAS_SERIAL_MACS:
+        # OpenBLAS runs a product below OPENBLAS_SERIAL_MNK multiply-adds on the
+        # calling thread alone; the weights @ values products stay below it
+        # for the shapes of seq2seq models (16 rows x S keys x Dv)
+        if block * S * values.shape[-1] >= OPENBLAS_SERIAL_MNK:
             # products this large may start BLAS threads: only where the
             # BLAS can be held to one thread per thread (attncore._threads)
             nthreads = blas_parallel_threads(nthreads)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from ._core import _linalg, _sdpa
-from ._threads import blas_parallel_threads, resolve_num_threads
+from ._threads import blas_parallel_threads, threads_for
 from ._validation import aligned, blas_rows
 
 __all__ = ["linear"]
 
-# below this many multiply-adds the product runs on one thread
-_SERIAL_MACS = 1 << 17
 # OpenBLAS would start threads above this many multiply-adds (see functional)
 
 
@@ -47,7 +45,7 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
     if b is not None:
         b = aligned(np.ascontiguousarray(b))
     macs = R * C * K
-    nthreads = 1 if macs < _SERIAL_MACS else resolve_num_threads(num_threads)
+    nthreads = threads_for(2.0 * macs, num_threads)
     if x2d.dtype != np.float32 or _sdpa.kernel_path() == "portable":
         # the BLAS path: only where the BLAS can be held to one thread per
         # thread does it run on several (see attncore._threads)

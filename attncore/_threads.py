@@ -22,8 +22,24 @@ import threading
 
 from ._core import _sdpa
 
-__all__ = ["resolve_num_threads", "blas_parallel_threads", "blas_hold_supported",
-           "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
+__all__ = ["resolve_num_threads", "threads_for", "SERIAL_FLOPS", "blas_parallel_threads",
+           "blas_hold_supported", "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
+
+
+# below this much work a kernel runs on the calling thread, without an
+# OpenMP region (measured: at ~1e6 flops two threads already beat one when
+# K/V stream from L3; at ~2e5 the OpenMP start-up is as large as the work)
+SERIAL_FLOPS = 250_000
+
+
+def threads_for(flops: float, num_threads) -> int:
+    """Threads for a call doing about ``flops`` floating-point operations:
+    1 below :data:`SERIAL_FLOPS`, else :func:`resolve_num_threads`.  The
+    one place that decides when work is too small to share."""
+    if flops < SERIAL_FLOPS:
+        resolve_num_threads(num_threads)  # still validated
+        return 1
+    return resolve_num_threads(num_threads)
 
 
 def resolve_num_threads(num_threads) -> int:

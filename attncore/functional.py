@@ -25,7 +25,8 @@ from numpy.typing import ArrayLike
 
 from ._core import _sdpa
 from ._quant import dequantize, split_quantized
-from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
+from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
+                       blas_parallel_threads,
                        blas_small_products_ok, resolve_num_threads)
 # the shared checkers live in ._validation; the names stay importable from here
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
@@ -39,10 +40,6 @@ __all__ = ["scaled_dot_product_attention", "merge_attention"]
 _INT32_MAX = 2**31 - 1
 # query blocks of at most this many rows take the direct loops (decoding)
 _SMALL_ROWS = 4
-# below this many flops a call runs serially, without an OpenMP region
-# (measured: at ~1e6 flops two threads already beat one when K/V stream
-# from L3; at ~2e5 the OpenMP start-up is as large as the work)
-_SERIAL_FLOPS = 250_000
 
 
 def _broadcast_batch(shapes, names):
@@ -121,14 +118,14 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     (decoding) and everything else use the BLAS path's tiles (``_tiles``).
     Decoding-like calls with fewer work items than threads split the keys
     (flash decoding) into chunks of at least 256 keys.  Work below
-    ``_SERIAL_FLOPS`` runs on the calling thread alone.  ``blas_mnk`` caps
+    ``SERIAL_FLOPS`` (attncore._threads) runs on the calling thread alone.  ``blas_mnk`` caps
     the size (m n k) of every BLAS product of the BLAS path: the tiles then
     shrink so that a BLAS that starts threads above a size (OpenBLAS) keeps
     each product on the calling thread.
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
-    if 2.0 * nb * N * M * (D + Dv) < _SERIAL_FLOPS:
+    if 2.0 * nb * N * M * (D + Dv) < SERIAL_FLOPS:
         nthreads = 1
     fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
              and N > _SMALL_ROWS)
