@@ -36,6 +36,18 @@ def set_kernel_path(int path):
     return ac_set_kernel_path(path) == 0
 
 
+cdef inline void _fused_item(int t, int ncb, int rstep, int cstep, const float *x,
+                             Py_ssize_t x_rs, const float *w, Py_ssize_t w_rs,
+                             const float *bias, float *out, Py_ssize_t o_rs, int R, int C,
+                             int K, float *scratch) noexcept nogil:
+    """Item t of _run_fused: one row block x one column block."""
+    cdef int rb = t // ncb
+    cdef int r0 = rb * rstep
+    cdef int c0 = (t - rb * ncb) * cstep
+    ac_linear_rows_f32(x, x_rs, r0, min(rstep, R - r0), w, w_rs, bias, out, o_rs,
+                       c0, min(C, c0 + cstep), K, scratch)
+
+
 cdef int _run_fused(const float *x, Py_ssize_t x_rs, const float *w, Py_ssize_t w_rs,
                     const float *bias, float *out, Py_ssize_t o_rs, int R, int C, int K,
                     int nthreads) noexcept nogil:
@@ -44,7 +56,7 @@ cdef int _run_fused(const float *x, Py_ssize_t x_rs, const float *w, Py_ssize_t 
     cdef int P = ac_fused_panel_rows()
     cdef int rstep = R if R <= AC_LINEAR_SMALL else P
     cdef int nrb = (R + rstep - 1) // rstep
-    cdef int ncb = 1, cstep, nitems, t, rb, cb, r0, c0
+    cdef int ncb = 1, cstep, nitems, t
     cdef float *scratch = NULL
     cdef int err = 0
     cdef int *errp = &err
@@ -60,12 +72,8 @@ cdef int _run_fused(const float *x, Py_ssize_t x_rs, const float *w, Py_ssize_t 
         if scratch == NULL:
             return -1
         for t in range(nitems):
-            rb = t // ncb
-            cb = t - rb * ncb
-            r0 = rb * rstep
-            c0 = cb * cstep
-            ac_linear_rows_f32(x, x_rs, r0, min(rstep, R - r0), w, w_rs, bias, out, o_rs,
-                               c0, min(C, c0 + cstep), K, scratch)
+            _fused_item(t, ncb, rstep, cstep, x, x_rs, w, w_rs, bias, out, o_rs, R, C, K,
+                        scratch)
         free(scratch)
         return 0
     with parallel(num_threads=nthreads):
@@ -76,12 +84,8 @@ cdef int _run_fused(const float *x, Py_ssize_t x_rs, const float *w, Py_ssize_t 
         # skips its items; the call then raises)
         for t in prange(nitems, schedule='static'):
             if scratch != NULL:
-                rb = t // ncb
-                cb = t - rb * ncb
-                r0 = rb * rstep
-                c0 = cb * cstep
-                ac_linear_rows_f32(x, x_rs, r0, min(rstep, R - r0), w, w_rs, bias, out, o_rs,
-                                   c0, min(C, c0 + cstep), K, scratch)
+                _fused_item(t, ncb, rstep, cstep, x, x_rs, w, w_rs, bias, out, o_rs, R, C, K,
+                            scratch)
         free(scratch)
     return err
 

@@ -403,13 +403,8 @@ static AC_TGT int AC_F(ac_fused_panel)(
                 float *ar = acc + (ptrdiff_t)r * Dv;
                 for (int d = 0; d < Dv; d++) ar[d] *= alpha[r];
                 const ptrdiff_t i = i0 + r;
-                int ncol = nk, c0 = 0;
-                if (p->band) {
-                    ptrdiff_t lim = ac_causal_limit(p, i) - j0;
-                    if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
-                    ptrdiff_t lo = ac_band_lo(p, i) - j0;
-                    if (lo > 0) c0 = lo > ncol ? ncol : (int)lo;
-                }
+                int c0, ncol;
+                ac_band_cols(p, i, j0, nk, &c0, &ncol);
                 for (int c = c0; c < ncol; c++) {
                     const ptrdiff_t j = j0 + c;
                     if (mb && !mb[i * p->mask_rs + j * cs]) continue;

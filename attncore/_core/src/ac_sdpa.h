@@ -109,6 +109,22 @@ static inline ptrdiff_t ac_band_lo(const ac_params *p, ptrdiff_t i)
     return lo > 0 ? lo : 0;
 }
 
+/* the columns [*c0, *c1) of a tile of nk keys from key j0 that row i may
+   see under the causal / window band (all of them without one) */
+static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
+                                int nk, int *c0, int *c1)
+{
+    int a = 0, b = nk;
+    if (p->band) {
+        const ptrdiff_t lim = ac_causal_limit(p, i) - j0;
+        if (lim < b) b = lim < 0 ? 0 : (int)lim;
+        const ptrdiff_t lo = ac_band_lo(p, i) - j0;
+        if (lo > a) a = lo > b ? b : (int)lo;
+    }
+    *c0 = a;
+    *c1 = b;
+}
+
 /* query blocks of at most this many rows use direct loops, not BLAS */
 #ifndef AC_SMALL_ROWS
 #define AC_SMALL_ROWS 4

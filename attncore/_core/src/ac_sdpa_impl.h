@@ -68,13 +68,8 @@ AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
     for (int r = 0; r < nq; r++) {
         AC_T *row = S + (ptrdiff_t)r * ldS;
         const ptrdiff_t i = i0 + r;
-        int ncol = nk, c_lo = 0;
-        if (p->band) {
-            ptrdiff_t lim = ac_causal_limit(p, i) - j0;
-            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
-            ptrdiff_t lo = ac_band_lo(p, i) - j0;
-            if (lo > 0) c_lo = lo > ncol ? ncol : (int)lo;
-        }
+        int c_lo, ncol;
+        ac_band_cols(p, i, j0, nk, &c_lo, &ncol);
         if (p->softcap > 0) { /* after scaling, before the mask */
             const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
             for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
@@ -222,13 +217,8 @@ static void AC_FN(ac_pv_attended)(const ac_params *p, const uint8_t *mb,
         if (first)
             for (int d = 0; d < Dv; d++) ar[d] = 0;
         const ptrdiff_t i = i0 + r;
-        int ncol = nk, c0 = 0;
-        if (p->band) {
-            ptrdiff_t lim = ac_causal_limit(p, i) - j0;
-            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
-            ptrdiff_t lo = ac_band_lo(p, i) - j0;
-            if (lo > 0) c0 = lo > ncol ? ncol : (int)lo;
-        }
+        int c0, ncol;
+        ac_band_cols(p, i, j0, nk, &c0, &ncol);
         const AC_T *Sr = S + (ptrdiff_t)r * ldS;
         for (int c = c0; c < ncol; c++) {
             const ptrdiff_t j = j0 + c;
@@ -468,14 +458,9 @@ static AC_CLONES void AC_FN(ac_weights_block)(
     for (int r = 0; r < nq; r++) {
         AC_T *row = W + (ptrdiff_t)r * M;
         const ptrdiff_t i = i0 + r;
-        int ncol = M, c_lo = 0;
-        if (p->band) {
-            ptrdiff_t lim = ac_causal_limit(p, i);
-            if (lim < ncol) ncol = lim < 0 ? 0 : (int)lim;
-            const ptrdiff_t lo = ac_band_lo(p, i);
-            c_lo = lo < ncol ? (int)lo : ncol;
-            for (int c = 0; c < c_lo; c++) row[c] = ninf;
-        }
+        int c_lo, ncol;
+        ac_band_cols(p, i, 0, M, &c_lo, &ncol);
+        for (int c = 0; c < c_lo; c++) row[c] = ninf;
         if (p->softcap > 0) {
             const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
             for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
