@@ -186,17 +186,21 @@ def parse_causal(is_causal: Any) -> int:
         f"{is_causal!r}")
 
 
+def _positive_real(x: Any, name: str, what: str) -> float:
+    """A finite float > 0 (bool and non-reals: TypeError naming ``name``)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {type(x).__name__} {x!r}")
+    v = float(x)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {v}")
+    return v
+
+
 def parse_scale(scale: Any, D: int) -> float:
     """The score scale: ``1 / sqrt(D)`` for None, else a finite float > 0."""
     if scale is None:
         return 1.0 / math.sqrt(D)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a positive real number or None, got "
-                        f"{type(scale).__name__} {scale!r}")
-    s = float(scale)
-    if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be finite and > 0, got {s}")
-    return s
+    return _positive_real(scale, "scale", "a positive real number or None")
 
 
 def parse_window(window: Any, name: str = "window") -> Tuple[int, int]:
@@ -221,15 +225,10 @@ def parse_window(window: Any, name: str = "window") -> Tuple[int, int]:
 
 
 def parse_softcap(softcap: Any) -> float:
-    """The logit soft cap: 0.0 for None, else a finite float > 0."""
+    """The logit soft cap: 0.0 for None, else a finite float in [1e-30, 1e30]."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be None or a positive real number, got "
-                        f"{type(softcap).__name__} {softcap!r}")
-    c = float(softcap)
-    if not math.isfinite(c) or c <= 0:
-        raise ValueError(f"softcap must be finite and > 0, got {c}")
+    c = _positive_real(softcap, "softcap", "None or a positive real number")
     if not 1e-30 <= c <= 1e30:
         # 1 / softcap and softcap * log2(e) must stay finite in float32
         raise ValueError(f"softcap must be between 1e-30 and 1e30, got {c}")

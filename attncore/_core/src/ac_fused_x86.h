@@ -176,32 +176,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 
 #include "ac_fused_impl.h"
 
-#undef AC_ISA
-#undef AC_TGT
-#undef VEC
-#undef AC_W
-#undef AC_P
-#undef AC_KU
-#undef AC_RU
-#undef AC_CV
-#undef VLOADN
-#undef VSTOREN
-#undef VGATHER
-#undef VPACK
-#undef VZERO
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VFMA
-#undef VMAX
-#undef VADD
-#undef VSUB
-#undef VMUL
-#undef VEXP2
-#undef VCAUSAL
-#undef VZERO_IF_NINF
-#undef VHIDE_FROM
-#undef VTANH
+#include "ac_fused_undef.h"
 
 /* ------------------------------------------------------------ AVX2 + FMA */
 #define AC_ISA avx2
@@ -348,32 +323,7 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 
 #include "ac_fused_impl.h"
 
-#undef AC_ISA
-#undef AC_TGT
-#undef VEC
-#undef AC_W
-#undef AC_P
-#undef AC_KU
-#undef AC_RU
-#undef AC_CV
-#undef VLOADN
-#undef VSTOREN
-#undef VGATHER
-#undef VPACK
-#undef VZERO
-#undef VLOAD
-#undef VSTORE
-#undef VSET1
-#undef VFMA
-#undef VMAX
-#undef VADD
-#undef VSUB
-#undef VMUL
-#undef VEXP2
-#undef VCAUSAL
-#undef VZERO_IF_NINF
-#undef VHIDE_FROM
-#undef VTANH
+#include "ac_fused_undef.h"
 
 /* -------------------------------------------------------------- dispatch */
 /* query rows per panel of the path in use (the driver sizes blocks by it) */
