@@ -13,8 +13,11 @@ Every public function and layer call of attncore is wrapped by
      gradients);
    * JAX arrays: ``numpy.asarray`` (a read-only view of the CPU buffer);
    * any other object with ``__dlpack__``: ``numpy.from_dlpack``;
-   * bfloat16 (torch, JAX or ``ml_dtypes`` NumPy arrays) has no NumPy
-     arithmetic: it is converted to float32 (a copy);
+   * bfloat16 (torch, JAX or ``ml_dtypes`` NumPy arrays): functions that
+     read half precision natively (``half_native``, e.g.
+     :func:`attncore.scaled_dot_product_attention`) get an ``ml_dtypes``
+     bfloat16 view (zero-copy); the others get a float32 copy, and so does
+     every function when ml_dtypes is not installed;
 
    and raises ``TypeError`` naming the argument and the device for an array
    on a GPU or any other non-CPU device (no silent transfers);
@@ -36,6 +39,8 @@ import weakref
 
 import numpy as np
 
+from ._dtypes import bfloat16_available, is_bf16 as _is_bf16
+
 __all__ = ["foreign_arrays", "foreign_dtype"]
 
 # argument types that need no conversion (NumPy handles them as before)
@@ -45,10 +50,6 @@ _PLAIN = frozenset({type(None), bool, int, float, complex, list, tuple, str})
 _DLPACK_CPU = (1, 3)
 
 _NUMPY, _TORCH, _JAX, _XP = 0, 1, 2, 3
-
-
-def _is_bf16(dt: np.dtype) -> bool:
-    return dt.kind == "V" and dt.name == "bfloat16"
 
 
 def _plain_dtype(d) -> bool:
@@ -116,32 +117,61 @@ class _ViewMemo:
 _memo = _ViewMemo()
 
 
-def _torch_to_numpy(t, name):
-    """(NumPy array, was bfloat16) for a CPU torch tensor."""
+def torch_to_numpy(t, name, half=True):
+    """(NumPy array, was converted from bfloat16) for a CPU torch tensor.
+
+    The one torch -> NumPy conversion of attncore: a view where the layout
+    allows (``detach``: attncore computes no gradients); conj / neg views
+    are resolved (a copy, never cached: its source may change); bfloat16
+    becomes an ``ml_dtypes`` view when ``half`` and ml_dtypes is
+    installed, else a float32 copy (flagged, so that the result goes back
+    to bfloat16).
+    """
     torch = sys.modules["torch"]
     dev = t.device
     if dev.type != "cpu":
         raise _device_error(name, dev)
     if t.layout is not torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if t.dtype is torch.bfloat16:
+    bf = t.dtype is torch.bfloat16
+    if bf and not (half and bfloat16_available()):
         return t.detach().float().numpy(), True
-    sig = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    # _version changes with every in-place write to the tensor's storage
+    # through it, so a cached view is never stale
+    sig = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
     a = _memo.get(t, sig)
     if a is not None:
         return a, False
     d = t.detach()
-    if d.is_conj() or d.is_neg():
+    resolved = d.is_conj() or d.is_neg()
+    if resolved:
         d = d.resolve_conj().resolve_neg()
     try:
-        a = d.numpy()
+        if bf:
+            from ._dtypes import bfloat16_dtype
+            a = d.view(torch.int16).numpy().view(bfloat16_dtype())
+        else:
+            a = d.numpy()
     except (RuntimeError, TypeError) as exc:
         raise TypeError(f"{name}: cannot read this torch tensor as an array ({exc})") from None
-    _memo.put(t, sig, a)
+    if not resolved:
+        # a resolved conj / neg view is a copy of a source that may change
+        # in place under the same key: never cached
+        _memo.put(t, sig, a)
     return a, False
 
 
-def _jax_to_numpy(x, name):
+def numpy_to_torch(a):
+    """A torch tensor sharing ``a``'s memory (bfloat16 for ml_dtypes bfloat16)."""
+    torch = sys.modules["torch"]
+    if not a.flags.writeable or any(s < 0 for s in a.strides):
+        a = np.array(a)  # torch views only writable arrays with non-negative strides
+    if _is_bf16(a.dtype):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _jax_to_numpy(x, name, half=True):
     """(NumPy array, was bfloat16) for a JAX array on the CPU."""
     devs = getattr(x, "devices", None)
     if devs is not None:
@@ -164,12 +194,12 @@ def _jax_to_numpy(x, name):
         except Exception as exc:
             raise TypeError(f"{name}: cannot read this JAX array ({exc})") from None
         _memo.put(x, None, a)
-    if _is_bf16(a.dtype):
+    if _is_bf16(a.dtype) and not half:
         return a.astype(np.float32), True
     return a, False
 
 
-def _other_to_numpy(x, name):
+def _other_to_numpy(x, name, half=True):
     """(NumPy array or x itself, kind, was bfloat16) for any other object."""
     dl = getattr(type(x), "__dlpack__", None)
     if dl is not None:
@@ -184,57 +214,50 @@ def _other_to_numpy(x, name):
         except Exception:
             a = np.asarray(x) if hasattr(x, "__array__") else None
         if a is not None:
-            if _is_bf16(a.dtype):
+            if _is_bf16(a.dtype) and not half:
                 return a.astype(np.float32), _XP, True
             return a, _XP, False
     if hasattr(x, "__array_namespace__") and hasattr(x, "__array__"):
         a = np.asarray(x)
-        if _is_bf16(a.dtype):
+        if _is_bf16(a.dtype) and not half:
             return a.astype(np.float32), _XP, True
         return a, _XP, False
     # anything else (array-likes, NumPy scalars, subclasses): NumPy converts it
     return x, _NUMPY, False
 
 
-def _to_numpy(x, name):
-    """(converted, kind, was bfloat16)."""
+def _to_numpy(x, name, half=False):
+    """(converted, kind, was converted from bfloat16).  ``half``: keep
+    bfloat16 as bfloat16 (ml_dtypes) where possible."""
     if type(x) in _PLAIN:
         return x, _NUMPY, False
     if isinstance(x, np.ndarray):
-        if _is_bf16(x.dtype):
+        if _is_bf16(x.dtype) and not half:
             return x.astype(np.float32), _NUMPY, True
         return x, _NUMPY, False
     kind = _kind_of(x)
     if kind == _TORCH:
         if not hasattr(x, "numpy"):  # torch.dtype, torch.Size, ...: not arrays
             return x, _NUMPY, False
-        a, bf = _torch_to_numpy(x, name)
+        a, bf = torch_to_numpy(x, name, half)
         return a, _TORCH, bf
     if kind == _JAX:
-        a, bf = _jax_to_numpy(x, name)
+        a, bf = _jax_to_numpy(x, name, half)
         return a, _JAX, bf
-    return _other_to_numpy(x, name)
+    return _other_to_numpy(x, name, half)
 
 
 # --------------------------------------------------------------------------
 # results back to the caller's array type
 # --------------------------------------------------------------------------
 def _bf16_numpy_dtype():
-    ml = sys.modules.get("ml_dtypes")
-    if ml is None:
-        try:
-            import ml_dtypes as ml  # noqa: PLC0415 - only for bfloat16 NumPy results
-        except ImportError:
-            raise TypeError("a bfloat16 NumPy result needs the ml_dtypes package "
-                            "(pip install ml_dtypes)") from None
-    return np.dtype(ml.bfloat16)
+    from ._dtypes import bfloat16_dtype
+    return bfloat16_dtype("a bfloat16 NumPy result")
 
 
 def _torch_out(a, bf16):
     torch = sys.modules["torch"]
-    if not a.flags.writeable or any(s < 0 for s in a.strides):
-        a = np.array(a)  # torch views only writable arrays with non-negative strides
-    t = torch.from_numpy(a)
+    t = numpy_to_torch(a)
     return t.to(torch.bfloat16) if bf16 else t
 
 
@@ -243,6 +266,8 @@ def _jax_out(a, bf16, like):
         a = a.astype(_bf16_numpy_dtype())
     jax = sys.modules["jax"]
     try:
+        if _is_bf16(a.dtype):
+            raise TypeError("bfloat16: through jax.numpy")
         return jax.dlpack.from_dlpack(a)
     except Exception:  # layouts XLA does not take as they are: a copy
         return jax.numpy.asarray(a)
@@ -281,7 +306,7 @@ def _restore(r, kind, bf16, like):
 # the decorator
 # --------------------------------------------------------------------------
 def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_arg=None,
-                   last_in_compute_dtype=None):
+                   last_in_compute_dtype=None, half_native=False):
     """Wrap a public function so that it takes and returns foreign arrays.
 
     Parameters
@@ -308,6 +333,11 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
         An argument that takes a dtype: torch dtypes are accepted there
         (and a torch dtype makes the result a torch tensor when no array
         argument decides), bfloat16 is computed in float32.
+    half_native : bool
+        The function takes bfloat16 (ml_dtypes) arrays itself and returns
+        results in the dtype it chooses: bfloat16 inputs are passed as
+        zero-copy ml_dtypes views (float32 copies only when ml_dtypes is
+        missing).
     """
     data = tuple(data)
     names = data + tuple(masks)
@@ -346,13 +376,15 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
                 else:
                     if dslot is None or _plain_dtype(
                             args[dslot[0]] if dslot[0] < n else kwargs.get(dslot[1])):
+                        if half_native:
+                            return fn(*args, **kwargs)
                         try:
                             return fn(*args, **kwargs)
                         except TypeError:
                             if not _has_bf16(slots, args, kwargs):
                                 raise
             return _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
-                         last_in_compute_dtype)
+                         last_in_compute_dtype, half_native)
 
         return wrapper
 
@@ -370,7 +402,7 @@ def _has_bf16(slots, args, kwargs) -> bool:
 
 
 def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
-          last_in_compute_dtype=None):
+          last_in_compute_dtype=None, half_native=False):
     args = list(args)
     n = len(args)
     done = {}                       # id(input) -> converted: one object stays one object
@@ -388,7 +420,7 @@ def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
         if hit is not None and hit[0] is x:
             a, k, bf = hit[1]
         else:
-            a, k, bf = _to_numpy(x, nm)
+            a, k, bf = _to_numpy(x, nm, half_native)
             done[id(x)] = (x, (a, k, bf))
         if nm == first:
             kind, like = k, x
@@ -416,11 +448,16 @@ def _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
     r = fn(*args, **kwargs)
     if not convert_out:
         return r
-    if (bf16_out and last_in_compute_dtype and kwargs.get(last_in_compute_dtype) is True
-            and type(r) is tuple):
+    if (bf16_out and last_in_compute_dtype and type(r) is tuple
+            and _truthy(kwargs.get(last_in_compute_dtype))):
         return (_restore(r[:-1], kind, bf16_out, like)
                 + (_restore(r[-1], kind, False, like),))
     return _restore(r, kind, bf16_out, like)
+
+
+def _truthy(x) -> bool:
+    """A bool keyword's value as the function reads it (True / numpy.True_)."""
+    return x is True or (isinstance(x, np.bool_) and bool(x))
 
 
 def foreign_dtype(d, name="dtype"):

@@ -21,6 +21,8 @@ from typing import Any, Iterable, Literal, Optional, Tuple, overload
 
 import numpy as np
 
+from ._dtypes import is_bf16, resolve
+
 __all__ = [
     "to_array", "as_float_array", "aligned", "blas_rows", "parse_bool", "parse_positive_int",
     "parse_float_dtype", "compute_dtype", "parse_causal", "parse_scale", "parse_mask",
@@ -61,14 +63,19 @@ def to_array(x: Any, name: str, mask_arg: Optional[str] = None) -> np.ndarray:
         raise type(exc)(f"{name} could not be converted to an array: {exc}") from None
 
 
-def as_float_array(x: Any, name: str, mask_arg: Optional[str] = None) -> np.ndarray:
-    """``x`` as an array of float16 / float32 / float64 in native byte order
-    (non-native arrays are converted), else TypeError."""
+def as_float_array(x: Any, name: str, mask_arg: Optional[str] = None,
+                   allow_bf16: bool = False) -> np.ndarray:
+    """``x`` as an array of float16 / float32 / float64 (and bfloat16 with
+    ``allow_bf16``) in native byte order (non-native arrays are
+    converted), else TypeError."""
     a = to_array(x, name, mask_arg)
     dt = a.dtype
+    if allow_bf16 and is_bf16(dt):
+        return a
     if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
-        raise TypeError(
-            f"{name} must be a float16, float32 or float64 array, got dtype {dt}")
+        allowed = "bfloat16, float16, float32 or float64" if allow_bf16 else \
+            "float16, float32 or float64"
+        raise TypeError(f"{name} must be a {allowed} array, got dtype {dt}")
     if not dt.isnative:  # e.g. '>f4' from a file: the kernels read native floats
         a = a.astype(dt.newbyteorder("="))
     return a
@@ -154,20 +161,12 @@ def parse_float_dtype(dtype: Any, name: str = "dtype",
 
 
 def compute_dtype(*dtypes: np.dtype) -> Tuple[np.dtype, np.dtype]:
-    """(compute dtype, result dtype) for NumPy's promotion of the inputs.
+    """(compute dtype, result dtype) of the inputs: attncore._dtypes.resolve.
 
-    float16 results are computed in float32 and returned as float16.
+    float16 / bfloat16 results are computed in float32.
     """
-    d0 = dtypes[0]
-    for d in dtypes:
-        if d is not d0:
-            rt = np.result_type(*dtypes)
-            break
-    else:
-        rt = d0
-    if rt == np.float16:
-        return np.dtype(np.float32), rt
-    return rt, rt
+    pol = resolve(dtypes)
+    return pol.compute, pol.result
 
 
 def parse_causal(is_causal: Any) -> int:
@@ -248,6 +247,8 @@ def parse_mask(mask: Any, name: str, allow_float: bool = True) -> Tuple[np.ndarr
     dt = m.dtype
     if dt == np.bool_:
         return m, MASK_BOOL
+    if allow_float and is_bf16(dt):
+        return m, MASK_FLOAT
     if allow_float and dt.kind == "f" and dt.itemsize in (2, 4, 8):
         if not dt.isnative:
             m = m.astype(dt.newbyteorder("="))

@@ -34,6 +34,7 @@ from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causa
                           parse_softcap, parse_window)
 from ._validation import blas_rows as _rows_ok
 from ._interop import foreign_arrays
+from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
@@ -164,9 +165,9 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
 # --------------------------------------------------------------------------
 def _check_operands(query, key, value):
     """query, key, value as float arrays of matching trailing shapes."""
-    q = as_float_array(query, "query", "attn_mask")
-    k = as_float_array(key, "key", "attn_mask")
-    v = as_float_array(value, "value", "attn_mask")
+    q = as_float_array(query, "query", "attn_mask", allow_bf16=True)
+    k = as_float_array(key, "key", "attn_mask", allow_bf16=True)
+    v = as_float_array(value, "value", "attn_mask", allow_bf16=True)
     for nm, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
             raise ValueError(f"{nm} must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
@@ -288,6 +289,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False, return_weights: Literal[False] = False,
     return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
 ) -> np.ndarray: ...
 
 
@@ -298,6 +300,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False, return_weights: Literal[True],
     return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -308,6 +311,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False, return_weights: Literal[False] = False,
     return_lse: Literal[True], window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -318,10 +322,12 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False, return_weights: bool = False,
     return_lse: bool = False, window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
-@foreign_arrays(("query", "key", "value"), ("attn_mask",), last_in_compute_dtype="return_lse")
+@foreign_arrays(("query", "key", "value"), ("attn_mask",), last_in_compute_dtype="return_lse",
+                half_native=True)
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -336,6 +342,7 @@ def scaled_dot_product_attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     num_threads: int | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """Scaled dot-product attention, ``softmax(Q K^T * scale + mask) V``.
 
@@ -347,8 +354,12 @@ def scaled_dot_product_attention(
     query : array_like, shape (..., N, D)
     key : array_like, shape (..., M, D)
     value : array_like, shape (..., M, Dv)
-        float16, float32 or float64.  Leading (batch) dimensions broadcast
-        by NumPy rules.  Any strides are accepted; inputs are never modified.
+        bfloat16, float16, float32 or float64 (bfloat16: torch / JAX
+        tensors or ``ml_dtypes`` NumPy arrays).  Leading (batch) dimensions
+        broadcast by NumPy rules.  Any strides are accepted; inputs are
+        never modified.  bfloat16 and float16 are read in place (converted
+        a tile at a time, never copied to float32 as a whole) and the
+        output comes back in that dtype.
     attn_mask : array_like, optional
         Broadcastable to (..., N, M).  **bool**: True = the query may attend
         to that key (take part), False = masked out.  **float**: added to
@@ -398,6 +409,16 @@ def scaled_dot_product_attention(
         ``None``: OpenMP's default (``OMP_NUM_THREADS``, threadpoolctl);
         ``-1``: all cores; ``k >= 1``: k threads.  Results agree across
         thread counts to float rounding.
+    precision : {None, 'float32', 'bfloat16'}, optional
+        The dot products' precision.  ``None``: the inputs' own (float64
+        for float64; bfloat16 products with float32 accumulation for
+        all-bfloat16 inputs on a CPU with AVX512_BF16; float32
+        otherwise).  ``'float32'``: float32 products for any
+        float32 / float16 / bfloat16 input.  ``'bfloat16'``: bfloat16
+        products where the CPU has AVX512_BF16 (float32 elsewhere).  The
+        softmax and the accumulation are float32 in every case; float64
+        inputs take no reduced precision (ValueError).  See
+        ``attncore.show_config()`` for what this CPU runs.
 
     Returns
     -------
@@ -422,10 +443,14 @@ def scaled_dot_product_attention(
       the query or keys (not the mask) also gives output 0 and weights 0,
       as PyTorch does; a +inf score (or NaN from inf - inf in ``q . k``)
       gives NaN.
-    * dtypes: float32 and float64 are computed natively; float16 is
-      computed in float32 and returned as float16.  Mixed float dtypes
-      promote as NumPy does (float32 with float64 gives float64).  A float
-      mask is converted to the compute dtype and does not take part in
+    * dtypes: float32 and float64 are computed natively; float16 and
+      bfloat16 are read in place, computed with float32 accumulation and
+      returned in their dtype (the lse stays float32).  Mixed dtypes:
+      float64 with anything gives float64, float32 with a 16-bit dtype
+      float32; bfloat16 with float16 is a TypeError (no common 16-bit
+      type).  ``return_weights=True`` with 16-bit inputs converts them to
+      float32 (the weights are materialized anyway).  A float mask is
+      converted to the compute dtype and does not take part in
       promotion.  Integer, bool, complex and object inputs raise TypeError.
     * The GIL is released while computing; calls from several Python
       threads at once are safe.
@@ -436,39 +461,47 @@ def scaled_dot_product_attention(
     win = parse_window(window)
     cap = parse_softcap(softcap)
     out, weights, lse = _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   return_weights, return_lse, num_threads, win, cap)
+                                   return_weights, return_lse, num_threads, win, cap, precision)
     if not (return_weights or return_lse):
         return out
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
 
 
+def _policy(q, k, v, k8, v8, precision) -> Policy:
+    """The call's dtype policy; an int8 key / value takes no part in it
+    (it counts as the query's dtype)."""
+    kd = q.dtype if k8 is not None else k.dtype
+    vd = q.dtype if v8 is not None else v.dtype
+    return resolve((q.dtype, kd, vd), ("query", "key", "value"), precision)
+
+
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
-               window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+               window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None):
     """(out, weights or None, lse or None): the checked call."""
     key, k_scales = split_quantized(key, "key")
     value, v_scales = split_quantized(value, "value")
     k8 = v8 = None
     if k_scales is not None or v_scales is not None:
-        qdt = as_float_array(query, "query").dtype
+        qdt = as_float_array(query, "query", allow_bf16=True).dtype
         if k_scales is not None:
             # shape checks on a float stand-in; int8 takes no part in promotion
             k8, key = key, np.broadcast_to(np.zeros((), qdt), key.shape)
         if v_scales is not None:
             v8, value = value, np.broadcast_to(np.zeros((), qdt), value.shape)
-        if return_weights:
-            # the weights path multiplies whole rows: dequantize (a copy)
-            cd = np.result_type(qdt, np.float32)
-            key = key if k8 is None else dequantize(k8, k_scales, cd)
-            value = value if v8 is None else dequantize(v8, v_scales, cd)
-            k8 = v8 = k_scales = v_scales = None
     q, k, v = _check_operands(query, key, value)
+    pol = _policy(q, k, v, k8, v8, precision)
+    cdt, rdt = pol.compute, pol.result
+    if return_weights and (k8 is not None or v8 is not None):
+        # the weights path multiplies whole rows: dequantize (a copy)
+        k = k if k8 is None else dequantize(k8, k_scales, cdt)
+        v = v if v8 is None else dequantize(v8, v_scales, cdt)
+        k8 = v8 = k_scales = v_scales = None
     N, D = q.shape[-2], q.shape[-1]
     M, Dv = k.shape[-2], v.shape[-1]
     causal = parse_causal(is_causal)
     sc = parse_scale(scale, D)
     nthreads = resolve_num_threads(num_threads)
-    cdt, rdt = compute_dtype(q.dtype, k.dtype, v.dtype)
     m, mask_kind = _check_mask(attn_mask, N, M)
     bshape, group = _batch_shape(q, k, v, m, enable_gqa)
     nb = math.prod(bshape)
@@ -477,6 +510,11 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
                              is_causal, scale, enable_gqa, num_threads, window, softcap)
+    if cdt == np.float64 or return_weights:
+        # the float64 kernel and the weights path (BLAS over whole rows)
+        # take 16-bit operands converted (a copy)
+        q, k, v = (a if (a is None or not half_code(a.dtype)) else to_float(a, cdt)
+                   for a in (q, k, v))
     banded = causal or window != (-1, -1)
     quantized = k8 is not None or v8 is not None
     if N > 1 and q.strides[-2] == 0 and not banded and not quantized and \
@@ -485,23 +523,28 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         # same query with the same keys, so compute one and broadcast it
         # (never copy the N identical rows)
         return _broadcast_rows(
-            _attention(q[..., :1, :], k, v, m, False, sc, enable_gqa, return_weights,
-                       return_lse, num_threads, window, softcap),
+            _attention(q[..., :1, :], k if k8 is None else (k8, k_scales),
+                       v if v8 is None else (v8, v_scales), m, False, sc, enable_gqa,
+                       return_weights, return_lse, num_threads, window, softcap, precision),
             bshape, N)
 
     # ---- lay out operands ----
     if max(N, M, D, Dv) > _INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
-    q = _rows_ok(q if q.dtype == cdt else q.astype(cdt))
+    # 16-bit operands are passed as they are (the kernel converts tiles)
+    qf, kf, vf = half_code(q.dtype), half_code(k.dtype), half_code(v.dtype)
+    q = _rows_ok(q if (qf or q.dtype == cdt) else q.astype(cdt))
     ks = vs = None
     if k8 is not None:
         k, ks = _quantized_operand(k8, k_scales, cdt)
+        kf = 0
     else:
-        k = _rows_ok(k if k.dtype == cdt else k.astype(cdt))
+        k = _rows_ok(k if (kf or k.dtype == cdt) else k.astype(cdt))
     if v8 is not None:
         v, vs = _quantized_operand(v8, v_scales, cdt)
+        vf = 0
     else:
-        v = _rows_ok(v if v.dtype == cdt else v.astype(cdt))
+        v = _rows_ok(v if (vf or v.dtype == cdt) else v.astype(cdt))
     if m is not None:
         if mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
             m = m.astype(cdt)
@@ -525,9 +568,11 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
     lse = np.empty((nb, N), dtype=cdt) if return_lse else None
+    # bfloat16 (ml_dtypes) exports no buffer format: the kernel reads its bits
+    q, k, v = (a.view(np.uint16) if f == HALF_BF16 else a for a, f in ((q, qf), (k, kf), (v, vf)))
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
-               ks, vs)
+               ks, vs, qf, kf, vf)
 
     out = out.reshape(out_shape)
     if rdt != cdt:

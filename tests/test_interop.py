@@ -176,7 +176,7 @@ def test_device_tensors_are_rejected_with_the_argument_and_device_named():
 
 def test_torch_integer_tensor_is_still_a_clear_type_error():
     q, k, v = _qkv(Hkv=4)
-    with pytest.raises(TypeError, match="query must be a float16, float32 or float64"):
+    with pytest.raises(TypeError, match="query must be a (bfloat16, )?float16, float32 or float64"):
         attncore.scaled_dot_product_attention(torch.ones(q.shape, dtype=torch.int32),
                                               torch.from_numpy(k), torch.from_numpy(v))
 

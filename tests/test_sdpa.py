@@ -329,10 +329,10 @@ BAD_INPUTS = [
     ("num_threads-float", TypeError, r"num_threads must be None or an int",
      lambda q, k, v: _args(q, k, v, num_threads=1.5)),
     *[(f"query-{np.dtype(dt)}", TypeError,
-       rf"query must be a float16, float32 or float64 array, got dtype {np.dtype(dt)}",
+       rf"query must be a bfloat16, float16, float32 or float64 array, got dtype {np.dtype(dt)}",
        lambda q, k, v, dt=dt: _args(q.astype(dt), k, v))
       for dt in (np.int32, np.complex64, object, bool)],
-    ("value-int64", TypeError, r"value must be a float16",
+    ("value-int64", TypeError, r"value must be a bfloat16, float16, float32 or float64",
      lambda q, k, v: _args(q, k, v.astype(np.int64))),
 ]
 

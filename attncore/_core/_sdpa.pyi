@@ -17,6 +17,7 @@ def sdpa(
     scale: float, Bq: int, Bk: int, nsplit: int, chunk: int, nthreads: int,
     lse: Optional[np.ndarray] = ..., win_l: int = ..., win_r: int = ...,
     softcap: float = ..., k_scales: Optional[np.ndarray] = ...,
-    v_scales: Optional[np.ndarray] = ...,
+    v_scales: Optional[np.ndarray] = ..., q_fmt: int = ..., k_fmt: int = ...,
+    v_fmt: int = ...,
 ) -> None: ...
 def exp_array(x: np.ndarray) -> np.ndarray: ...

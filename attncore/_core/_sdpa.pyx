@@ -14,7 +14,7 @@ operand is ever expanded or copied here.
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free
-from libc.stdint cimport uint8_t
+from libc.stdint cimport uint8_t, uint16_t
 from libc.math cimport log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -42,6 +42,8 @@ cdef extern from "ac_sdpa.h" nogil:
         double softcap
         int kq8, vq8
         Py_ssize_t ks_rs, vs_rs, dq_off
+        int qh, kh, vh
+        Py_ssize_t qb_off
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -240,20 +242,29 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
     cdef Py_ssize_t s = rem - qb * nsplit
     cdef Py_ssize_t i0 = qb * p.Bq
     cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
-    cdef const floating *q = (<const floating *>ops.q) + ops.qo[b]
+    cdef const floating *q
     cdef const floating *k
     cdef const floating *v
     cdef const floating *ksc = NULL
     cdef const floating *vsc = NULL
-    # int8 keys / values: element offsets are byte offsets
+    # int8 keys / values: element offsets are byte offsets; half operands:
+    # offsets in 16-bit elements (the kernel reads them as uint16_t)
+    if p.qh:
+        q = <const floating *>((<const uint16_t *>ops.q) + ops.qo[b])
+    else:
+        q = (<const floating *>ops.q) + ops.qo[b]
     if p.kq8:
         k = <const floating *>(ops.k + ops.ko[b])
         ksc = (<const floating *>ops.ksc) + ops.kso[b]
+    elif p.kh:
+        k = <const floating *>((<const uint16_t *>ops.k) + ops.ko[b])
     else:
         k = (<const floating *>ops.k) + ops.ko[b]
     if p.vq8:
         v = <const floating *>(ops.v + ops.vo[b])
         vsc = (<const floating *>ops.vsc) + ops.vso[b]
+    elif p.vh:
+        v = <const floating *>((<const uint16_t *>ops.v) + ops.vo[b])
     else:
         v = (<const floating *>ops.v) + ops.vo[b]
     cdef const uint8_t *mb = NULL
@@ -476,7 +487,8 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
          int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
-         int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None):
+         int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None,
+         int q_fmt=0, int k_fmt=0, int v_fmt=0):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -492,6 +504,9 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     win_l, win_r: sliding window (-1: unbounded on that side), aligned like
     the causal diagonal.  softcap: > 0 caps the scaled scores (s -> softcap
     tanh(s / softcap)) before the mask; 0 for none.
+    q_fmt, k_fmt, v_fmt: 0 when that operand has the compute dtype (out's),
+    1 for bfloat16, 2 for float16 (16-bit elements read in place; not with
+    weights, nor for an int8 key / value).
     """
     cdef _Buffers bufs
     cdef Py_buffer *bq
@@ -534,14 +549,18 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
             bw = _acquire(&bufs, weights, PyBUF_RECORDS)
         if lse is not None:
             bl = _acquire(&bufs, lse, PyBUF_RECORDS)
-            if bl.itemsize != bq.itemsize or bl.len != nb * N * bl.itemsize:
+            if bl.itemsize != bo.itemsize or bl.len != nb * N * bl.itemsize:
                 raise ValueError("lse must be a C-contiguous (nb, N) array of the kernel dtype")
-        if bq.itemsize == 8:
+        if bo.itemsize == 8:
             is64 = True
-        elif bq.itemsize == 4:
+        elif bo.itemsize == 4:
             is64 = False
         else:
             raise TypeError("kernel dtype must be float32 or float64")
+        if (q_fmt not in (0, 1, 2) or k_fmt not in (0, 1, 2) or v_fmt not in (0, 1, 2)
+                or (weights is not None and (q_fmt or k_fmt or v_fmt))
+                or (k_scales is not None and k_fmt) or (v_scales is not None and v_fmt)):
+            raise ValueError("invalid operand formats")
         if k_scales is not None:
             bks = _acquire(&bufs, k_scales, PyBUF_RECORDS_RO)
         if v_scales is not None:
@@ -550,11 +569,12 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         have_w = bw != NULL
         have_ks = bks != NULL
         have_vs = bvs != NULL
-        if (bk.itemsize != (1 if have_ks else bq.itemsize)
-                or bv.itemsize != (1 if have_vs else bq.itemsize)
-                or bo.itemsize != bq.itemsize
-                or (have_ks and bks.itemsize != bq.itemsize)
-                or (have_vs and bvs.itemsize != bq.itemsize)):
+        if (bq.itemsize != (2 if q_fmt else bo.itemsize)
+                or bk.itemsize != (1 if have_ks else 2 if k_fmt else bo.itemsize)
+                or bv.itemsize != (1 if have_vs else 2 if v_fmt else bo.itemsize)
+                or (have_w and bw.itemsize != bo.itemsize)
+                or (have_ks and bks.itemsize != bo.itemsize)
+                or (have_vs and bvs.itemsize != bo.itemsize)):
             raise TypeError("query, key, value and out must share one dtype (int8 key / value "
                             "with scales of that dtype)")
         if have_w and (have_ks or have_vs):
@@ -581,14 +601,22 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         p.s_len = (p.s_len + 15) // 16 * 16
         p.kq8 = have_ks
         p.vq8 = have_vs
+        p.qh = q_fmt
+        p.kh = k_fmt
+        p.vh = v_fmt
         p.dq_off = 0
+        p.qb_off = 0
         p.ks_rs = 0
         p.vs_rs = 0
-        if have_ks or have_vs:
-            # dequantized key / value tile buffers after the score scratch
+        if have_ks or have_vs or k_fmt or v_fmt:
+            # converted key / value tile buffers after the score scratch
             dq_rows = Bk if Bk > 128 else 128
             p.dq_off = p.s_len
             p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
+        if q_fmt:
+            # the converted query block (or fused panel: 32 rows at most)
+            p.qb_off = p.s_len
+            p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
         if have_ks:
             _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
             p.ks_rs = _row_stride(bks)

@@ -174,7 +174,8 @@ static AC_TGT int AC_F(ac_fused_panel)(
     const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr, ptrdiff_t ks,
     ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad)
 {
-    /* int8 keys / values: each tile is dequantized into these buffers */
+    /* int8 / half keys and values: each tile is converted into these
+       buffers */
     float *KB = scratch + p->dq_off, *VB = KB + (ptrdiff_t)AC_BK * p->D;
     const int D = p->D, Dv = p->Dv;
     float *QT = scratch;
@@ -186,8 +187,16 @@ static AC_TGT int AC_F(ac_fused_panel)(
     const float qs = capped ? (float)p->scale : (float)p->scale * log2e;
     const float ninf = -INFINITY;
 
-    /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond nr */
-    AC_F(ac_pack_rows)(q + i0 * p->q_rs, p->q_rs, nr, D, qs, QT);
+    /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond nr
+       (half queries: converted to float rows first) */
+    if (p->qh) {
+        float *QB = scratch + p->qb_off;
+        ac_half_rows_f32(p->qh, (const uint16_t *)(const void *)q + i0 * p->q_rs, p->q_rs,
+                         nr, D, QB, D);
+        AC_F(ac_pack_rows)(QB, D, nr, D, qs, QT);
+    } else {
+        AC_F(ac_pack_rows)(q + i0 * p->q_rs, p->q_rs, nr, D, qs, QT);
+    }
     /* the accumulator: natural layout, rows beyond nr never touched */
     memset(acc, 0, sizeof(float) * (size_t)nr * (size_t)Dv);
     float alpha[AC_P];
@@ -227,6 +236,9 @@ static AC_TGT int AC_F(ac_fused_panel)(
         if (p->kq8) {
             AC_DEQUANT(float, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
                        ksc + j0 * p->ks_rs, p->ks_rs, nk, D, KB);
+        } else if (p->kh) {
+            ac_half_rows_f32(p->kh, (const uint16_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
+                             nk, D, KB, D);
         } else {
             kr = k + j0 * p->k_rs;
             kr_rs = p->k_rs;
@@ -234,6 +246,9 @@ static AC_TGT int AC_F(ac_fused_panel)(
         if (p->vq8) {
             AC_DEQUANT(float, (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
                        vsc + j0 * p->vs_rs, p->vs_rs, nk, Dv, VB);
+        } else if (p->vh) {
+            ac_half_rows_f32(p->vh, (const uint16_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
+                             nk, Dv, VB, Dv);
         } else {
             vr = v + j0 * p->v_rs;
             vr_rs = p->v_rs;

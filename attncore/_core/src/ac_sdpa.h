@@ -31,6 +31,7 @@
 #include "ac_common.h"
 #include "ac_math.h"
 #include "ac_small_x86.h"
+#include "ac_half.h"
 
 enum { AC_MASK_NONE = 0, AC_MASK_BOOL = 1, AC_MASK_ADD = 2 };
 enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 };
@@ -62,6 +63,14 @@ typedef struct {
     ptrdiff_t ks_rs, vs_rs;   /* row strides of the scales (elements)      */
     ptrdiff_t dq_off;         /* offset (elements) in the score scratch of
                                  the dequantized key / value tile buffers  */
+    int qh, kh, vh;           /* AC_H_BF16 / AC_H_F16: that operand is
+                                 bfloat16 / float16, read in place (its
+                                 pointer points at uint16_t data, strides
+                                 in its own elements); AC_H_NONE: the
+                                 compute dtype                             */
+    ptrdiff_t qb_off;         /* offset in the score scratch of the query
+                                 block buffer (half queries: max(Bq, 32)
+                                 rows x D)                                 */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
@@ -145,7 +154,9 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_EXP ac_expf
 #define AC_TANH tanhf
 #define AC_GEMM_T ac_sgemm_t
+#define AC_HALF_ROWS ac_half_rows_f32
 #include "ac_sdpa_impl.h"
+#undef AC_HALF_ROWS
 #undef AC_T
 #undef AC_IS_F32
 #undef AC_SUF
@@ -162,7 +173,9 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_EXP ac_exp
 #define AC_TANH tanh
 #define AC_GEMM_T ac_dgemm_t
+#define AC_HALF_ROWS ac_half_rows_f64
 #include "ac_sdpa_impl.h"
+#undef AC_HALF_ROWS
 #undef AC_T
 #undef AC_IS_F32
 #undef AC_SUF

@@ -254,8 +254,18 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
         return ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
                                   acc, m, l, bad);
 #endif
-    /* int8 keys / values: each tile is dequantized into these buffers */
+    /* int8 / half keys and values: each tile is converted into these
+       buffers; half queries: the block is converted into QB */
     AC_T *KB = S + p->dq_off, *VB = KB + (ptrdiff_t)Bk * p->D;
+    const AC_T *qb = q + i0 * p->q_rs;
+    ptrdiff_t qb_rs = p->q_rs;
+    if (p->qh) {
+        AC_T *QB = S + p->qb_off;
+        AC_HALF_ROWS(p->qh, (const uint16_t *)(const void *)q + i0 * p->q_rs, p->q_rs, nq,
+                     p->D, QB, p->D);
+        qb = QB;
+        qb_rs = p->D;
+    }
     for (int r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
@@ -283,49 +293,59 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
         const AC_T *kt = KB, *vt = VB;
         ptrdiff_t kt_rs = p->D, vt_rs = Dv;
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-        /* a few rows on AVX-512: int8 rows are read as they are */
-        const int k_direct = p->kq8 && ac_avx512_ok && nq <= AC_SMALL_ROWS;
-        const int v_direct = p->vq8 && ac_avx512_ok && nq <= AC_SMALL_ROWS &&
+        /* a few rows on AVX-512: int8 and half rows are read as they are */
+        const int k_direct = (p->kq8 || p->kh) && ac_avx512_ok && nq <= AC_SMALL_ROWS;
+        const int v_direct = (p->vq8 || p->vh) && ac_avx512_ok && nq <= AC_SMALL_ROWS &&
                              !AC_FN(ac_tile_has_masked)(p, i0, nq, j0, nk);
 #else
         const int k_direct = 0, v_direct = 0;
 #endif
-        if (p->kq8 && !k_direct) {
+        if (k_direct) {
+        } else if (p->kq8) {
             AC_DEQUANT(AC_T, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
                        ksc + j0 * p->ks_rs, p->ks_rs, nk, p->D, KB);
-        } else if (!p->kq8) {
+        } else if (p->kh) {
+            AC_HALF_ROWS(p->kh, (const uint16_t *)(const void *)k + j0 * p->k_rs, p->k_rs, nk,
+                         p->D, KB, p->D);
+        } else {
             kt = k + j0 * p->k_rs;
             kt_rs = p->k_rs;
         }
-        if (p->vq8 && !v_direct) {
+        if (v_direct) {
+        } else if (p->vq8) {
             AC_DEQUANT(AC_T, (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
                        vsc + j0 * p->vs_rs, p->vs_rs, nk, Dv, VB);
-        } else if (!p->vq8) {
+        } else if (p->vh) {
+            AC_HALF_ROWS(p->vh, (const uint16_t *)(const void *)v + j0 * p->v_rs, p->v_rs, nk,
+                         Dv, VB, Dv);
+        } else {
             vt = v + j0 * p->v_rs;
             vt_rs = p->v_rs;
         }
         if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (k_direct)
-                ac_scores_small_q8_avx512(nq, nk, p->D, (AC_T)p->scale,
-                                          q + i0 * p->q_rs, p->q_rs,
+            if (k_direct && p->kq8)
+                ac_scores_small_q8_avx512(nq, nk, p->D, (AC_T)p->scale, qb, qb_rs,
                                           (const int8_t *)(const void *)k + j0 * p->k_rs,
                                           p->k_rs, ksc + j0 * p->ks_rs, p->ks_rs, S, ldS);
+            else if (k_direct)
+                ac_scores_small_h_avx512(p->kh, nq, nk, p->D, (AC_T)p->scale, qb, qb_rs,
+                                         (const uint16_t *)(const void *)k + j0 * p->k_rs,
+                                         p->k_rs, S, ldS);
             else if (ac_avx512_ok)
-                ac_scores_small_f32_avx512(nq, nk, p->D, (AC_T)p->scale,
-                                           q + i0 * p->q_rs, p->q_rs,
+                ac_scores_small_f32_avx512(nq, nk, p->D, (AC_T)p->scale, qb, qb_rs,
                                            kt, kt_rs, S, ldS);
             else
 #endif
-            AC_FN(ac_scores_small)(nq, nk, p->D, (AC_T)p->scale,
-                                   q + i0 * p->q_rs, p->q_rs, kt, kt_rs, S, ldS);
+            AC_FN(ac_scores_small)(nq, nk, p->D, (AC_T)p->scale, qb, qb_rs, kt, kt_rs, S,
+                                   ldS);
         } else {
             char ta = 'T', tb = 'N';
             int mm = nk, nn = nq, kk = p->D;
-            int lda = (int)kt_rs, ldb = (int)p->q_rs, ldc = ldS;
+            int lda = (int)kt_rs, ldb = (int)qb_rs, ldc = ldS;
             AC_T al = (AC_T)p->scale, be = 0;
             gemm(&ta, &tb, &mm, &nn, &kk, &al, (AC_T *)kt,
-                 &lda, (AC_T *)(q + i0 * p->q_rs), &ldb, &be, S, &ldc);
+                 &lda, (AC_T *)qb, &ldb, &be, S, &ldc);
         }
         AC_FN(ac_softmax_tile)(p, mb, mf, i0, nq, j0, nk, S, m, l, alpha, bad);
         if (!first) {
@@ -344,10 +364,14 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
                                   acc, Dv, first);
         } else if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (v_direct)
+            if (v_direct && p->vq8)
                 ac_pv_small_q8_avx512(nq, nk, Dv, S, ldS,
                                       (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
                                       vsc + j0 * p->vs_rs, p->vs_rs, acc, first);
+            else if (v_direct)
+                ac_pv_small_h_avx512(p->vh, nq, nk, Dv, S, ldS,
+                                     (const uint16_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
+                                     acc, first);
             else if (ac_avx512_ok)
                 ac_pv_small_f32_avx512(nq, nk, Dv, S, ldS, vt, vt_rs, acc, first);
             else

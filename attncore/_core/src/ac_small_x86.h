@@ -31,10 +31,13 @@ static int ac_avx512_ok = 0;                  /* small-row AVX-512 loops  */
 static void ac_cpu_init(void)
 {
     __builtin_cpu_init();
+    /* F16C (float16 operands) comes with every AVX2 + FMA core; it is
+       required all the same */
+    const int f16c = __builtin_cpu_supports("f16c");
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma"))
+        __builtin_cpu_supports("fma") && f16c)
         ac_best_path = AC_PATH_AVX512;
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
         ac_best_path = AC_PATH_AVX2;
     else
         ac_best_path = AC_PATH_PORTABLE;

@@ -1,0 +1,152 @@
+"""attncore's dtype policy, in one place (private).
+
+Every entry point asks :func:`resolve` which dtype a call computes in,
+which dtype it returns and which products it uses; :func:`is_bf16`,
+:func:`half_code` and :func:`bfloat16_dtype` are the only places that know
+how a bfloat16 array looks.
+
+Storage dtypes
+    float64, float32, float16 and bfloat16 (NumPy arrays of ``ml_dtypes``'
+    ``bfloat16``; torch and JAX bfloat16 arrive as such a view, zero-copy).
+    float16 and bfloat16 operands are read in place by the kernels (a tile
+    at a time is converted in registers or in a small per-thread buffer).
+
+Promotion (the result dtype of mixed inputs)
+    ===========================  =========  ========
+    inputs                       computed   returned
+    ===========================  =========  ========
+    all float64 / any float64    float64    float64
+    float32 with anything else   float32    float32
+    all float16                  float32    float16
+    all bfloat16                 float32    bfloat16
+    bfloat16 with float16        TypeError (no common 16-bit type; cast one)
+    ===========================  =========  ========
+
+    The log-sum-exp is float64 for float64 calls and float32 otherwise.
+
+Products (``precision=``)
+    ``None``: the inputs' own: float64 products for float64, bfloat16
+    products (float32 accumulation) for all-bfloat16 inputs on a CPU with
+    AVX512_BF16, float32 products otherwise.  ``"float32"``: float32
+    products.  ``"bfloat16"``: bfloat16 products where the CPU has
+    AVX512_BF16, float32 products elsewhere (the accuracy is then that of
+    float32).  float64 inputs take no reduced precision.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["PRECISIONS", "Policy", "resolve", "is_bf16", "half_code", "bfloat16_dtype",
+           "dtype_name", "parse_precision", "to_float"]
+
+#: the values ``precision=`` takes
+PRECISIONS = (None, "float32", "bfloat16")
+
+# the kernel's operand formats (ac_half.h: AC_H_NONE / AC_H_BF16 / AC_H_F16)
+HALF_NONE, HALF_BF16, HALF_F16 = 0, 1, 2
+
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def is_bf16(dt: np.dtype) -> bool:
+    """Whether ``dt`` is bfloat16 (``ml_dtypes.bfloat16``)."""
+    return dt.kind == "V" and dt.name == "bfloat16"
+
+
+def half_code(dt: np.dtype) -> int:
+    """The kernel's operand format of an array of dtype ``dt``."""
+    if dt == _F16:
+        return HALF_F16
+    if is_bf16(dt):
+        return HALF_BF16
+    return HALF_NONE
+
+
+def dtype_name(dt: np.dtype) -> str:
+    return "bfloat16" if is_bf16(dt) else str(dt)
+
+
+def bfloat16_dtype(purpose: str = "a bfloat16 result") -> np.dtype:
+    """NumPy's bfloat16 dtype (from ml_dtypes), or TypeError naming what needed it."""
+    ml: Any = sys.modules.get("ml_dtypes")
+    if ml is None:
+        try:
+            import ml_dtypes as ml  # noqa: PLC0415 - optional, only for bfloat16
+        except ImportError:
+            raise TypeError(f"{purpose} needs the ml_dtypes package (pip install ml_dtypes, "
+                            f"or attncore[torch])") from None
+    return np.dtype(ml.bfloat16)
+
+
+def bfloat16_available() -> bool:
+    """Whether ml_dtypes can be imported (bfloat16 NumPy arrays)."""
+    try:
+        bfloat16_dtype()
+    except TypeError:
+        return False
+    return True
+
+
+def to_float(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """``a`` in the float dtype ``dt`` (itself when it already is)."""
+    return a if a.dtype == dt else a.astype(dt)
+
+
+class Policy(NamedTuple):
+    """How one call treats its dtypes."""
+
+    compute: np.dtype    #: accumulation / kernel dtype (float32 or float64)
+    result: np.dtype     #: the output's dtype
+    lse: np.dtype        #: the log-sum-exp's dtype
+    products: str        #: "float64", "float32" or "bfloat16"
+
+
+def parse_precision(precision: Any, name: str = "precision") -> Optional[str]:
+    """``precision`` checked against :data:`PRECISIONS`."""
+    if precision is None:
+        return None
+    if not isinstance(precision, str):
+        raise TypeError(f"{name} must be None, 'float32' or 'bfloat16', got "
+                        f"{type(precision).__name__} {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name} must be None, 'float32' or 'bfloat16', got {precision!r}")
+    return precision
+
+
+def resolve(dtypes: Sequence[np.dtype], names: Sequence[str] = (),
+            precision: Any = None, *, bf16_products: bool = False) -> Policy:
+    """The :class:`Policy` of a call whose float operands have ``dtypes``.
+
+    ``names`` name the operands in errors.  ``bf16_products``: whether this
+    CPU has bfloat16 dot products (AVX512_BF16).
+    """
+    prec = parse_precision(precision)
+    d0 = dtypes[0]
+    same = all(d == d0 for d in dtypes)
+    if same:
+        res = d0
+    elif any(d == _F64 for d in dtypes):
+        res = _F64
+    elif any(d == _F32 for d in dtypes):
+        res = _F32
+    else:
+        desc = ", ".join(f"{n} {dtype_name(d)}" for n, d in zip(names, dtypes)) or \
+            ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"bfloat16 and float16 inputs have no common 16-bit dtype ({desc}): "
+                        f"cast one of them (float32 with either promotes to float32)")
+    comp = _F64 if res == _F64 else _F32
+    if comp == _F64 and prec is not None:
+        raise ValueError(f"precision={prec!r} is for float32, float16 and bfloat16 inputs; "
+                         f"float64 inputs are computed in float64 (pass precision=None)")
+    if comp == _F64:
+        products = "float64"
+    elif prec == "bfloat16" or (prec is None and is_bf16(res) and same):
+        products = "bfloat16" if bf16_products else "float32"
+    else:
+        products = "float32"
+    return Policy(comp, res, comp, products)

@@ -1,0 +1,293 @@
+"""bfloat16 and float16 operands read in place (issue: half precision as
+first-class dtypes).
+
+Every result is compared with a float64 NumPy reference computed from the
+*rounded* inputs (the half values as they are), and the error is held
+against the error of torch's own SDPA on the same half-precision inputs.
+"""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore._core import _sdpa
+
+
+def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, window=None, softcap=None,
+             return_lse=False, return_weights=False, scale=None):
+    """Plain float64 attention with the documented semantics: causal
+    alignment, window band, soft cap (before the mask), mask, empty rows 0."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    N, D = q.shape[-2:]
+    M = k.shape[-2]
+    s = q @ np.swapaxes(k, -1, -2) * (1 / np.sqrt(D) if scale is None else scale)
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    off = M - N if is_causal == "lower_right" else 0
+    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
+    ok = np.ones((N, M), bool)
+    if is_causal:
+        ok &= j <= i + off
+    if window is not None:
+        lo, hi = window
+        if lo >= 0:
+            ok &= j >= i + off - lo
+        if hi >= 0:
+            ok &= j <= i + off + hi
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        if m.dtype == bool:
+            ok = ok & m
+        else:
+            ok = ok & (m != -np.inf)
+            s = s + np.where(m == -np.inf, 0, m)
+    ok = np.broadcast_to(ok, np.broadcast_shapes(ok.shape, s.shape))
+    s = np.where(ok, np.broadcast_to(s, ok.shape), -np.inf)
+    any_ = ok.any(-1, keepdims=True)
+    mx = np.where(any_, s.max(-1, keepdims=True), 0)
+    e = np.where(ok, np.exp(s - mx), 0)
+    tot = e.sum(-1, keepdims=True)
+    w = np.where(any_, e / np.where(any_, tot, 1), 0)
+    out = w @ v
+    res = [out]
+    if return_weights:
+        res.append(w)
+    if return_lse:
+        with np.errstate(divide="ignore"):
+            res.append(np.where(any_[..., 0], mx[..., 0] + np.log(np.where(any_, tot, 1)[..., 0]),
+                                -np.inf))
+    return res[0] if len(res) == 1 else tuple(res)
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+HALF = [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")]
+PATHS = list(_sdpa.available_kernel_paths())
+
+sd = attncore.scaled_dot_product_attention
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    prev = _sdpa.set_kernel_path(request.param)
+    yield request.param
+    _sdpa.set_kernel_path(prev)
+
+
+def _rand(rng, shape, dt, offset=0.0):
+    return (rng.standard_normal(shape) + offset).astype(np.float32).astype(dt)
+
+
+def _f64(*xs):
+    return [np.asarray(x).astype(np.float64) for x in xs]
+
+
+def _torch_err(q, k, v, dt, ref, **kw):
+    """max |error| of torch's SDPA on the same half inputs, vs ref."""
+    torch = pytest.importorskip("torch")
+    tdt = torch.bfloat16 if dt == BF16 else torch.float16
+    tq, tk, tv = (torch.from_numpy(np.asarray(x).astype(np.float32)).to(tdt) for x in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw)
+    return np.abs(o.float().numpy().astype(np.float64) - ref).max()
+
+
+# shapes of the kernel-path tests: decode (direct loops), a few rows,
+# fused panels with tails, D / Dv not multiples of the vector width
+SHAPES = [
+    (1, 2, 1, 300, 64, 64),
+    (2, 2, 3, 129, 40, 24),
+    (1, 2, 70, 300, 64, 64),
+    (1, 1, 37, 200, 19, 33),
+    (2, 3, 33, 65, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dt", HALF)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, "lower_right", True])
+def test_half_matches_reference_of_rounded_inputs(path, dt, shape, causal):
+    B, H, N, M, D, Dv = shape
+    rng = np.random.default_rng(hash(shape) % 2**32)
+    q, k, v = _rand(rng, (B, H, N, D), dt), _rand(rng, (B, H, M, D), dt), _rand(rng, (B, H, M, Dv), dt)
+    out, lse = sd(q, k, v, is_causal=causal, return_lse=True)
+    assert out.dtype == dt and out.shape == (B, H, N, Dv)
+    assert lse.dtype == np.float32
+    rout, rlse = sdpa_ref(*_f64(q, k, v), is_causal=causal, return_lse=True)
+    err = np.abs(out.astype(np.float64) - rout).max()
+    # the output rounding alone is half an ulp of the result's dtype
+    ulp = 2.0 ** -8 if dt == BF16 else 2.0 ** -11
+    assert err <= 1.01 * ulp * np.abs(rout).max() + 1e-6
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], rtol=2e-5, atol=2e-5)
+    if causal is not True:
+        terr = _torch_err(q, k, v, dt, rout, is_causal=False) if not causal else None
+        if terr is not None:
+            assert err <= 1.5 * terr + 1e-7
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_half_masks_window_softcap_gqa(path, dt):
+    rng = np.random.default_rng(1)
+    B, Hq, Hk, N, M, D = 2, 4, 2, 40, 150, 32
+    q, k, v = _rand(rng, (B, Hq, N, D), dt), _rand(rng, (B, Hk, M, D), dt), _rand(rng, (B, Hk, M, D), dt)
+    bmask = rng.random((B, 1, N, M)) > 0.3
+    fmask = np.where(rng.random((B, 1, 1, M)) > 0.2, rng.standard_normal((B, 1, 1, M)), -np.inf)
+    kr, vr = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    for kw in (dict(attn_mask=bmask), dict(attn_mask=fmask.astype(np.float32)),
+               dict(attn_mask=fmask.astype(dt)), dict(window=(7, 3)),
+               dict(is_causal=True, window=(20, -1)), dict(softcap=5.0, is_causal="lower_right")):
+        out = sd(q, k, v, enable_gqa=True, **kw)
+        assert out.dtype == dt
+        ref_kw = dict(kw)
+        if "attn_mask" in ref_kw:
+            ref_kw["attn_mask"] = np.asarray(ref_kw["attn_mask"]).astype(
+                bool if ref_kw["attn_mask"].dtype == bool else np.float64)
+        rout = sdpa_ref(*_f64(q, kr, vr), **ref_kw)
+        ulp = 2.0 ** -8 if dt == BF16 else 2.0 ** -11
+        np.testing.assert_allclose(out.astype(np.float64), rout, atol=1.01 * ulp * 4 + 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dt", HALF)
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_half_long_rows_and_key_splits(dt, nthreads):
+    """M = 32768: float32 accumulation over a long row, split over threads."""
+    rng = np.random.default_rng(2)
+    q, k, v = _rand(rng, (1, 2, 1, 64), dt), _rand(rng, (1, 2, 32768, 64), dt), \
+        _rand(rng, (1, 2, 32768, 64), dt)
+    out = sd(q, k, v, num_threads=nthreads)
+    rout = sdpa_ref(*_f64(q, k, v))
+    err = np.abs(out.astype(np.float64) - rout).max()
+    assert err <= 1.5 * _torch_err(q, k, v, dt, rout) + 1e-7
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_half_agrees_across_paths_and_threads(dt):
+    rng = np.random.default_rng(3)
+    q, k, v = _rand(rng, (2, 3, 50, 48), dt), _rand(rng, (2, 3, 700, 48), dt), \
+        _rand(rng, (2, 3, 700, 48), dt)
+    outs = []
+    for p in PATHS:
+        prev = _sdpa.set_kernel_path(p)
+        try:
+            for t in (1, 2):
+                outs.append(sd(q, k, v, is_causal=True, num_threads=t).astype(np.float32))
+        finally:
+            _sdpa.set_kernel_path(prev)
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], atol=2e-2, rtol=0)
+
+
+def test_float16_with_float32_and_float64_promotes():
+    rng = np.random.default_rng(4)
+    q16 = _rand(rng, (2, 5, 16), F16)
+    k32 = rng.standard_normal((2, 9, 16), dtype=np.float32)
+    v64 = rng.standard_normal((2, 9, 16))
+    assert sd(q16, k32, k32).dtype == np.float32
+    out = sd(q16, k32, v64)
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, sdpa_ref(*_f64(q16, k32, v64)), atol=1e-12)
+    qb = q16.astype(BF16)
+    assert sd(qb, k32, k32).dtype == np.float32
+    np.testing.assert_allclose(sd(qb, k32, k32), sdpa_ref(*_f64(qb, k32, k32)), atol=1e-5)
+
+
+def test_bfloat16_with_float16_is_a_clear_error():
+    q = np.zeros((3, 4), BF16)
+    k = np.zeros((3, 4), F16)
+    with pytest.raises(TypeError, match="bfloat16 and float16 .*query bfloat16, key float16"):
+        sd(q, k, k)
+
+
+def test_precision_argument():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 7, 8), dtype=np.float32) for _ in range(3))
+    r = sdpa_ref(*_f64(q, k, v))
+    for p in (None, "float32", "bfloat16"):
+        np.testing.assert_allclose(sd(q, k, v, precision=p), r, atol=2e-2 if p == "bfloat16" else 2e-6)
+    with pytest.raises(ValueError, match="precision must be None, 'float32' or 'bfloat16', got 'fp8'"):
+        sd(q, k, v, precision="fp8")
+    with pytest.raises(TypeError, match="precision must be None"):
+        sd(q, k, v, precision=16)
+    q64 = q.astype(np.float64)
+    with pytest.raises(ValueError, match="precision='bfloat16' is for float32, float16 and bfloat16"):
+        sd(q64, q64, q64, precision="bfloat16")
+    np.testing.assert_allclose(sd(q64, q64, q64), sdpa_ref(*_f64(q, q, q)), atol=1e-12)
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_return_weights_with_half_inputs(dt):
+    rng = np.random.default_rng(6)
+    q, k, v = _rand(rng, (2, 6, 8), dt), _rand(rng, (2, 9, 8), dt), _rand(rng, (2, 9, 8), dt)
+    out, w, lse = sd(q, k, v, return_weights=True, return_lse=True)
+    rout, rw, rlse = sdpa_ref(*_f64(q, k, v), return_weights=True, return_lse=True)
+    assert out.dtype == dt and w.dtype == dt and lse.dtype == np.float32
+    np.testing.assert_allclose(w.astype(np.float64), rw, atol=1e-2)
+    np.testing.assert_allclose(lse, rlse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_inputs_not_modified_and_no_float32_copy(dt):
+    """Peak memory of a decode over a long half cache stays far below one
+    float32 copy of K (tracemalloc sees NumPy's allocations)."""
+    rng = np.random.default_rng(7)
+    M, D = 1 << 17, 64
+    q, k, v = _rand(rng, (1, 2, 1, D), dt), _rand(rng, (1, 2, M, D), dt), _rand(rng, (1, 2, M, D), dt)
+    k0, v0 = k.copy(), v.copy()
+    tracemalloc.start()
+    sd(q, k, v)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    f32_copy = 2 * M * D * 4
+    assert peak < f32_copy / 8, (peak, f32_copy)
+    assert np.array_equal(k.view(np.uint16), k0.view(np.uint16))
+    assert np.array_equal(v.view(np.uint16), v0.view(np.uint16))
+
+
+def test_torch_bf16_and_f16_in_place_same_type_out():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    for tdt in (torch.bfloat16, torch.float16):
+        q, k, v = (torch.randn(1, 4, 40, 32, generator=g).to(tdt) for _ in range(3))
+        q.requires_grad_(False)
+        out, lse = sd(q, k, v, is_causal=True, return_lse=np.True_)
+        assert isinstance(out, torch.Tensor) and out.dtype is tdt
+        assert lse.dtype is torch.float32
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                               is_causal=True)
+        tor = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 1.5 * (tor.double() - ref).abs().max().item() + 1e-7
+
+
+def test_torch_bf16_non_contiguous_and_gqa():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 30, 8, 16, generator=g).to(torch.bfloat16).transpose(1, 2)  # (B, H, L, D) view
+    k = torch.randn(2, 50, 2, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
+    v = torch.randn(2, 50, 2, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
+    out = sd(q, k, v, enable_gqa=True)
+    ref = sdpa_ref(*_f64(q.float().numpy(), np.repeat(k.float().numpy(), 4, 1),
+                         np.repeat(v.float().numpy(), 4, 1)))
+    np.testing.assert_allclose(out.float().numpy(), ref, atol=2 ** -8 * 4)
+
+
+def test_jax_bf16():
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng(8)
+    q = _rand(rng, (2, 10, 16), BF16)
+    out = sd(jnp.asarray(q), jnp.asarray(q), jnp.asarray(q))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out).astype(np.float64), sdpa_ref(*_f64(q, q, q)),
+                               atol=2 ** -8 * 4)
+
+
+def test_half_int8_values_mix():
+    rng = np.random.default_rng(9)
+    q, k = _rand(rng, (2, 12, 16), BF16), _rand(rng, (2, 40, 16), BF16)
+    v = rng.standard_normal((2, 40, 8)).astype(np.float32)
+    v8, vs = attncore.quantize_kv(v)
+    out = sd(q, k, (v8, vs))
+    assert out.dtype == BF16
+    rv = v8.astype(np.float64) * vs[..., None]
+    np.testing.assert_allclose(out.astype(np.float64), sdpa_ref(*_f64(q, k, rv)), atol=2e-2)
