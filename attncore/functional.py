@@ -110,7 +110,7 @@ class Plan(NamedTuple):
 
 def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
          return_weights: bool = False, kernel_path: str | None = None,
-         blas_mnk: int | None = None) -> Plan:
+         blas_mnk: int | None = None, converted_kv: bool = False) -> Plan:
     """Blocking, key splits and thread count of one attention call (pure).
 
     The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
@@ -122,7 +122,10 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     ``SERIAL_FLOPS`` (attncore._threads) runs on the calling thread alone.  ``blas_mnk`` caps
     the size (m n k) of every BLAS product of the BLAS path: the tiles then
     shrink so that a BLAS that starts threads above a size (OpenBLAS) keeps
-    each product on the calling thread.
+    each product on the calling thread.  ``converted_kv`` (int8 / half
+    keys or values, converted a tile at a time for all the panels of a
+    query block): query blocks of four panels, so that each conversion
+    serves more rows.
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
@@ -132,7 +135,7 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
              and N > _SMALL_ROWS)
     if fused:
         panel = 32 if kernel_path == "avx512" else 16
-        Bq = 2 * panel
+        Bq = (4 if converted_kv else 2) * panel
         while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
             Bq //= 2
         Bq = min(Bq, N)
@@ -551,7 +554,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
 
-    pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights)
+    pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
+              converted_kv=bool(kf or vf or ks is not None or vs is not None))
     # the fused kernel and the direct loops of a few rows call no BLAS
     uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
     nthreads = pl.nthreads

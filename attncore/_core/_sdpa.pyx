@@ -43,7 +43,7 @@ cdef extern from "ac_sdpa.h" nogil:
         int kq8, vq8
         Py_ssize_t ks_rs, vs_rs, dq_off
         int qh, kh, vh
-        Py_ssize_t qb_off
+        Py_ssize_t qb_off, mp_off
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -617,6 +617,13 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
             # the converted query block (or fused panel: 32 rows at most)
             p.qb_off = p.s_len
             p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
+        p.mp_off = 0
+        if not is64 and (have_ks or have_vs or k_fmt or v_fmt):
+            # the fused kernel's panels sharing converted key / value tiles:
+            # packed queries and running statistics of each (panels of 16
+            # rows at least)
+            p.mp_off = p.s_len
+            p.s_len += (Bq + 15) // 16 * (D * 32 + 64)
         if have_ks:
             _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
             p.ks_rs = _row_stride(bks)

@@ -167,19 +167,26 @@ AC_DEF_PV_TAIL(1, ac_pv1_tail)
  * is cleared (NaN travels through l: a NaN score makes l NaN).  Returns 1
  * if a key tile was processed.  scratch: AC_FUSED_SCRATCH floats, 64-byte
  * aligned.
+ *
+ * One panel may also run over consecutive key chunks in several calls
+ * (phase AC_PH_INIT on the first, AC_PH_FINISH on the last): QT (D x P)
+ * and state (2 P floats: running max and sum) then carry the panel from
+ * call to call.  kc / vc, when not NULL, are the key / value rows of
+ * [ks, ke) already converted to float (ld D / Dv): a query block converts
+ * each chunk of int8 / half rows once for all its panels.
  */
 static AC_TGT int AC_F(ac_fused_panel)(
     const ac_params *p, const float *q, const float *k, const float *v,
     const float *ksc, const float *vsc,
     const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr, ptrdiff_t ks,
-    ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad)
+    ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad,
+    float *QT, float *state, int phase, const float *kc, const float *vc)
 {
     /* int8 / half keys and values: each tile is converted into these
        buffers */
     float *KB = scratch + p->dq_off, *VB = KB + (ptrdiff_t)AC_BK * p->D;
     const int D = p->D, Dv = p->Dv;
-    float *QT = scratch;
-    float *ST = QT + (ptrdiff_t)D * AC_P;
+    float *ST = scratch + (ptrdiff_t)D * AC_P;
     const float log2e = 1.44269504088896341f;
     /* scores in base-2 units: log2(e) goes into the query scale, or after
        the soft cap when there is one */
@@ -187,22 +194,31 @@ static AC_TGT int AC_F(ac_fused_panel)(
     const float qs = capped ? (float)p->scale : (float)p->scale * log2e;
     const float ninf = -INFINITY;
 
-    /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond nr
-       (half queries: converted to float rows first) */
-    if (p->qh) {
-        float *QB = scratch + p->qb_off;
-        ac_half_rows_f32(p->qh, (const uint16_t *)(const void *)q + i0 * p->q_rs, p->q_rs,
-                         nr, D, QB, D);
-        AC_F(ac_pack_rows)(QB, D, nr, D, qs, QT);
-    } else {
-        AC_F(ac_pack_rows)(q + i0 * p->q_rs, p->q_rs, nr, D, qs, QT);
-    }
-    /* the accumulator: natural layout, rows beyond nr never touched */
-    memset(acc, 0, sizeof(float) * (size_t)nr * (size_t)Dv);
     float alpha[AC_P];
-
-    VEC m0 = VSET1(ninf), m1 = VSET1(ninf);
-    VEC l0 = VZERO(), l1 = VZERO();
+    VEC m0, m1, l0, l1;
+    if (phase & AC_PH_INIT) {
+        /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond
+           nr (half queries: converted to float rows first) */
+        if (p->qh) {
+            float *QB = scratch + p->qb_off;
+            ac_half_rows_f32(p->qh, (const uint16_t *)(const void *)q + i0 * p->q_rs, p->q_rs,
+                             nr, D, QB, D);
+            AC_F(ac_pack_rows)(QB, D, nr, D, qs, QT);
+        } else {
+            AC_F(ac_pack_rows)(q + i0 * p->q_rs, p->q_rs, nr, D, qs, QT);
+        }
+        /* the accumulator: natural layout, rows beyond nr never touched */
+        memset(acc, 0, sizeof(float) * (size_t)nr * (size_t)Dv);
+        m0 = VSET1(ninf);
+        m1 = VSET1(ninf);
+        l0 = VZERO();
+        l1 = VZERO();
+    } else {
+        m0 = VLOAD(state);
+        m1 = VLOAD(state + AC_W);
+        l0 = VLOAD(state + AC_P);
+        l1 = VLOAD(state + AC_P + AC_W);
+    }
     ptrdiff_t kend = ke, kstart = ks;
     if (p->band) {
         /* the keys some row of the panel may see: skip the rest */
@@ -233,7 +249,9 @@ static AC_TGT int AC_F(ac_fused_panel)(
         /* the key / value rows of this tile, in place or dequantized */
         const float *kr = KB, *vr = VB;
         ptrdiff_t kr_rs = D, vr_rs = Dv;
-        if (p->kq8) {
+        if (kc) {
+            kr = kc + (j0 - ks) * D;
+        } else if (p->kq8) {
             AC_DEQUANT(float, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
                        ksc + j0 * p->ks_rs, p->ks_rs, nk, D, KB);
         } else if (p->kh) {
@@ -243,7 +261,9 @@ static AC_TGT int AC_F(ac_fused_panel)(
             kr = k + j0 * p->k_rs;
             kr_rs = p->k_rs;
         }
-        if (p->vq8) {
+        if (vc) {
+            vr = vc + (j0 - ks) * Dv;
+        } else if (p->vq8) {
             AC_DEQUANT(float, (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
                        vsc + j0 * p->vs_rs, p->vs_rs, nk, Dv, VB);
         } else if (p->vh) {
@@ -441,6 +461,13 @@ static AC_TGT int AC_F(ac_fused_panel)(
         processed = 1;
     }
 
+    if (!(phase & AC_PH_FINISH)) {
+        VSTORE(state, m0);
+        VSTORE(state + AC_W, m1);
+        VSTORE(state + AC_P, l0);
+        VSTORE(state + AC_P + AC_W, l1);
+        return processed;
+    }
     /* ---- row statistics (the accumulator is already in place) ---- */
     {
         float mm[AC_P], ll[AC_P];

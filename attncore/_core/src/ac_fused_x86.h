@@ -31,6 +31,8 @@
    into the tile loop, the running max / sum vectors made the P.V kernel
    spill two accumulators to the stack: measured 28 % of its samples) */
 #define AC_NOINLINE __attribute__((noinline))
+/* phases of a panel run over key chunks in several calls (ac_fused_impl.h) */
+enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
 /* ---------------------------------------------------------------- AVX-512 */
 #define AC_ISA avx512
@@ -332,8 +334,27 @@ static int ac_fused_panel_rows(void)
     return ac_kernel_path == AC_PATH_AVX512 ? 32 : 16;
 }
 
+static int ac_fused_panel_call(const ac_params *p, const float *q, const float *k,
+                               const float *v, const float *ksc, const float *vsc,
+                               const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr,
+                               ptrdiff_t ks, ptrdiff_t ke, float *scratch, float *acc,
+                               float *m, float *l, int *bad, float *QT, float *state,
+                               int phase, const float *kc, const float *vc)
+{
+    if (ac_kernel_path == AC_PATH_AVX512)
+        return ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
+                                         acc, m, l, bad, QT, state, phase, kc, vc);
+    return ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
+                                   acc, m, l, bad, QT, state, phase, kc, vc);
+}
+
 /* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
- * the same contract as ac_sdpa_range_f32. */
+ * the same contract as ac_sdpa_range_f32.
+ *
+ * float32 keys / values are read in place by every panel.  int8 and half
+ * keys / values are converted once per chunk of AC_BK keys for all the
+ * panels of the block (p->mp_off: each panel's packed queries and running
+ * statistics between chunks), not once per panel. */
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
                               const float *ksc, const float *vsc,
@@ -343,17 +364,61 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
                               float *m, float *l, int *bad)
 {
     const int P = ac_fused_panel_rows();
+    const int D = p->D, Dv = p->Dv;
     int processed = 0;
-    for (int r0 = 0; r0 < nq; r0 += P) {
-        const int nr = (nq - r0 < P) ? nq - r0 : P;
-        float *a = acc + (ptrdiff_t)r0 * p->Dv;
-        if (ac_kernel_path == AC_PATH_AVX512)
-            processed |= ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
-                                                   ks, ke, scratch, a, m + r0, l + r0, bad + r0);
-        else
-            processed |= ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
-                                                 ks, ke, scratch, a, m + r0, l + r0, bad + r0);
+    const int convert = p->kq8 || p->vq8 || p->kh || p->vh;
+    if (!convert || nq <= P) {
+        float state[64];
+        for (int r0 = 0; r0 < nq; r0 += P) {
+            const int nr = (nq - r0 < P) ? nq - r0 : P;
+            processed |= ac_fused_panel_call(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke,
+                                             scratch, acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0,
+                                             bad + r0, scratch, state,
+                                             AC_PH_INIT | AC_PH_FINISH, NULL, NULL);
+        }
+        return processed;
     }
+    /* the keys some row of the block may see */
+    ptrdiff_t kst = ks, ken = ke;
+    if (p->band) {
+        const ptrdiff_t lim = ac_causal_limit(p, i0 + nq - 1);
+        if (lim < ken) ken = lim;
+        const ptrdiff_t lo = ac_band_lo(p, i0);
+        if (lo > kst) kst = lo;
+    }
+    if (ken < kst) ken = kst;
+    float *KC = scratch + p->dq_off, *VC = KC + (ptrdiff_t)AC_BK * D;
+    const ptrdiff_t per = (ptrdiff_t)D * 32 + 64; /* a panel's QT and state */
+    float *mp = scratch + p->mp_off;
+    ptrdiff_t c0 = kst;
+    do {
+        const ptrdiff_t c1 = (ken - c0 < AC_BK) ? ken : c0 + AC_BK;
+        const int nk = (int)(c1 - c0);
+        if (nk > 0) {
+            if (p->kq8)
+                AC_DEQUANT(float, (const int8_t *)(const void *)k + c0 * p->k_rs, p->k_rs,
+                           ksc + c0 * p->ks_rs, p->ks_rs, nk, D, KC);
+            else if (p->kh)
+                ac_half_rows_f32(p->kh, (const uint16_t *)(const void *)k + c0 * p->k_rs,
+                                 p->k_rs, nk, D, KC, D);
+            if (p->vq8)
+                AC_DEQUANT(float, (const int8_t *)(const void *)v + c0 * p->v_rs, p->v_rs,
+                           vsc + c0 * p->vs_rs, p->vs_rs, nk, Dv, VC);
+            else if (p->vh)
+                ac_half_rows_f32(p->vh, (const uint16_t *)(const void *)v + c0 * p->v_rs,
+                                 p->v_rs, nk, Dv, VC, Dv);
+        }
+        const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);
+        for (int r0 = 0, pn = 0; r0 < nq; r0 += P, pn++) {
+            const int nr = (nq - r0 < P) ? nq - r0 : P;
+            float *QT = mp + pn * per;
+            processed |= ac_fused_panel_call(
+                p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, c0, c1, scratch,
+                acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, QT, QT + (ptrdiff_t)D * 32,
+                phase, (p->kq8 || p->kh) ? KC : NULL, (p->vq8 || p->vh) ? VC : NULL);
+        }
+        c0 = c1;
+    } while (c0 < ken);
     return processed;
 }
 

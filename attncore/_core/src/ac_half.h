@@ -94,7 +94,7 @@ static void ac_half_rows_f64(int fmt, const uint16_t *x, ptrdiff_t rs, int n,
 }
 
 #if AC_HAVE_X86_SMALL
-#define AC_TGT_H512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define AC_TGT_H512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 #define AC_TGT_H256 __attribute__((target("avx2,fma,f16c")))
 
 /* 16 halves at p as floats (n < 16: only the first n are read, the rest 0) */
@@ -155,7 +155,32 @@ static AC_TGT_H256 void ac_half_rows_f32_avx2(int fmt, const uint16_t *x, ptrdif
     }
 }
 
-/* S[r, j] = scale * q_r . k_j for half keys read in place (q float) */
+/* the 16 horizontal sums of a[0..15], lane i = sum of a[i]: a transposing
+ * tree of adds (45 shuffles / adds for 16 sums, against about 10 per sum
+ * for one reduction at a time) */
+static AC_TGT_H512 inline __m512 ac_hsum16_avx512(const __m512 *a)
+{
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    /* t[i], 128-bit lane L: partial sums of a[2i], a[2i+1], a[2i], a[2i+1] */
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* u[g], lane L: partial sums (over lane L's elements) of a[4g .. 4g+3] */
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                     _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                     _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
+                         _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+/* S[r, j] = scale * q_r . k_j for half keys read in place (q float):
+ * 16 keys at a time, their sums reduced together */
 #define AC_DEF_SCORES_SMALL_H(FMT, NAME)                                               \
 static AC_TGT_H512 void NAME(int nq, int nk, int D, float scale, const float *q,      \
                              ptrdiff_t q_rs, const uint16_t *k, ptrdiff_t k_rs,        \
@@ -163,10 +188,35 @@ static AC_TGT_H512 void NAME(int nq, int nk, int D, float scale, const float *q,
 {                                                                                      \
     const int Dm = D & ~15, nt = D - Dm;                                              \
     const __mmask16 tail = (__mmask16)((1u << nt) - 1u);                               \
+    const __m512 vs = _mm512_set1_ps(scale);                                           \
     for (int r = 0; r < nq; r++) {                                                     \
         const float *qr = q + r * q_rs;                                                \
         float *Sr = S + (ptrdiff_t)r * ldS;                                            \
         int j = 0;                                                                     \
+        for (; j + 16 <= nk; j += 16) {                                                \
+            const uint16_t *kb = k + (ptrdiff_t)j * k_rs;                              \
+            if (j + 48 <= nk) /* the block after next, a line at a time */            \
+                for (int u = 0; u < 16; u++)                                           \
+                    for (int o = 0; o < D; o += 32)                                    \
+                        _mm_prefetch((const char *)(kb + (ptrdiff_t)(u + 32) * k_rs + o), \
+                                     _MM_HINT_T0);                                     \
+            __m512 a[16];                                                              \
+            for (int u = 0; u < 16; u++) a[u] = _mm512_setzero_ps();                   \
+            int d = 0;                                                                 \
+            for (; d < Dm; d += 16) {                                                  \
+                const __m512 qv = _mm512_loadu_ps(qr + d);                             \
+                for (int u = 0; u < 16; u++)                                           \
+                    a[u] = _mm512_fmadd_ps(qv, ac_h16_avx512(FMT, kb + u * k_rs + d, 16), \
+                                           a[u]);                                      \
+            }                                                                          \
+            if (nt) {                                                                  \
+                const __m512 qv = _mm512_maskz_loadu_ps(tail, qr + d);                 \
+                for (int u = 0; u < 16; u++)                                           \
+                    a[u] = _mm512_fmadd_ps(qv, ac_h16_avx512(FMT, kb + u * k_rs + d, nt), \
+                                           a[u]);                                      \
+            }                                                                          \
+            _mm512_storeu_ps(Sr + j, _mm512_mul_ps(ac_hsum16_avx512(a), vs));          \
+        }                                                                              \
         for (; j + 4 <= nk; j += 4) {                                                  \
             const uint16_t *k0 = k + (ptrdiff_t)j * k_rs;                              \
             const uint16_t *k1 = k0 + k_rs, *k2 = k1 + k_rs, *k3 = k2 + k_rs;          \
@@ -231,6 +281,10 @@ static AC_TGT_H512 void NAME(int nq, int nk, int Dv, const float *S, int ldS,   
             if (nv == 4 && lastn == 16) {                                              \
                 for (int j = 0; j < nk; j++, vc += v_rs) {                             \
                     const __m512 pj = _mm512_set1_ps(Sr[j]);                           \
+                    if (j + 16 < nk) {                                                 \
+                        _mm_prefetch((const char *)(vc + 16 * v_rs), _MM_HINT_T0);     \
+                        _mm_prefetch((const char *)(vc + 16 * v_rs + 32), _MM_HINT_T0); \
+                    }                                                                  \
                     x[0] = _mm512_fmadd_ps(pj, ac_h16_avx512(FMT, vc + 0, 16), x[0]);  \
                     x[1] = _mm512_fmadd_ps(pj, ac_h16_avx512(FMT, vc + 16, 16), x[1]); \
                     x[2] = _mm512_fmadd_ps(pj, ac_h16_avx512(FMT, vc + 32, 16), x[2]); \
@@ -239,6 +293,9 @@ static AC_TGT_H512 void NAME(int nq, int nk, int Dv, const float *S, int ldS,   
             } else if (nv == 8 && lastn == 16) {                                       \
                 for (int j = 0; j < nk; j++, vc += v_rs) {                             \
                     const __m512 pj = _mm512_set1_ps(Sr[j]);                           \
+                    if (j + 16 < nk)                                                   \
+                        for (int o = 0; o < 128; o += 32)                              \
+                            _mm_prefetch((const char *)(vc + 16 * v_rs + o), _MM_HINT_T0); \
                     for (int t = 0; t < 8; t++)                                        \
                         x[t] = _mm512_fmadd_ps(pj, ac_h16_avx512(FMT, vc + 16 * t, 16), \
                                                x[t]);                                  \
@@ -273,10 +330,81 @@ static void ac_scores_small_h_avx512(int fmt, int nq, int nk, int D, float scale
         ac_scores_small_f16_avx512(nq, nk, D, scale, q, q_rs, k, k_rs, S, ldS);
 }
 
+/* bfloat16 values, Dv a multiple of 32 up to 128: 32 columns per 512-bit
+ * load, widened by interleaving with zeros (one shuffle per 16 floats in
+ * place of a widening move and a shift); the columns then sit permuted
+ * within the accumulators ([0-3, 8-11, 16-19, 24-27] and [4-7, 12-15, ...]
+ * per 32) and are put back in order once, at the end */
+static AC_TGT_H512 void ac_pv_small_bf16x32_avx512(int nq, int nk, int Dv, const float *S,
+                                                   int ldS, const uint16_t *v, ptrdiff_t v_rs,
+                                                   float *acc, int first)
+{
+    const int nb = Dv >> 5; /* blocks of 32 columns, 1..4 */
+    const __m512i zero = _mm512_setzero_si512();
+    for (int r = 0; r < nq; r++) {
+        const float *Sr = S + (ptrdiff_t)r * ldS;
+        float *ar = acc + (ptrdiff_t)r * Dv;
+        __m512 lo[4], hi[4];
+        for (int b = 0; b < 4; b++) {
+            lo[b] = _mm512_setzero_ps();
+            hi[b] = _mm512_setzero_ps();
+        }
+        if (!first)
+            for (int b = 0; b < nb; b++) {
+                const __m512 A = _mm512_loadu_ps(ar + 32 * b), B = _mm512_loadu_ps(ar + 32 * b + 16);
+                lo[b] = _mm512_shuffle_f32x4(A, B, 0x88);
+                hi[b] = _mm512_shuffle_f32x4(A, B, 0xDD);
+            }
+        const uint16_t *vc = v;
+#define AC_BF16X32_STEP(b)                                                                   \
+    do {                                                                                     \
+        const __m512i x_ = _mm512_loadu_si512((const void *)(vc + 32 * (b)));               \
+        lo[b] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x_)), lo[b]); \
+        hi[b] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x_)), hi[b]); \
+    } while (0)
+        if (nb == 2) {
+            for (int j = 0; j < nk; j++, vc += v_rs) {
+                const __m512 pj = _mm512_set1_ps(Sr[j]);
+                if (j + 16 < nk) {
+                    _mm_prefetch((const char *)(vc + 16 * v_rs), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vc + 16 * v_rs + 32), _MM_HINT_T0);
+                }
+                AC_BF16X32_STEP(0);
+                AC_BF16X32_STEP(1);
+            }
+        } else if (nb == 4) {
+            for (int j = 0; j < nk; j++, vc += v_rs) {
+                const __m512 pj = _mm512_set1_ps(Sr[j]);
+                if (j + 16 < nk)
+                    for (int o = 0; o < 128; o += 32)
+                        _mm_prefetch((const char *)(vc + 16 * v_rs + o), _MM_HINT_T0);
+                AC_BF16X32_STEP(0);
+                AC_BF16X32_STEP(1);
+                AC_BF16X32_STEP(2);
+                AC_BF16X32_STEP(3);
+            }
+        } else {
+            for (int j = 0; j < nk; j++, vc += v_rs) {
+                const __m512 pj = _mm512_set1_ps(Sr[j]);
+                for (int b = 0; b < nb; b++) AC_BF16X32_STEP(b);
+            }
+        }
+#undef AC_BF16X32_STEP
+        for (int b = 0; b < nb; b++) {
+            const __m512 t0 = _mm512_shuffle_f32x4(lo[b], hi[b], 0x44);
+            const __m512 t1 = _mm512_shuffle_f32x4(lo[b], hi[b], 0xEE);
+            _mm512_storeu_ps(ar + 32 * b, _mm512_shuffle_f32x4(t0, t0, 0xD8));
+            _mm512_storeu_ps(ar + 32 * b + 16, _mm512_shuffle_f32x4(t1, t1, 0xD8));
+        }
+    }
+}
+
 static void ac_pv_small_h_avx512(int fmt, int nq, int nk, int Dv, const float *S, int ldS,
                                  const uint16_t *v, ptrdiff_t v_rs, float *acc, int first)
 {
-    if (fmt == AC_H_BF16)
+    if (fmt == AC_H_BF16 && (Dv & 31) == 0 && Dv <= 128)
+        ac_pv_small_bf16x32_avx512(nq, nk, Dv, S, ldS, v, v_rs, acc, first);
+    else if (fmt == AC_H_BF16)
         ac_pv_small_bf16_avx512(nq, nk, Dv, S, ldS, v, v_rs, acc, first);
     else
         ac_pv_small_f16_avx512(nq, nk, Dv, S, ldS, v, v_rs, acc, first);

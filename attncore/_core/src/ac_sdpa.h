@@ -71,6 +71,10 @@ typedef struct {
     ptrdiff_t qb_off;         /* offset in the score scratch of the query
                                  block buffer (half queries: max(Bq, 32)
                                  rows x D)                                 */
+    ptrdiff_t mp_off;         /* offset in the score scratch of the fused
+                                 kernel's per-panel state when a block's
+                                 panels share converted key / value tiles:
+                                 ceil(Bq / 16) x (32 D + 64) floats        */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row

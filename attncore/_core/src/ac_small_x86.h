@@ -34,8 +34,8 @@ static void ac_cpu_init(void)
     /* F16C (float16 operands) comes with every AVX2 + FMA core; it is
        required all the same */
     const int f16c = __builtin_cpu_supports("f16c");
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma") && f16c)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
         ac_best_path = AC_PATH_AVX512;
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
         ac_best_path = AC_PATH_AVX2;
