@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._core import _linalg, _sdpa
+from ._dtypes import HALF_BF16, half_code
 from ._threads import blas_parallel_threads, threads_for
 from ._validation import aligned, blas_rows
 
@@ -34,7 +35,9 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
            num_threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """``x2d @ w.T (+ b)`` as a new C-contiguous (R, C) array.
 
-    x2d (R, K) and w (C, K) must share a float32 / float64 dtype (b too).
+    x2d (R, K) and w (C, K) must share a float32 / float64 dtype (b too),
+    or w is bfloat16 / float16 with float32 x2d (and b): then w is read in
+    place, 64 of its rows converted to float32 at a time.
     """
     x2d = _rows(x2d)
     w = _rows(w)
@@ -44,11 +47,14 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
         out = np.empty((R, C), dtype=x2d.dtype)
     if b is not None:
         b = aligned(np.ascontiguousarray(b))
+    fmt = half_code(w.dtype)
+    if fmt and (x2d.dtype != np.float32 or K == 0):
+        w, fmt = w.astype(x2d.dtype), 0
     macs = R * C * K
     nthreads = threads_for(2.0 * macs, num_threads)
     if x2d.dtype != np.float32 or _sdpa.kernel_path() == "portable":
         # the BLAS path: only where the BLAS can be held to one thread per
         # thread does it run on several (see attncore._threads)
         nthreads = blas_parallel_threads(nthreads)
-    _linalg.linear(x2d, w, b, out, nthreads)
+    _linalg.linear(x2d, w.view(np.uint16) if fmt == HALF_BF16 else w, b, out, nthreads, fmt)
     return out

@@ -12,6 +12,7 @@ from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
 
 from libc.stdlib cimport malloc, free
+from libc.stdint cimport uint16_t
 
 from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
@@ -26,6 +27,8 @@ cdef extern from "ac_sdpa.h" nogil:
     int ac_linear_rows_f32(const float *x, Py_ssize_t x_rs, int r0, int nr, const float *w,
                            Py_ssize_t w_rs, const float *bias, float *out, Py_ssize_t o_rs,
                            int c0, int c1, int K, float *scratch)
+    void ac_half_rows_f32(int fmt, const uint16_t *x, Py_ssize_t rs, int n, int D, float *out,
+                          Py_ssize_t ldo)
 
 ac_cpu_init()
 
@@ -168,6 +171,67 @@ cdef void _run(const floating *x, Py_ssize_t x_rs, const floating *w, Py_ssize_t
         ac_blas_release()
 
 
+# columns of half weights converted at a time (for all the rows of x)
+cdef enum:
+    _HCHUNK = 64
+
+
+cdef void _half_block(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_t w_rs,
+                      int fmt, const float *bias, float *out, Py_ssize_t o_rs, int R,
+                      int c0, int c1, int K, float *buf, float *scratch) noexcept nogil:
+    """out[:, c0:c1] = x @ w[c0:c1].T (+ bias) for bfloat16 / float16 w:
+    _HCHUNK rows of w at a time are converted to float32 (buf) and serve
+    every row of x (fused kernel, or a single-threaded gemm)."""
+    cdef int cc = c0, n
+    while cc < c1:
+        n = min(<int>_HCHUNK, c1 - cc)
+        ac_half_rows_f32(fmt, w + cc * w_rs, w_rs, n, K, buf, K)
+        if ac_kernel_path != 0:
+            ac_linear_rows_f32(x, x_rs, 0, R, buf, K, bias + cc if bias != NULL else NULL,
+                               out + cc, o_rs, 0, n, K, scratch)
+        else:
+            _gemm_block(x, x_rs, <const float *>buf, K, bias + cc if bias != NULL else NULL,
+                        out + cc, o_rs, 0, R, 0, n, K)
+        cc += n
+
+
+cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_t w_rs,
+                   int fmt, const float *bias, float *out, Py_ssize_t o_rs, int R, int C,
+                   int K, int nthreads) noexcept nogil:
+    """float32 x with half weights read in place: column blocks over the
+    team.  0 on success, -1 when scratch memory ran out."""
+    cdef Py_ssize_t nbuf = _HCHUNK * K + AC_LINEAR_SCRATCH(K) + 16
+    cdef int step, nblk, t
+    cdef float *buf = NULL
+    cdef int err = 0
+    cdef int *errp = &err
+    step = (C + 2 * nthreads - 1) // (2 * nthreads) if nthreads > 1 else C
+    step = max(_HCHUNK, (step + _HCHUNK - 1) // _HCHUNK * _HCHUNK)
+    nblk = (C + step - 1) // step
+    if nthreads <= 1 or nblk <= 1:
+        buf = <float *>malloc(nbuf * sizeof(float))
+        if buf == NULL:
+            return -1
+        ac_blas_hold()
+        _half_block(x, x_rs, w, w_rs, fmt, bias, out, o_rs, R, 0, C, K, buf,
+                    buf + _HCHUNK * K)
+        ac_blas_release()
+        free(buf)
+        return 0
+    with parallel(num_threads=nthreads):
+        buf = <float *>malloc(nbuf * sizeof(float))
+        if buf == NULL:
+            errp[0] = -1
+        ac_blas_hold()
+        for t in prange(nblk, schedule='static'):
+            if buf != NULL:
+                _half_block(x, x_rs, w, w_rs, fmt, bias, out, o_rs, R, t * step,
+                            min(C, (t + 1) * step), K, buf, buf + _HCHUNK * K)
+        ac_blas_release()
+        free(buf)
+    return err
+
+
 cdef inline Py_ssize_t _rs(Py_buffer *b, int cols) noexcept nogil:
     """Row stride in elements, valid as a BLAS leading dimension."""
     cdef Py_ssize_t rs
@@ -182,8 +246,12 @@ def set_blas_local(tuple addresses):
     set_blas_local_fns(addresses)
 
 
-def linear(x, w, bias, out, int nthreads):
+def linear(x, w, bias, out, int nthreads, int w_fmt=0):
     """out[...] = x @ w.T (+ bias), on ``nthreads`` OpenMP threads.
+
+    w_fmt: 0 when w has x's dtype; 1 (bfloat16) / 2 (float16) for 16-bit
+    weights read in place with float32 x, bias and out (passed as uint16 /
+    float16 arrays).
 
     x: (R, K), w: (C, K), out: (R, C), all of one dtype (float32 / float64)
     with contiguous rows; bias: None or a contiguous (C,) array.  The caller
@@ -215,7 +283,8 @@ def linear(x, w, bias, out, int nthreads):
         C = <int>bw.shape[0]
         if bw.shape[1] != K or bo.shape[0] != R or bo.shape[1] != C:
             raise ValueError("linear: shapes do not match")
-        if (bx.itemsize != bw.itemsize or bx.itemsize != bo.itemsize
+        if (bw.itemsize != (2 if w_fmt else bx.itemsize) or bx.itemsize != bo.itemsize
+                or (w_fmt and bx.itemsize != 4) or w_fmt not in (0, 1, 2)
                 or (have_b and bb.itemsize != bx.itemsize)):
             raise TypeError("linear: x, w, bias and out must share one dtype")
         if ((K > 1 and (bx.strides[1] != bx.itemsize or bw.strides[1] != bw.itemsize))
@@ -224,7 +293,14 @@ def linear(x, w, bias, out, int nthreads):
             raise ValueError("linear: rows must be contiguous")
         if R == 0 or C == 0:
             return
-        if bx.itemsize == 4 and ac_kernel_path != 0:
+        if w_fmt:
+            with nogil:
+                err = _run_half(<const float *>bx.buf, _rs(bx, K), <const uint16_t *>bw.buf,
+                                _rs(bw, K), w_fmt, <const float *>bb.buf if have_b else NULL,
+                                <float *>bo.buf, _rs(bo, C), R, C, K, nthreads)
+            if err:
+                raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+        elif bx.itemsize == 4 and ac_kernel_path != 0:
             with nogil:
                 err = _run_fused(<const float *>bx.buf, _rs(bx, K), <const float *>bw.buf,
                                  _rs(bw, K), <const float *>bb.buf if have_b else NULL,
