@@ -27,7 +27,7 @@ REQUIRES = {
 }
 
 
-def _mha(ns):
+def _mha(ns, tmp):
     """mha.rst: the layers and arrays of the reader's model."""
     import torch
 
@@ -55,7 +55,7 @@ def _mha(ns):
     ns["enc_memory"] = ns["memory"][:1]
 
 
-def _threads(ns):
+def _threads(ns, tmp):
     """threads.rst: a layer and its input."""
     import attncore
 
@@ -63,20 +63,23 @@ def _threads(ns):
     ns["x"] = np.random.default_rng(0).standard_normal((2, 64, 256), dtype=np.float32)
 
 
-def _pytorch(ns):
-    """pytorch.rst: a small model's config (nothing is downloaded)."""
-    from transformers import LlamaConfig
+def _pytorch(ns, tmp):
+    """pytorch.rst: a small model's config, and the model saved where
+    ``from_pretrained(path)`` finds it (nothing is downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     ns["config"] = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(ns["config"]).save_pretrained(tmp)
+    ns["path"] = str(tmp)
 
 
 SETUP = {"mha.rst": _mha, "threads.rst": _threads, "pytorch.rst": _pytorch}
 
 
 @pytest.fixture(autouse=True)
-def _guide_page(request, doctest_namespace, monkeypatch):
+def _guide_page(request, doctest_namespace, monkeypatch, tmp_path):
     path = getattr(request.node, "path", None)
     if path is None or path.suffix != ".rst":
         yield
@@ -88,7 +91,7 @@ def _guide_page(request, doctest_namespace, monkeypatch):
     monkeypatch.setattr(_registry, "_default", _registry.Registry())
     setup = SETUP.get(path.name)
     if setup is not None:
-        setup(doctest_namespace)
+        setup(doctest_namespace, tmp_path)
     printopts = np.get_printoptions()
     try:
         yield
