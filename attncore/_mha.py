@@ -262,6 +262,13 @@ class MultiHeadAttention:
         Source (or seed) for the random initial weights: Glorot-uniform
         weights and zero biases, for demos and tests.  Real weights come
         through :meth:`from_torch`, :meth:`from_keras` or :meth:`from_arrays`.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` applied to every call, the KV cache
+        included (the ``window`` of
+        :func:`attncore.scaled_dot_product_attention`: query i attends keys
+        ``i + off - left .. i + off + right``, ``-1`` = unbounded on that
+        side, ``off`` following the call's causal alignment).  Default None:
+        every key.  Also a settable attribute.
 
     Attributes
     ----------
@@ -279,6 +286,8 @@ class MultiHeadAttention:
         sizes (e.g. Keras' ``key_dim`` / ``value_dim``).
     scale : float
         ``1 / sqrt(head_dim)``.
+    window : (int, int) or None
+        The sliding window of every call (settable).
 
     Examples
     --------
@@ -477,7 +486,8 @@ class MultiHeadAttention:
                     k_bias: ArrayLike | None = None, v_bias: ArrayLike | None = None,
                     out_bias: ArrayLike | None = None, num_heads: int,
                     num_kv_heads: int | None = None,
-                    dtype: DTypeLike | None = None) -> MultiHeadAttention:
+                    dtype: DTypeLike | None = None,
+                    window: tuple[int, int] | None = None) -> MultiHeadAttention:
         """Layer from weight arrays in PyTorch's Linear layout.
 
         Parameters
@@ -493,6 +503,9 @@ class MultiHeadAttention:
             Default ``num_heads``.
         dtype : {float32, float64}, optional
             Default: float64 if ``q_weight`` is float64, else float32.
+        window : (int, int), optional
+            Sliding window ``(left, right)`` of every call (see the class
+            parameters); default None, every key.
 
         The arrays are copied; head sizes follow from the shapes, so
         ``head_dim`` need not be ``embed_dim // num_heads``.
@@ -501,13 +514,15 @@ class MultiHeadAttention:
             dtype = np.float64 if to_numpy(q_weight, "q_weight").dtype == np.float64 \
                 else np.float32
         self = cls.__new__(cls)
+        self.window = window
         self._setup(num_heads, num_kv_heads, q_weight, k_weight, v_weight, out_weight,
                     q_bias, k_bias, v_bias, out_bias, dtype=dtype)
         return self
 
     @classmethod
     def from_torch(cls, state_dict_or_module: Any, num_heads: int | None = None, *,
-                   dtype: DTypeLike | None = None) -> MultiHeadAttention:
+                   dtype: DTypeLike | None = None,
+                   window: tuple[int, int] | None = None) -> MultiHeadAttention:
         """Layer from a ``torch.nn.MultiheadAttention`` or its state dict.
 
         Parameters
@@ -523,6 +538,10 @@ class MultiHeadAttention:
             must equal) ``module.num_heads``.
         dtype : {float32, float64}, optional
             Default: the tensors' dtype if float64, else float32.
+        window : (int, int), optional
+            Sliding window ``(left, right)`` of every call (see the class
+            parameters); default None, every key.  torch's module has no
+            such option: this adds one.
 
         Raises
         ------
@@ -551,11 +570,13 @@ class MultiHeadAttention:
         * ``need_weights`` defaults to True in PyTorch and False here;
           dropout is not applied (inference).
         """
-        return cls.from_arrays(**torch_arrays(state_dict_or_module, num_heads, dtype))
+        return cls.from_arrays(**torch_arrays(state_dict_or_module, num_heads, dtype),
+                               window=window)
 
     @classmethod
     def from_keras(cls, layer_or_weights: Any, config: dict | None = None, *,
-                   dtype: DTypeLike | None = None) -> MultiHeadAttention:
+                   dtype: DTypeLike | None = None,
+                   window: tuple[int, int] | None = None) -> MultiHeadAttention:
         """Layer from a Keras 3 ``keras.layers.MultiHeadAttention``.
 
         Parameters
@@ -571,6 +592,9 @@ class MultiHeadAttention:
             unsupported options.
         dtype : {float32, float64}, optional
             Default: float64 if the kernels are, else float32.
+        window : (int, int), optional
+            Sliding window ``(left, right)`` of every call (see the class
+            parameters); default None, every key.
 
         Notes
         -----
@@ -592,7 +616,7 @@ class MultiHeadAttention:
             multi-dimensional ``output_shape``, ``use_gate=True`` or a
             ``sliding_window``.
         """
-        return cls.from_arrays(**keras_arrays(layer_or_weights, config, dtype))
+        return cls.from_arrays(**keras_arrays(layer_or_weights, config, dtype), window=window)
 
     # ------------------------------------------------------------ cache
     def new_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:

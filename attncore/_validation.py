@@ -26,6 +26,8 @@ from ._dtypes import is_bf16, resolve
 __all__ = [
     "to_array", "as_float_array", "aligned", "blas_rows", "parse_bool", "parse_positive_int",
     "parse_float_dtype", "compute_dtype", "parse_causal", "parse_scale", "parse_mask",
+    "parse_window", "parse_softcap", "broadcast_batch", "check_operands", "check_mask",
+    "batch_shape",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -258,3 +260,104 @@ def parse_mask(mask: Any, name: str, allow_float: bool = True) -> Tuple[np.ndarr
             f"{name} must be a bool array (True = take part) or a float array "
             f"(added to the scores), got dtype {dt}")
     raise TypeError(f"{name} must be a bool array (True = take part), got dtype {dt}")
+
+
+# --------------------------------------------------------------------------
+# scaled_dot_product_attention's operands (attncore.functional and
+# attncore.dask both call these)
+# --------------------------------------------------------------------------
+def broadcast_batch(shapes, names):
+    """NumPy broadcasting of batch shapes, with an error naming the inputs."""
+    nd = max((len(s) for s in shapes), default=0)
+    out = [1] * nd
+    for s in shapes:
+        for i, n in enumerate(s):
+            j = nd - len(s) + i
+            if n != 1:
+                if out[j] == 1:
+                    out[j] = n
+                elif out[j] != n:
+                    desc = ", ".join(f"{nm} {tuple(sh)}" for nm, sh in zip(names, shapes))
+                    raise ValueError(
+                        f"batch dimensions (all but the last two) are not broadcastable: {desc}")
+    return tuple(out)
+
+
+def check_operands(query, key, value):
+    """query, key, value as float arrays of matching trailing shapes.
+
+    Dtype, rank and trailing-shape checks only: an array whose memory is
+    never read (``numpy.broadcast_to(numpy.zeros((), dtype), shape)``) is
+    checked like the array it stands for, which is how ``attncore.dask``
+    runs these same checks on dask arrays without computing them.
+    """
+    q = as_float_array(query, "query", "attn_mask", allow_bf16=True)
+    k = as_float_array(key, "key", "attn_mask", allow_bf16=True)
+    v = as_float_array(value, "value", "attn_mask", allow_bf16=True)
+    for nm, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim < 2:
+            raise ValueError(f"{nm} must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
+    D, Dk = q.shape[-1], k.shape[-1]
+    M, Mv = k.shape[-2], v.shape[-2]
+    if Dk != D:
+        raise ValueError(
+            f"key last dimension must equal query's (D = {D}), got key shape {k.shape} "
+            f"and query shape {q.shape}")
+    if Mv != M:
+        raise ValueError(
+            f"value must have as many rows as key (M = {M}) in axis -2, got value shape "
+            f"{v.shape} and key shape {k.shape}")
+    if D == 0:
+        raise ValueError(f"query last dimension (D) must be >= 1, got query shape {q.shape}")
+    return q, k, v
+
+
+def check_mask(attn_mask, N: int, M: int):
+    """(mask array of >= 2 dims or None, kind: 0 none, 1 bool, 2 float)."""
+    if attn_mask is None:
+        return None, 0
+    m, kind = parse_mask(attn_mask, "attn_mask")
+    if m.ndim < 2:
+        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+    if m.shape[-2] not in (1, N) or m.shape[-1] not in (1, M):
+        raise ValueError(
+            f"attn_mask must be broadcastable to (..., N, M) = (..., {N}, {M}), got shape "
+            f"{np.shape(attn_mask)}")
+    return m, kind
+
+
+def batch_shape(q, k, v, m, enable_gqa: bool):
+    """(broadcast batch shape, query heads per key/value head)."""
+    qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    mb = () if m is None else m.shape[:-2]
+    group = 1
+    if enable_gqa:
+        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+            raise ValueError(
+                "enable_gqa=True needs a head axis (-3) on query, key and value, got shapes "
+                f"query {q.shape}, key {k.shape}, value {v.shape}")
+        Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        if Hk != Hv:
+            raise ValueError(
+                f"key and value must have the same number of heads (axis -3), got key {Hk} "
+                f"and value {Hv}")
+        if Hk == 0 or Hq % Hk != 0:
+            raise ValueError(
+                f"with enable_gqa=True the key/value heads (axis -3, {Hk}) must divide the "
+                f"query heads ({Hq})")
+        group = Hq // Hk
+        if group > 1:
+            kb = kb[:-1] + (Hq,)
+            vb = vb[:-1] + (Hq,)
+    if qb == kb == vb and not mb:
+        return qb, group
+    try:
+        return broadcast_batch([qb, kb, vb, mb], ["query", "key", "value", "attn_mask"]), group
+    except ValueError as exc:
+        if (not enable_gqa and q.ndim >= 3 and k.ndim >= 3
+                and k.shape[-3] not in (1, q.shape[-3])
+                and q.shape[-3] % max(k.shape[-3], 1) == 0):
+            raise ValueError(
+                f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
+                f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
+        raise

@@ -3,7 +3,9 @@
 Two ways to scale out, both on an existing Dask cluster (or Dask's local
 schedulers), with no scheduler of attncore's own:
 
-* :func:`scaled_dot_product_attention` -- the functional API on dask arrays.
+* :func:`scaled_dot_product_attention` -- the functional API on dask arrays
+  (the core's arguments: masks, causal alignments, ``window``, ``softcap``,
+  int8 ``(array, scales)`` pairs, ``return_lse``; the core's checks).
   Batch and head axes are split by their chunks (chunks unified across the
   operands), query chunks are independent, and **key / value chunks are
   attended separately**: each (query chunk, key chunk) pair gives a partial
@@ -24,8 +26,9 @@ Task graph of one query chunk ``i`` over key chunks ``j``::
                    out block i                            cast to the result dtype
 
 Structure known when the graph is built removes work: a (query chunk, key
-chunk) pair above the causal diagonal creates no task, one below it runs
-without a causal mask, and only pairs the diagonal crosses pay for it.  A
+chunk) pair above the causal diagonal or outside every row's sliding window
+creates no task, one entirely inside runs without a causal mask or window,
+and only pairs the band's edges cross pay for it.  A
 NumPy ``attn_mask`` is inspected too (pairs it masks entirely create no
 task); a dask mask is not computed to build the graph, so its fully masked
 pairs still run (quickly: the kernel skips masked key tiles) and contribute
@@ -39,7 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
 
@@ -48,10 +51,13 @@ import dask.array as da
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from .functional import _batch_shape, merge_attention
+from .functional import merge_attention
 from .functional import scaled_dot_product_attention as _sdpa
+from ._quant import split_quantized
 from ._threads import resolve_num_threads
-from ._validation import compute_dtype, parse_bool, parse_causal, parse_scale
+from ._dtypes import resolve
+from ._validation import (as_float_array, batch_shape, check_mask, check_operands,
+                          parse_bool, parse_causal, parse_scale, parse_softcap, parse_window)
 
 __all__ = ["scaled_dot_product_attention", "map_batches"]
 
@@ -67,12 +73,6 @@ def _kind(x: Any, name: str, optional: bool = False) -> str:
         return "numpy"
     what = "a dask array or a NumPy array" + (" (or None)" if optional else "")
     raise TypeError(f"{name} must be {what}, got {type(x).__module__}.{type(x).__qualname__}")
-
-
-def _check_float(x: Any, name: str) -> None:
-    dt = x.dtype
-    if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
-        raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {dt}")
 
 
 def _check_known(x: da.Array, name: str) -> None:
@@ -156,46 +156,55 @@ def _cast(x: np.ndarray, dt: np.dtype) -> np.ndarray:
     return x if x.dtype == dt else x.astype(dt)
 
 
-def _block_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, m: np.ndarray | None,
-                   shift: int | None, scale: float, gqa: bool, num_threads: int | None,
-                   cdt: str) -> tuple[np.ndarray, np.ndarray]:
+def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.ndarray,
+                   vs: np.ndarray | None, m: np.ndarray | None,
+                   band: tuple[int | None, int | None] | None, scale: float, gqa: bool,
+                   softcap: float | None, num_threads: int | None,
+                   cdt: str, precision: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) of one query block over one key block, in the compute dtype.
 
-    ``shift``: None when every key of the block is visible to every query of
-    it; else query row r (of the block) sees key column c when
-    ``c <= r + shift`` (the causal diagonal in the block's own coordinates).
+    ``ks`` / ``vs``: the scales (..., Mc, 1) of an int8 key / value block, or
+    None for a float block.  ``band``: None when every key of the block is
+    visible to every query of it; else ``(a, b)``: query row r (of the
+    block) sees key column c when ``r - a <= c <= r + b`` (None: no bound on
+    that side) -- the causal diagonal and the sliding window in the block's
+    own coordinates.  The core's ``window`` cannot begin a row's keys after
+    the row's own column (a < 0) nor end them before it (b < 0): the keys
+    before the first visible one, or the rows that see nothing, are sliced
+    off first, and those rows give 0 (lse -inf).
     """
     dt = np.dtype(cdt)
-    q, k, v = _cast(q, dt), _cast(k, dt), _cast(v, dt)
-    n, mk = q.shape[-2], k.shape[-2]
+    q = _cast(q, dt)
+    n = q.shape[-2]
+    r0 = c0 = 0
+    window = None
+    if band is not None:
+        a, b = band
+        if a is not None and a < 0:      # keys [0, -a) are before every row's band
+            c0, b, a = -a, (None if b is None else b + a), 0
+        if b is not None and b < 0:      # rows [0, -b) see no key of this block
+            r0, a, b = -b, (None if a is None else a + b), 0
+        window = (-1 if a is None else a, -1 if b is None else b)
 
-    def call(qq, kk, vv, mm, causal):
-        return _sdpa(qq, kk, vv, mm, is_causal=causal, scale=scale, enable_gqa=gqa,
-                     return_lse=True, num_threads=num_threads)
-
-    if shift is None or shift >= mk - 1:
-        return call(q, k, v, m, False)
-    if shift == 0:
-        return call(q, k, v, m, True)
-    if shift == mk - n and n <= mk:
-        return call(q, k, v, m, "lower_right")
-    if shift > 0:
-        # keys [0, shift) are visible to every row; keys [shift, mk) form an
-        # upper-left causal block
-        def keys(mm, sl):
-            return mm if mm is None or mm.shape[-1] == 1 else mm[..., sl]
-        a = call(q, k[..., :shift, :], v[..., :shift, :], keys(m, slice(None, shift)), False)
-        b = call(q, k[..., shift:, :], v[..., shift:, :], keys(m, slice(shift, None)), True)
-        return merge_attention([a[0], b[0]], [a[1], b[1]])
-    # shift < 0: rows [0, -shift) see nothing; row r >= -shift sees keys
-    # c <= r + shift, an upper-left causal block of the later rows
-    r0 = -shift
-    mm = m if m is None or m.shape[-2] == 1 else m[..., r0:, :]
-    o2, l2 = call(q[..., r0:, :], k, v, mm, True)
-    out = np.zeros(o2.shape[:-2] + (n, o2.shape[-1]), dtype=o2.dtype)
-    lse = np.full(l2.shape[:-1] + (n,), -np.inf, dtype=l2.dtype)
-    out[..., r0:, :] = o2
-    lse[..., r0:] = l2
+    def operand(x, s):
+        x = x[..., c0:, :] if c0 else x
+        if s is None:
+            return _cast(x, dt)
+        return (x, (s[..., c0:, :] if c0 else s)[..., 0])
+    if m is not None:
+        if r0 and m.shape[-2] != 1:
+            m = m[..., r0:, :]
+        if c0 and m.shape[-1] != 1:
+            m = m[..., c0:]
+    out, lse = _sdpa(q[..., r0:, :] if r0 else q, operand(k, ks), operand(v, vs), m,
+                     scale=scale, enable_gqa=gqa, return_lse=True, window=window,
+                     softcap=softcap, num_threads=num_threads, precision=precision)
+    if r0:
+        full = np.zeros(out.shape[:-2] + (n, out.shape[-1]), dtype=out.dtype)
+        full_lse = np.full(lse.shape[:-1] + (n,), -np.inf, dtype=lse.dtype)
+        full[..., r0:, :] = out
+        full_lse[..., r0:] = lse
+        out, lse = full, full_lse
     return out, lse
 
 
@@ -207,8 +216,80 @@ def _finish(part: tuple[np.ndarray, np.ndarray], rdt: str) -> np.ndarray:
     return _cast(part[0], np.dtype(rdt))
 
 
+def _finish_lse(part: tuple[np.ndarray, np.ndarray], ldt: str) -> np.ndarray:
+    return _cast(part[1], np.dtype(ldt))
+
+
 def _zeros(shape: tuple[int, ...], rdt: str) -> np.ndarray:
     return np.zeros(shape, dtype=np.dtype(rdt))
+
+
+def _neg_inf(shape: tuple[int, ...], ldt: str) -> np.ndarray:
+    return np.full(shape, -np.inf, dtype=np.dtype(ldt))
+
+
+# --------------------------------------------------------------------------
+# scaled_dot_product_attention: arguments
+# --------------------------------------------------------------------------
+def _standin(x: Any) -> np.ndarray:
+    """A NumPy array of ``x``'s shape and dtype whose memory is one element:
+    the core's own checks run on it as on ``x``, without computing ``x``."""
+    dt = np.dtype(x.dtype)
+    return np.broadcast_to(np.zeros((), dt if dt.isnative else dt.newbyteorder("=")), x.shape)
+
+
+def _operand(x: Any, name: str) -> tuple[Any, Any]:
+    """(array, scales or None) of ``key`` / ``value``: an array, or the
+    ``(int8 array, scales)`` pair of :func:`attncore.quantize_kv`; each part
+    a dask or a NumPy array (the core's checks run on stand-ins)."""
+    if isinstance(x, (tuple, list)) and len(x) == 2:
+        data, scales = x
+        for part, nm in ((data, name), (scales, f"{name} scales")):
+            if _kind(part, nm) == "dask":
+                _check_known(part, nm)
+        split_quantized((_standin(data), _standin(scales)), name)
+        return data, scales
+    if _kind(x, name) == "dask":
+        _check_known(x, name)
+    split_quantized(_standin(x), name)          # a bare int8 array: an error
+    return x, None
+
+
+class _Band(NamedTuple):
+    """The keys query i may see, over the whole arrays: ``i + lo <= j <=
+    i + hi`` (None: unbounded) -- the causal diagonal and the window."""
+
+    lo: int | None
+    hi: int | None
+
+    def live(self, i0: int, i1: int, j0: int, j1: int) -> bool:
+        """Whether some query of [i0, i1) sees some key of [j0, j1)."""
+        # each row's keys form an interval moving right by one per row, so
+        # the rows' intervals together cover [i0 + lo, i1 - 1 + hi]
+        return ((self.lo is None or i0 + self.lo <= j1 - 1)
+                and (self.hi is None or i1 - 1 + self.hi >= j0))
+
+    def block(self, i0: int, i1: int, j0: int, j1: int) -> tuple[int | None, int | None] | None:
+        """The band in the block's coordinates, ``(a, b)`` of
+        :func:`_block_partial`; None when every query sees every key."""
+        if ((self.lo is None or i1 - 1 + self.lo <= j0)
+                and (self.hi is None or i0 + self.hi >= j1 - 1)):
+            return None
+        shift = i0 - j0
+        return (None if self.lo is None else -(shift + self.lo),
+                None if self.hi is None else shift + self.hi)
+
+
+def _band(causal: int, window: tuple[int, int], N: int, M: int) -> _Band | None:
+    """The core's causal and window rules as one band (None: no band)."""
+    left, right = window
+    if not causal and left == -1 and right == -1:
+        return None
+    off = M - N if causal == 2 else 0
+    hi = None if right == -1 else right
+    if causal:
+        hi = 0 if hi is None else min(hi, 0)
+    return _Band(None if left == -1 else off - left, None if hi is None else off + hi)
 
 
 # --------------------------------------------------------------------------
@@ -223,28 +304,39 @@ def scaled_dot_product_attention(
     is_causal: bool | Literal["upper_left", "lower_right"] = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-    num_threads: int | None = 1,
+    return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    num_threads: int | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
     split_every: int | None = None,
-) -> da.Array:
+) -> Any:
     """Scaled dot-product attention on dask arrays, key chunks merged exactly.
 
-    The same computation as :func:`attncore.scaled_dot_product_attention`
-    (same arguments, masks, causal alignments, grouped-query heads, dtype
-    rules), run as a Dask graph: lazily, chunk by chunk.
+    The computation of :func:`attncore.scaled_dot_product_attention` -- the
+    same arguments except ``return_weights`` (an N x M array is what this
+    module avoids), plus ``split_every``; the same masks, causal alignments,
+    sliding windows, soft-capping, int8 keys / values, grouped-query heads,
+    dtype rules and errors (the core's own argument checks run on the
+    arrays' shapes and dtypes) -- run as a Dask graph: lazily, chunk by
+    chunk.
 
     Parameters
     ----------
     query : dask.array.Array or numpy.ndarray, shape (..., N, D)
-    key : dask.array.Array or numpy.ndarray, shape (..., M, D)
-    value : dask.array.Array or numpy.ndarray, shape (..., M, Dv)
-        float16, float32 or float64.  Leading (batch, head) dimensions
-        broadcast by NumPy rules and may be chunked any way: their chunks are
-        unified (rechunked to the common refinement).  The query axis (N) of
-        ``query`` and the key axis (M) of ``key`` / ``value`` may be chunked
-        any way; ``value`` must be chunked like ``key`` along M.  The last
-        axes (D, Dv) are brought to one chunk.  A NumPy operand is wrapped
-        with the chunks of its dask partners along N and M (one chunk per
-        axis when it has none).
+    key : dask.array.Array or numpy.ndarray, shape (..., M, D), or a pair
+    value : dask.array.Array or numpy.ndarray, shape (..., M, Dv), or a pair
+        float16, float32 or float64; ``key`` and ``value`` may also be the
+        ``(int8 array, float scales (..., M))`` pair of
+        :func:`attncore.quantize_kv` (each part a dask or a NumPy array;
+        the scales are chunked like their array).  Leading (batch, head)
+        dimensions broadcast by NumPy rules and may be chunked any way:
+        their chunks are unified (rechunked to the common refinement).  The
+        query axis (N) of ``query`` and the key axis (M) of ``key`` /
+        ``value`` may be chunked any way; ``value`` must be chunked like
+        ``key`` along M.  The last axes (D, Dv) are brought to one chunk.  A
+        NumPy operand is wrapped with the chunks of its dask partners along
+        N and M (one chunk per axis when it has none).
     attn_mask : dask.array.Array or numpy.ndarray, optional
         bool (True = attend) or float (added to the scaled scores),
         broadcastable to (..., N, M), e.g. key padding (B, 1, 1, M); never
@@ -254,17 +346,32 @@ def scaled_dot_product_attention(
     is_causal : bool or {'upper_left', 'lower_right'}, default False
         ``True`` / ``'upper_left'``: query i attends to keys j <= i;
         ``'lower_right'``: to keys j <= i + M - N.  Positions are absolute
-        (over the whole arrays, not per chunk).  Pairs of chunks above the
-        diagonal create no task.
+        (over the whole arrays, not per chunk).
     scale : float, optional
         Factor on ``Q K^T``; default ``1 / sqrt(D)``.
     enable_gqa : bool, default False
         Grouped-query attention: key / value heads (axis -3) Hk dividing the
         query heads Hq; a chunk of query heads then covers whole groups.
-    num_threads : int, optional, default 1
-        OpenMP threads of each task's attncore call (``None``: OpenMP's
-        default, ``-1``: all cores).  Keep ``workers x threads per worker x
+    return_lse : bool, default False
+        Also return the log-sum-exp of each query row, shape (..., N), in
+        the compute dtype, as the core does.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` over absolute positions, the core's
+        convention (``-1``: unbounded on that side; it follows the causal
+        alignment).  A (query chunk, key chunk) pair outside every row's
+        band creates no task, as one above the causal diagonal does.
+    softcap : float, optional
+        Logit soft-capping, ``softcap * tanh(score / softcap)``, as the core.
+    num_threads : int, optional
+        OpenMP threads of each task's core call, with the core's meaning:
+        ``None`` (default) OpenMP's default *on the worker* (``distributed``
+        workers start with ``OMP_NUM_THREADS=1``; under Dask's threaded
+        scheduler every task would use all cores: pass 1 there), ``-1`` all
+        cores, ``k >= 1`` k threads.  Keep ``workers x threads per worker x
         num_threads`` at or below the cores.
+    precision : {None, 'float32', 'bfloat16'}, optional
+        The dot products' precision, as the core (each block is computed
+        in the compute dtype).
     split_every : int, optional
         How many partial results one merge task combines (the fan-in of the
         tree reduction over key chunks); default Dask's ``split_every``
@@ -272,70 +379,76 @@ def scaled_dot_product_attention(
 
     Returns
     -------
-    dask.array.Array, shape (..., N, Dv)
+    out : dask.array.Array, shape (..., N, Dv)
         Lazy; chunked like the (unified) batch axes and the query axis, one
         chunk along Dv.  In the result dtype of the in-memory call.
         ``.compute()`` equals it to float rounding.
+    lse : dask.array.Array, shape (..., N)
+        Only with ``return_lse=True``; chunked like ``out`` without its
+        last axis.
 
     Raises
     ------
     TypeError
-        An operand that is neither a dask nor a NumPy array, or of a wrong
-        dtype; bad option types.
+        An operand that is neither a dask nor a NumPy array (nor, for key
+        and value, such a pair), or of a wrong dtype; bad option types.
     ValueError
-        Shapes that do not match or broadcast; chunks that cannot be
-        unified (unknown sizes) or that disagree along the key / query axis
-        (``value`` vs ``key``, ``attn_mask`` vs ``key`` / ``query``).
+        Shapes that do not match or broadcast; bad option values; chunks
+        that cannot be unified (unknown sizes) or that disagree along the
+        key / query axis (``value`` vs ``key``, ``attn_mask`` vs ``key`` /
+        ``query``).
 
     Notes
     -----
     * Memory of one task: a query chunk (Nc x D), one key and value chunk
-      (Mc x (D + Dv)), the mask chunk, and the partial result (Nc x Dv plus
-      Nc log-sum-exps) per batch block; a merge task holds ``split_every``
-      partials.  Nothing of size N x M exists.
-    * A query row with nothing to attend (masked, or before the first key
-      under ``'lower_right'`` with N > M) gives 0; NaN in attended inputs
-      propagates, as in the in-memory call.
+      (Mc x (D + Dv), a quarter of that in int8), the mask chunk, and the
+      partial result (Nc x Dv plus Nc log-sum-exps) per batch block; a
+      merge task holds ``split_every`` partials.  Nothing of size N x M
+      exists.
+    * A query row with nothing to attend (masked, outside its window, or
+      before the first key under ``'lower_right'`` with N > M) gives 0 and
+      lse -inf; NaN in attended inputs propagates, as in the in-memory call.
     """
-    for nm, x, opt in (("query", query, False), ("key", key, False), ("value", value, False),
-                       ("attn_mask", attn_mask, True)):
-        if x is not None or not opt:
-            if _kind(x, nm, opt) == "dask":
-                _check_known(x, nm)
-    for nm, x in (("query", query), ("key", key), ("value", value)):
-        _check_float(x, nm)
-        if x.ndim < 2:
-            raise ValueError(f"{nm} must have at least 2 dimensions (..., length, dim), got shape {x.shape}")
-    if attn_mask is not None:
-        mdt = attn_mask.dtype
-        if not (mdt == np.bool_ or (mdt.kind == "f" and mdt.itemsize in (2, 4, 8))):
-            raise TypeError(f"attn_mask must be a bool array (True = take part) or a float array "
-                            f"(added to the scores), got dtype {mdt}")
-    N, D = query.shape[-2], query.shape[-1]
-    M, Dv = key.shape[-2], value.shape[-1]
-    if key.shape[-1] != D:
-        raise ValueError(f"key last dimension must equal query's (D = {D}), got key shape "
-                         f"{key.shape} and query shape {query.shape}")
-    if value.shape[-2] != M:
-        raise ValueError(f"value must have as many rows as key (M = {M}) in axis -2, got value "
-                         f"shape {value.shape} and key shape {key.shape}")
-    if D == 0:
-        raise ValueError(f"query last dimension (D) must be >= 1, got query shape {query.shape}")
-    m = attn_mask
-    if m is not None:
-        if m.ndim < 2:
-            m = m[(None,) * (2 - m.ndim)]
-        if m.shape[-2] not in (1, N) or m.shape[-1] not in (1, M):
-            raise ValueError(f"attn_mask must be broadcastable to (..., N, M) = (..., {N}, {M}), "
-                             f"got shape {attn_mask.shape}")
+    # ---- the core's checks, on stand-ins of the operands ----
+    if _kind(query, "query") == "dask":
+        _check_known(query, "query")
+    kdata, kscales = _operand(key, "key")
+    vdata, vscales = _operand(value, "value")
+    if attn_mask is not None and _kind(attn_mask, "attn_mask", True) == "dask":
+        _check_known(attn_mask, "attn_mask")
+    q_s = _standin(query)
+    k_s, v_s = _standin(kdata), _standin(vdata)
+    if kscales is not None or vscales is not None:
+        # int8 takes no part in the checks' dtype rules (as in the core)
+        qdt = as_float_array(q_s, "query").dtype
+        if kscales is not None:
+            k_s = np.broadcast_to(np.zeros((), qdt), kdata.shape)
+        if vscales is not None:
+            v_s = np.broadcast_to(np.zeros((), qdt), vdata.shape)
+    q_s, k_s, v_s = check_operands(q_s, k_s, v_s)
+    N, D = q_s.shape[-2], q_s.shape[-1]
+    M, Dv = k_s.shape[-2], v_s.shape[-1]
+    m_s, _ = check_mask(None if attn_mask is None else _standin(attn_mask), N, M)
     causal = parse_causal(is_causal)
     sc = parse_scale(scale, D)
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
-    if num_threads is not None:
-        resolve_num_threads(num_threads)  # validates
+    return_lse = parse_bool(return_lse, "return_lse")
+    win = parse_window(window)
+    cap = parse_softcap(softcap) or None
+    resolve_num_threads(num_threads)  # validates; each task resolves it on its worker
     se = _parse_split_every(split_every)
-    bshape, group = _batch_shape(query, key, value, m, enable_gqa)
-    cdt, rdt = compute_dtype(np.dtype(query.dtype), np.dtype(key.dtype), np.dtype(value.dtype))
+    bshape, group = batch_shape(q_s, k_s, v_s, m_s, enable_gqa)
+    pol = resolve((q_s.dtype, k_s.dtype, v_s.dtype), ("query", "key", "value"), precision)
+    cdt, rdt = pol.compute, pol.result
+    pol_prec = None if precision is None else str(precision)
+    ldt = cdt  # the core's log-sum-exp dtype
+    m = attn_mask
+    if m is not None and m.ndim < 2:
+        m = m[(None,) * (2 - m.ndim)]
+    dv_dummy = Dv == 0 and return_lse and N > 0 and M > 0 and math.prod(bshape) > 0
+    if dv_dummy:
+        # the lse is defined without value columns: run with one zero column
+        vdata, vscales = np.broadcast_to(np.zeros((), cdt), vdata.shape[:-1] + (1,)), None
 
     # ---- every operand as a dask array, chunked consistently ----
     def first_dask_chunks(cands):
@@ -344,14 +457,19 @@ def scaled_dot_product_attention(
                 return x.chunks[ax]
         return None
 
-    n_chunks = first_dask_chunks([(query, -2, N), (m, -2, N)] if m is not None else [(query, -2, N)])
-    m_cands = [(key, -2, M), (value, -2, M)] + ([(m, -1, M)] if m is not None else [])
+    n_chunks = first_dask_chunks([(query, -2, N)] + ([(m, -2, N)] if m is not None else []))
+    m_cands = [(kdata, -2, M), (vdata, -2, M)]
+    m_cands += [(s, -1, M) for s in (kscales, vscales) if s is not None]
+    m_cands += [(m, -1, M)] if m is not None else []
     m_chunks = first_dask_chunks(m_cands)
     mask_np = m if isinstance(m, np.ndarray) else None
-    ops = {}
-    for nm, x in (("query", query), ("key", key), ("value", value), ("attn_mask", m)):
+    ops: dict[str, Any] = {}
+    for nm, x in (("query", query), ("key", kdata), ("value", vdata), ("attn_mask", m),
+                  ("key scales", kscales), ("value scales", vscales)):
         if x is None:
             continue
+        if nm.endswith("scales"):
+            x = x[..., None]                 # (..., M, 1): laid out like its array
         if isinstance(x, np.ndarray):
             spec = {-2: n_chunks} if nm == "query" else {-2: m_chunks}
             if nm == "attn_mask":
@@ -368,6 +486,12 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"value must be chunked like key along the key axis (-2): key chunks {k.chunks[-2]}, "
             f"value chunks {v.chunks[-2]}; rechunk one of them")
+    # the scales follow their array (they are small: rechunked, not refused)
+    kss, vss = ops.get("key scales"), ops.get("value scales")
+    if kss is not None and kss.chunks[:-1] != k.chunks[:-1]:
+        kss = kss.rechunk(k.chunks[:-1] + ((1,),))
+    if vss is not None and vss.chunks[:-1] != v.chunks[:-1]:
+        vss = vss.rechunk(v.chunks[:-1] + ((1,),))
     if dm is not None:
         if dm.shape[-1] == M and M != 1 and dm.chunks[-1] != k.chunks[-2]:
             raise ValueError(
@@ -382,28 +506,39 @@ def scaled_dot_product_attention(
 
     # ---- one rank for all; batch axes unified ----
     L = len(bshape) + 2
-    arrs = [q, k, v] + ([dm] if dm is not None else [])
-    arrs = [a[(None,) * (L - a.ndim)] if a.ndim < L else a for a in arrs]
+    gq = group if enable_gqa and group > 1 else 1
+    named = [("q", q, 1), ("k", k, gq), ("v", v, gq), ("m", dm, 1), ("ks", kss, gq),
+             ("vs", vss, gq)]
+    named = [(nm, a, s) for nm, a, s in named if a is not None]
+    arrs = [a[(None,) * (L - a.ndim)] if a.ndim < L else a for _, a, _ in named]
     if mask_np is not None:
         mask_np = mask_np.reshape((1,) * (L - mask_np.ndim) + mask_np.shape)
-    gq = group if enable_gqa and group > 1 else 1
-    scales = [1, gq, gq] + ([1] if dm is not None else [])
-    arrs, out_batch_chunks = _unify_batch(arrs, tuple(bshape), scales)
-    q, k, v = arrs[:3]
-    dm = arrs[3] if dm is not None else None
+    arrs, out_batch_chunks = _unify_batch(arrs, tuple(bshape), [s for _, _, s in named])
+    unified = {nm: a for (nm, _, _), a in zip(named, arrs)}
+    q, k, v = unified["q"], unified["k"], unified["v"]
+    dm, kss, vss = unified.get("m"), unified.get("ks"), unified.get("vs")
 
-    out_chunks = tuple(out_batch_chunks) + (q.chunks[-2], (Dv,))
-    out_shape = tuple(bshape) + (N, Dv)
-    token = tokenize(q, k, v, dm, causal, sc, enable_gqa, num_threads, se, str(cdt), str(rdt))
+    out_chunks = tuple(out_batch_chunks) + (q.chunks[-2], (v.shape[-1],))
+    out_shape = tuple(bshape) + (N, v.shape[-1])
+    lse_chunks = tuple(out_batch_chunks) + (q.chunks[-2],)
+    token = tokenize(q, k, v, dm, kss, vss, causal, sc, enable_gqa, win, cap, num_threads, se,
+                     return_lse, str(cdt), str(rdt), precision)
     name = f"attncore-sdpa-{token}"
-    meta = np.empty((0,) * L, dtype=rdt)
-    if 0 in out_shape or M == 0:
-        return da.zeros(out_shape, chunks=out_chunks, dtype=rdt)
+    lname = f"attncore-sdpa-lse-{token}"
 
-    # ---- structure known now: causal diagonal, NumPy mask ----
+    def results(out: da.Array, lse: da.Array) -> Any:
+        if dv_dummy:
+            out = out[..., :0]
+        return (out, lse) if return_lse else out
+
+    if 0 in out_shape or M == 0:
+        return results(da.zeros(out_shape, chunks=out_chunks, dtype=rdt),
+                       da.full(out_shape[:-1], -np.inf, chunks=lse_chunks, dtype=ldt))
+
+    # ---- structure known now: causal diagonal and window, NumPy mask ----
     qb = _boundaries(q.chunks[-2])
     kb = _boundaries(k.chunks[-2])
-    off = 0 if causal != 2 else M - N
+    band = _band(causal, win, N, M)
     live_mask = None
     if mask_np is not None and dm is not None:
         allowed = mask_np if mask_np.dtype == np.bool_ else (mask_np != -np.inf)
@@ -416,10 +551,15 @@ def scaled_dot_product_attention(
     def block_of(a: da.Array, ax: int, b: int) -> int:
         return b if a.numblocks[ax] > 1 else 0
 
+    def kv_key(a: da.Array | None, bidx: tuple[int, ...], j: int) -> Any:
+        if a is None:
+            return None
+        return (a.name,) + tuple(block_of(a, ax, b) for ax, b in enumerate(bidx)) + (j, 0)
+
     dsk: dict = {}
     pname, mname = f"{name}-partial", f"{name}-merge"
     nq, nk = len(qb) - 1, len(kb) - 1
-    cdt_s, rdt_s = np.dtype(cdt).str, np.dtype(rdt).str
+    cdt_s, rdt_s, ldt_s = np.dtype(cdt).str, np.dtype(rdt).str, np.dtype(ldt).str
     batch_ranges = [range(len(c)) for c in out_batch_chunks]
     for bidx in itertools.product(*batch_ranges):
         bsizes = tuple(out_batch_chunks[ax][b] for ax, b in enumerate(bidx))
@@ -431,13 +571,11 @@ def scaled_dot_product_attention(
                 j0, j1 = kb[j], kb[j + 1]
                 if i1 == i0 or j1 == j0:
                     continue
-                shift: int | None = None
-                if causal:
-                    shift = i0 + off - j0
-                    if j0 > i1 - 1 + off:        # above the diagonal: nothing to attend
+                blk = None
+                if band is not None:
+                    if not band.live(i0, i1, j0, j1):   # outside every row's band: no task
                         continue
-                    if j1 - 1 <= i0 + off:       # below it: every key visible
-                        shift = None
+                    blk = band.block(i0, i1, j0, j1)
                 mkey = None
                 if dm is not None:
                     mb = tuple(block_of(dm, ax, b) for ax, b in enumerate(bidx))
@@ -445,15 +583,16 @@ def scaled_dot_product_attention(
                     if live_mask is not None and not live_mask[mb]:
                         continue
                     mkey = (dm.name,) + mb
-                kbi = tuple(block_of(k, ax, b) for ax, b in enumerate(bidx))
-                vbi = tuple(block_of(v, ax, b) for ax, b in enumerate(bidx))
                 key_ = (pname,) + bidx + (i, j)
-                dsk[key_] = (_block_partial, qkey, (k.name,) + kbi + (j, 0), (v.name,) + vbi + (j, 0),
-                             mkey, shift, sc, enable_gqa, num_threads, cdt_s)
+                dsk[key_] = (_block_partial, qkey, kv_key(k, bidx, j), kv_key(kss, bidx, j),
+                             kv_key(v, bidx, j), kv_key(vss, bidx, j), mkey, blk, sc,
+                             enable_gqa, cap, num_threads, cdt_s, pol_prec)
                 parts.append(key_)
             okey = (name,) + bidx + (i, 0)
+            lkey = (lname,) + bidx + (i,)
             if not parts:
-                dsk[okey] = (_zeros, bsizes + (i1 - i0, Dv), rdt_s)
+                dsk[okey] = (_zeros, bsizes + (i1 - i0, v.shape[-1]), rdt_s)
+                dsk[lkey] = (_neg_inf, bsizes + (i1 - i0,), ldt_s)
                 continue
             level, depth = parts, 0
             while len(level) > 1:
@@ -468,10 +607,17 @@ def scaled_dot_product_attention(
                     nxt.append(ck)
                 level, depth = nxt, depth + 1
             dsk[okey] = (_finish, level[0], rdt_s)
-    deps: list[Any] = [q, k, v] + ([dm] if dm is not None else [])
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
-    return da.Array(graph, name, chunks=out_chunks, dtype=rdt, meta=meta)
-
+            dsk[lkey] = (_finish_lse, level[0], ldt_s)
+    deps: list[Any] = [a for a in (q, k, v, dm, kss, vss) if a is not None]
+    out_keys = {key: t for key, t in dsk.items() if key[0] != lname}
+    lse_keys = {key: t for key, t in dsk.items() if key[0] != name}
+    out = da.Array(HighLevelGraph.from_collections(name, out_keys, dependencies=deps), name,
+                   chunks=out_chunks, dtype=rdt, meta=np.empty((0,) * L, dtype=rdt))
+    if not return_lse:
+        return results(out, out)
+    lse = da.Array(HighLevelGraph.from_collections(lname, lse_keys, dependencies=deps), lname,
+                   chunks=lse_chunks, dtype=ldt, meta=np.empty((0,) * (L - 1), dtype=ldt))
+    return results(out, lse)
 
 
 # --------------------------------------------------------------------------

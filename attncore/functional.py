@@ -33,6 +33,9 @@ from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causa
                           parse_float_dtype, parse_mask, parse_positive_int, parse_scale,
                           parse_softcap, parse_window)
 from ._validation import blas_rows as _rows_ok
+from ._validation import batch_shape as _batch_shape
+from ._validation import check_mask as _check_mask
+from ._validation import check_operands as _check_operands
 from ._interop import foreign_arrays
 from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
 
@@ -43,21 +46,7 @@ _INT32_MAX = 2**31 - 1
 _SMALL_ROWS = 4
 
 
-def _broadcast_batch(shapes, names):
-    """NumPy broadcasting of batch shapes, with an error naming the inputs."""
-    nd = max((len(s) for s in shapes), default=0)
-    out = [1] * nd
-    for s in shapes:
-        for i, n in enumerate(s):
-            j = nd - len(s) + i
-            if n != 1:
-                if out[j] == 1:
-                    out[j] = n
-                elif out[j] != n:
-                    desc = ", ".join(f"{nm} {tuple(sh)}" for nm, sh in zip(names, shapes))
-                    raise ValueError(
-                        f"batch dimensions (all but the last two) are not broadcastable: {desc}")
-    return tuple(out)
+
 
 
 def _l2_bytes() -> int:
@@ -166,80 +155,6 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention: checks (the kernel call is planned below)
 # --------------------------------------------------------------------------
-def _check_operands(query, key, value):
-    """query, key, value as float arrays of matching trailing shapes."""
-    q = as_float_array(query, "query", "attn_mask", allow_bf16=True)
-    k = as_float_array(key, "key", "attn_mask", allow_bf16=True)
-    v = as_float_array(value, "value", "attn_mask", allow_bf16=True)
-    for nm, a in (("query", q), ("key", k), ("value", v)):
-        if a.ndim < 2:
-            raise ValueError(f"{nm} must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
-    D, Dk = q.shape[-1], k.shape[-1]
-    M, Mv = k.shape[-2], v.shape[-2]
-    if Dk != D:
-        raise ValueError(
-            f"key last dimension must equal query's (D = {D}), got key shape {k.shape} "
-            f"and query shape {q.shape}")
-    if Mv != M:
-        raise ValueError(
-            f"value must have as many rows as key (M = {M}) in axis -2, got value shape "
-            f"{v.shape} and key shape {k.shape}")
-    if D == 0:
-        raise ValueError(f"query last dimension (D) must be >= 1, got query shape {q.shape}")
-    return q, k, v
-
-
-def _check_mask(attn_mask, N: int, M: int):
-    """(mask array of >= 2 dims or None, kind: 0 none, 1 bool, 2 float)."""
-    if attn_mask is None:
-        return None, 0
-    m, kind = parse_mask(attn_mask, "attn_mask")
-    if m.ndim < 2:
-        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
-    if m.shape[-2] not in (1, N) or m.shape[-1] not in (1, M):
-        raise ValueError(
-            f"attn_mask must be broadcastable to (..., N, M) = (..., {N}, {M}), got shape "
-            f"{np.shape(attn_mask)}")
-    return m, kind
-
-
-def _batch_shape(q, k, v, m, enable_gqa: bool):
-    """(broadcast batch shape, query heads per key/value head)."""
-    qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    mb = () if m is None else m.shape[:-2]
-    group = 1
-    if enable_gqa:
-        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
-            raise ValueError(
-                "enable_gqa=True needs a head axis (-3) on query, key and value, got shapes "
-                f"query {q.shape}, key {k.shape}, value {v.shape}")
-        Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
-        if Hk != Hv:
-            raise ValueError(
-                f"key and value must have the same number of heads (axis -3), got key {Hk} "
-                f"and value {Hv}")
-        if Hk == 0 or Hq % Hk != 0:
-            raise ValueError(
-                f"with enable_gqa=True the key/value heads (axis -3, {Hk}) must divide the "
-                f"query heads ({Hq})")
-        group = Hq // Hk
-        if group > 1:
-            kb = kb[:-1] + (Hq,)
-            vb = vb[:-1] + (Hq,)
-    if qb == kb == vb and not mb:
-        return qb, group
-    try:
-        return _broadcast_batch([qb, kb, vb, mb], ["query", "key", "value", "attn_mask"]), group
-    except ValueError as exc:
-        if (not enable_gqa and q.ndim >= 3 and k.ndim >= 3
-                and k.shape[-3] not in (1, q.shape[-3])
-                and q.shape[-3] % max(k.shape[-3], 1) == 0):
-            raise ValueError(
-                f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
-                f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
-        raise
-
-
 def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
                   enable_gqa, num_threads, window=(-1, -1), softcap=0.0):
     """(out, weights or None, lse or None) when a batch, N, M or Dv is 0."""

@@ -57,6 +57,11 @@ def run(q, k, v, mask=None, *, qc, kc, bc=1, hc=None, mask_dask=True, **kw):
         mc = tuple(c if s != 1 else 1 for c, s in zip((bc, hq, qc, kc)[-mask.ndim:], mask.shape))
         m = chunked(mask, *mc)
     out = ad.scaled_dot_product_attention(Q, K, V, m, **kw)
+    if kw.get("return_lse"):          # (out, lse): both lazy, computed together
+        assert all(isinstance(x, da.Array) for x in out)
+        res = dask.compute(*out)
+        assert all(r.shape == x.shape and r.dtype == x.dtype for r, x in zip(res, out))
+        return res, out
     assert isinstance(out, da.Array)
     res = out.compute()
     assert res.shape == out.shape and res.dtype == out.dtype
@@ -316,6 +321,233 @@ def test_num_threads_passes_through():
         np.testing.assert_allclose(res, ref(q, k, v)[0], rtol=1e-11, atol=1e-12)
 
 
+# ---------------------------------------------------------------- the core's options
+def band(N, M, window=(-1, -1), causal=0):
+    """bool (N, M): the keys each query may see under the causal mode and
+    the window, written out from the documented rule (absolute positions)."""
+    off = M - N if causal == 2 else 0
+    i = np.arange(N)[:, None]
+    j = np.arange(M)[None, :]
+    ok = np.ones((N, M), bool)
+    if causal:
+        ok &= j <= i + off
+    left, right = window
+    if left >= 0:
+        ok &= j >= i + off - left
+    if right >= 0:
+        ok &= j <= i + off + right
+    return ok
+
+
+def ref_lse(q, k, v, ok, scale=None, softcap=None, group=1):
+    """float64 (out, lse) with soft-capping written out; ``ok`` (..., N, M)
+    says which keys each query attends."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    if group > 1:
+        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    s = q @ np.swapaxes(k, -1, -2) * (scale or 1.0 / np.sqrt(q.shape[-1]))
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    ok = np.broadcast_to(ok, s.shape)
+    s = np.where(ok, s, -np.inf)
+    mx = np.max(s, axis=-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    e = np.exp(s - mx)
+    tot = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(tot > 0, (e / np.where(tot > 0, tot, 1)) @ v, 0.0)
+        lse = np.log(tot[..., 0]) + mx[..., 0]
+    return out, lse
+
+
+def live_pairs(ok, qchunks, kchunks):
+    """The (query chunk, key chunk) pairs in which some query sees some key."""
+    qb, kb = np.cumsum((0,) + tuple(qchunks)), np.cumsum((0,) + tuple(kchunks))
+    return {(i, j) for i in range(len(qb) - 1) for j in range(len(kb) - 1)
+            if ok[qb[i]:qb[i + 1], kb[j]:kb[j + 1]].any()}
+
+
+def task_pairs(out):
+    return {key[-2:] for key in partial_keys(out)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True, "lower_right"])
+@pytest.mark.parametrize("window", [(6, 0), (3, 5), (-1, 4), (9, -1), (0, 0), (4, 2)])
+@pytest.mark.parametrize("N,M,qc,kc", [(40, 40, 7, 5), (24, 45, 8, 6), (45, 24, 6, 8),
+                                       (1, 33, 1, 4), (30, 30, (3, 20, 7), (11, 2, 17))])
+def test_window_matches_band_and_skips_blocks_outside_it(dtype, causal, window, N, M, qc, kc):
+    q, k, v = qkv(2, 2, N, M, dtype=dtype)
+    res, out = run(q, k, v, qc=qc, kc=kc, is_causal=causal, window=window)
+    ok = band(N, M, window, CAUSAL[causal])
+    np.testing.assert_allclose(res, ref(q, k, v, ok)[0], **TOL[dtype])
+    # the in-memory call agrees too
+    core = attncore.scaled_dot_product_attention(q, k, v, is_causal=causal, window=window)
+    np.testing.assert_allclose(res, core, **TOL[dtype])
+    qch = da.from_array(q, chunks=(1, 2, qc, -1)).chunks[-2]
+    kch = da.from_array(k, chunks=(1, 2, kc, -1)).chunks[-2]
+    assert task_pairs(out) == live_pairs(ok, qch, kch)
+
+
+def test_windowed_causal_graph_has_no_task_outside_the_band():
+    """A long causal sequence with a short window: the tasks are exactly the
+    (query chunk, key chunk) pairs the band crosses -- a diagonal strip,
+    not the lower triangle."""
+    N = M = 4096
+    q, k, v = (da.zeros((1, 2, N, 16), chunks=(1, 2, 256, 16), dtype=np.float32)
+               for _ in range(3))
+    out = ad.scaled_dot_product_attention(q, k, v, is_causal=True, window=(300, 0))
+    ok = band(N, M, (300, 0), 1)
+    pairs = task_pairs(out)
+    assert pairs == live_pairs(ok, q.chunks[-2], k.chunks[-2])
+    # rows 256 i .. 256 i + 255 see keys from 256 i - 300: key chunks i, i - 1, i - 2
+    assert len(pairs) == 16 + 15 + 14                # 136 under plain causal
+    assert all(0 <= i - j <= 2 for i, j in pairs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(causal):
+    q, k, v = qkv(2, 3, 30, 41, D=16)
+    q *= 4.0                               # scores of several units: the cap matters
+    res, _ = run(q, k, v, qc=8, kc=9, is_causal=causal, softcap=2.5)
+    o, _ = ref_lse(q, k, v, band(30, 41, causal=int(causal)), softcap=2.5)
+    np.testing.assert_allclose(res, o, rtol=1e-10, atol=1e-11)
+    assert not np.allclose(res, ref(q, k, v, causal=int(causal))[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, (5, 0)), ("lower_right", None)])
+def test_return_lse(dtype, causal, window):
+    q, k, v = qkv(2, 2, 23, 37, dtype=dtype)
+    mask = rand((2, 1, 1, 37), seed=9) > -0.8
+    (res, lse), (out, lse_d) = run(q, k, v, mask, qc=6, kc=7, is_causal=causal, window=window,
+                                   return_lse=True, mask_dask=False)
+    ok = band(23, 37, window or (-1, -1), CAUSAL[causal]) & mask
+    o, l_ref = ref_lse(q, k, v, ok)
+    np.testing.assert_allclose(res, o, **TOL[dtype])
+    np.testing.assert_allclose(lse, l_ref, **TOL[dtype])
+    core_out, core_lse = attncore.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=causal, window=window, return_lse=True)
+    assert lse.dtype == core_lse.dtype and lse_d.chunks == out.chunks[:-1]
+    np.testing.assert_allclose(lse, core_lse, **TOL[dtype])
+
+
+def test_return_lse_of_rows_with_nothing_to_attend():
+    # lower-right with N > M: the first rows see no key; a key chunk holds
+    # no partial for them, so their lse is -inf and their output 0
+    q, k, v = qkv(1, 1, 20, 8)
+    (res, lse), _ = run(q, k, v, qc=5, kc=3, is_causal="lower_right", return_lse=True)
+    assert np.all(np.isneginf(lse[..., :12])) and np.all(res[..., :12, :] == 0)
+    np.testing.assert_allclose(lse[..., 12:], ref_lse(q, k, v, band(20, 8, causal=2))[1][..., 12:],
+                               rtol=1e-12)
+
+
+def test_return_lse_with_empty_value_columns():
+    q, k, v = qkv(1, 2, 9, 14, Dv=0)
+    (res, lse), _ = run(q, k, v, qc=4, kc=5, return_lse=True)
+    assert res.shape == (1, 2, 9, 0)
+    np.testing.assert_allclose(lse, ref_lse(q, k, np.zeros((1, 2, 14, 1)), True)[1], rtol=1e-12)
+
+
+def pair_parts(x, dask_data, dask_scales, kc):
+    d, s = attncore.quantize_kv(x)
+    if dask_data:
+        d = chunked(d, 1, x.shape[1], kc, -1)
+    if dask_scales:
+        s = chunked(s, 1, 1, 5)           # chunked its own way: rechunked like the data
+    return d, s
+
+
+@pytest.mark.parametrize("which", ["key", "value", "both"])
+@pytest.mark.parametrize("dask_data,dask_scales", [(True, True), (True, False), (False, True)])
+def test_int8_pairs_match_the_core(which, dask_data, dask_scales):
+    q, k, v = qkv(2, 2, 26, 35, D=16, Dv=8, dtype=np.float32)
+    kk = pair_parts(k, dask_data, dask_scales, 7) if which in ("key", "both") else chunked(k, 1, 2, 7, -1)
+    vv = pair_parts(v, dask_data, dask_scales, 7) if which in ("value", "both") else chunked(v, 1, 2, 7, -1)
+    mask = rand((2, 1, 26, 35), seed=3) > -1.0
+    out, lse = ad.scaled_dot_product_attention(chunked(q, 1, 2, 9, -1), kk, vv, mask,
+                                               is_causal="lower_right", window=(20, 0),
+                                               return_lse=True)
+    res, res_lse = dask.compute(out, lse)
+
+    def mem(p):
+        return tuple(np.asarray(x) for x in p) if isinstance(p, tuple) else np.asarray(p)
+    core, core_lse = attncore.scaled_dot_product_attention(
+        q, mem(kk), mem(vv), mask, is_causal="lower_right", window=(20, 0), return_lse=True)
+    assert res.dtype == core.dtype == np.float32
+    np.testing.assert_allclose(res, core, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(res_lse, core_lse, rtol=2e-5, atol=2e-6)
+    # and against float64 attention over the dequantized arrays
+    deq = {"key": k, "value": v}
+    for nm, p in (("key", kk), ("value", vv)):
+        if isinstance(p, tuple):
+            d, s = mem(p)
+            deq[nm] = d.astype(np.float64) * s[..., None]
+    ok = band(26, 35, (20, 0), 2) & mask
+    np.testing.assert_allclose(res, ref_lse(q, deq["key"], deq["value"], ok)[0],
+                               rtol=2e-4, atol=2e-5)
+
+
+def test_int8_pairs_with_gqa_and_float64_query():
+    q, k, v = qkv(1, 4, 12, 30, Hk=2)
+    kq, vq = attncore.quantize_kv(k), attncore.quantize_kv(v)
+    out = ad.scaled_dot_product_attention(
+        chunked(q, 1, 2, 5, -1), (chunked(kq[0], 1, 1, 10, -1), kq[1]),
+        (chunked(vq[0], 1, 1, 10, -1), vq[1]), enable_gqa=True).compute()
+    core = attncore.scaled_dot_product_attention(q, kq, vq, enable_gqa=True)
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, core, rtol=1e-12, atol=1e-13)
+
+
+def test_num_threads_default_is_the_cores():
+    import inspect
+
+    core = inspect.signature(attncore.scaled_dot_product_attention).parameters
+    ours = inspect.signature(ad.scaled_dot_product_attention).parameters
+    assert ours["num_threads"].default is core["num_threads"].default is None
+    # every option of the core but return_weights is taken, with its default
+    for nm, p in core.items():
+        if nm != "return_weights":
+            assert nm in ours and ours[nm].default == p.default, nm
+
+
+def _q8():
+    q, k, v = qkv(1, 2, 8, 12)
+    return chunked(q, 1, 1, 4, -1), chunked(k, 1, 1, 6, -1), chunked(v, 1, 1, 6, -1), q, k, v
+
+
+@pytest.mark.parametrize("kw", [
+    dict(window=(-2, 0)), dict(window=5), dict(window=(1.5, 0)), dict(softcap=0.0),
+    dict(softcap="3"), dict(return_lse="yes"), dict(num_threads=0), dict(num_threads=1.5),
+    dict(key="int8"), dict(key="pair-float"), dict(key="pair-short-scales"),
+    dict(value="int8"),
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_errors_are_the_cores(kw):
+    """The same bad argument gives the same exception and message as the
+    in-memory call: the checks are the core's own."""
+    Q, K, V, q, k, v = _q8()
+    kw = dict(kw)
+    dask_args, core_args = [Q, K, V], [q, k, v]
+    for pos, nm in ((1, "key"), (2, "value")):
+        what = kw.pop(nm, None)
+        src = (k, v)[pos - 1]
+        if what == "int8":
+            core_args[pos] = attncore.quantize_kv(src)[0]
+            dask_args[pos] = chunked(core_args[pos], 1, 1, 6, -1)
+        elif what == "pair-float":
+            core_args[pos] = (src, np.ones(src.shape[:-1], np.float32))
+            dask_args[pos] = (chunked(src, 1, 1, 6, -1), core_args[pos][1])
+        elif what == "pair-short-scales":
+            d, s = attncore.quantize_kv(src)
+            core_args[pos] = (d, s[..., :5])
+            dask_args[pos] = (chunked(d, 1, 1, 6, -1), s[..., :5])
+    with pytest.raises((TypeError, ValueError)) as core_err:
+        attncore.scaled_dot_product_attention(*core_args, **kw)
+    with pytest.raises(core_err.type) as ours:
+        ad.scaled_dot_product_attention(*dask_args, **kw)
+    assert str(ours.value) == str(core_err.value)
+
+
 # ---------------------------------------------------------------- errors
 def _ops():
     q, k, v = qkv(1, 2, 8, 12)
@@ -333,7 +565,7 @@ def test_non_arrays_rejected(arg):
 
 def test_bad_dtypes_rejected():
     Q, K, V = _ops()
-    with pytest.raises(TypeError, match="key must be a float16, float32 or float64"):
+    with pytest.raises(TypeError, match="key must be a bfloat16, float16, float32 or float64"):
         ad.scaled_dot_product_attention(Q, K.astype(int), V)
     with pytest.raises(TypeError, match="attn_mask"):
         ad.scaled_dot_product_attention(Q, K, V, da.ones((8, 12), dtype=np.int8))
@@ -538,8 +770,17 @@ def test_local_cluster_two_processes():
                                               chunked(v, 1, 1, 16, -1), mask,
                                               is_causal="lower_right")
         enc, _ = ad.map_batches(mha, chunked(x, 3, 10, 16), key_mask=chunked(valid, 3, 10))
-        res, res_enc = client.compute([out, enc], sync=True)
+        # the core's options: window, softcap, int8 key / value pairs, lse
+        kq, vq = attncore.quantize_kv(k), attncore.quantize_kv(v)
+        opts = dict(is_causal="lower_right", window=(20, 0), softcap=3.0, return_lse=True)
+        out8, lse8 = ad.scaled_dot_product_attention(
+            chunked(q, 1, 1, 16, -1), (chunked(kq[0], 1, 1, 16, -1), kq[1]),
+            (chunked(vq[0], 1, 1, 16, -1), chunked(vq[1], 1, 1, 16)), mask, **opts)
+        res, res_enc, res8, res_lse8 = client.compute([out, enc, out8, lse8], sync=True)
         workers = client.run(lambda: os.getpid())
     assert len(set(workers.values())) == 2
     np.testing.assert_allclose(res, ref(q, k, v, mask, causal=2)[0], rtol=5e-5, atol=5e-6)
     np.testing.assert_allclose(res_enc, mha(x, key_mask=valid)[0], rtol=1e-6, atol=1e-6)
+    core8, core_lse8 = attncore.scaled_dot_product_attention(q, kq, vq, mask, **opts)
+    np.testing.assert_allclose(res8, core8, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(res_lse8, core_lse8, rtol=2e-5, atol=2e-6)

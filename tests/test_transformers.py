@@ -348,3 +348,68 @@ def test_forward_softcap_and_sliding_window_in_the_kernel():
     s = s.masked_fill(~((kpos <= qpos) & (kpos > qpos - 4)), float("-inf"))
     expected = (torch.softmax(s, -1) @ vd).transpose(1, 2)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- sliding windows without a mask
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("L,S", [(12, 12), (5, 12), (1, 12)])
+@pytest.mark.parametrize("w", [3, 6])
+def test_no_mask_sliding_window_matches_transformers_mask_functions(causal, L, S, w):
+    """The band attention_forward applies for ``sliding_window=w`` when it
+    gets no mask is the one transformers' own mask functions build: causal
+    ``sliding_window_causal_mask_function(w)``; bidirectional
+    ``sliding_window_bidirectional_mask_function(w - 1)`` (|q - k| <= w - 1:
+    a model whose config says w - 1, ModernBERT, passes w), queries being
+    the last L positions."""
+    from transformers.masking_utils import (sdpa_mask, sliding_window_bidirectional_mask_function,
+                                            sliding_window_causal_mask_function)
+
+    fn = (sliding_window_causal_mask_function(w) if causal
+          else sliding_window_bidirectional_mask_function(w - 1))
+    theirs = sdpa_mask(batch_size=2, q_length=L, kv_length=S, q_offset=S - L, mask_function=fn,
+                       allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    assert theirs.shape[-2:] == (L, S) and not theirs.all()   # the window is within reach
+    q, k, v = _inputs(L=L, S=S, seed=7)
+    with torch.no_grad():
+        out, _ = attention_forward(_Module(causal), q, k, v, None, sliding_window=w, scaling=0.3)
+    torch.testing.assert_close(out, _expected(q, k, v, theirs, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_modernbert_without_masks_matches_eager():
+    """A tiny ModernBERT (bidirectional; global and sliding-window layers)
+    through attncore with transformers' masks turned off -- every layer
+    takes attention_forward's no-mask branch, the sliding ones with
+    ``sliding_window`` -- against transformers' eager attention with its
+    own masks."""
+    from transformers import AttentionInterface, ModernBertConfig, ModernBertModel
+    from transformers.masking_utils import AttentionMaskInterface
+
+    seen = []
+
+    def forward(module, query, key, value, attention_mask, **kw):
+        seen.append((attention_mask is None, kw.get("sliding_window")))
+        return attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("attncore_nomask", forward)
+    AttentionMaskInterface.register("attncore_nomask", lambda *a, **kw: None)
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+               num_attention_heads=4, local_attention=8, max_position_embeddings=64,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    eager = ModernBertModel._from_config(ModernBertConfig(**cfg), attn_implementation="eager")
+    ours = ModernBertModel._from_config(ModernBertConfig(**cfg),
+                                        attn_implementation="attncore_nomask")
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a = eager.eval()(ids).last_hidden_state
+        b = ours.eval()(ids).last_hidden_state
+    assert seen == [(True, 5), (True, None), (True, 5)]    # local_attention // 2 + 1
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    # and the one-sided band the backend had before is measurably different
+    with torch.inference_mode():
+        q, k, v = _inputs(L=30, S=30, seed=3)
+        both, _ = attention_forward(_Module(False), q, k, v, None, sliding_window=5)
+        one = _expected(q, k, v, (torch.arange(30)[None, :] > torch.arange(30)[:, None] - 5))
+    assert not torch.allclose(both, one, atol=1e-3)

@@ -228,3 +228,76 @@ def test_lse_of_bfloat16_inputs_stays_float32():
     t = torch.from_numpy(rand((2, 6, 8), 1, np.float32)).to(torch.bfloat16)
     out, lse = attncore.scaled_dot_product_attention(t, t, t, return_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ layers
+def _mha_by_hand(mha, x, allowed):
+    """The layer's output written out in float64: projections, attention
+    restricted to ``allowed`` (N, M), output projection."""
+    H, hd = mha.num_heads, mha.head_dim
+    f = {n: getattr(mha, n).astype(np.float64) for n in
+         ("q_weight", "k_weight", "v_weight", "out_weight", "q_bias", "k_bias", "v_bias",
+          "out_bias")}
+    B, L, _ = x.shape
+
+    def heads(y):
+        return y.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+    q = heads(x @ f["q_weight"].T + f["q_bias"])
+    k = heads(x @ f["k_weight"].T + f["k_bias"])
+    v = heads(x @ f["v_weight"].T + f["v_bias"])
+    o = ref(q, k, v, allowed)[0].transpose(0, 2, 1, 3).reshape(B, L, H * hd)
+    return o @ f["out_weight"].T + f["out_bias"]
+
+
+@pytest.mark.parametrize("loader", ["init", "from_arrays", "from_torch", "attribute"])
+def test_mha_window_from_every_constructor(loader):
+    """MultiHeadAttention's ``window`` reaches every call, whichever way the
+    layer was made, and the cached decode steps too."""
+    rng = np.random.default_rng(3)
+    E, H, L, win = 32, 4, 24, (5, 0)
+    base = attncore.MultiHeadAttention(E, H, rng=1)
+    base.q_bias = rng.standard_normal(E)
+    base.k_bias = rng.standard_normal(E)
+    weights = dict(q_weight=base.q_weight, k_weight=base.k_weight, v_weight=base.v_weight,
+                   out_weight=base.out_weight, q_bias=base.q_bias, k_bias=base.k_bias,
+                   v_bias=base.v_bias, out_bias=base.out_bias)
+    if loader == "init":
+        mha = attncore.MultiHeadAttention(E, H, rng=1, window=win)
+        mha.q_bias, mha.k_bias = base.q_bias, base.k_bias
+    elif loader == "from_arrays":
+        mha = attncore.MultiHeadAttention.from_arrays(**weights, num_heads=H, window=win)
+    elif loader == "from_torch":
+        if torch is None:
+            pytest.skip("torch not installed")
+        sd = {"in_proj_weight": torch.from_numpy(np.concatenate(
+                  [weights["q_weight"], weights["k_weight"], weights["v_weight"]])),
+              "in_proj_bias": torch.from_numpy(np.concatenate(
+                  [weights["q_bias"], weights["k_bias"], weights["v_bias"]])),
+              "out_proj.weight": torch.from_numpy(weights["out_weight"]),
+              "out_proj.bias": torch.from_numpy(weights["out_bias"])}
+        mha = attncore.MultiHeadAttention.from_torch(sd, num_heads=H, window=win)
+    else:
+        mha = attncore.MultiHeadAttention.from_arrays(**weights, num_heads=H)
+        assert mha.window is None
+        mha.window = win
+    assert mha.window == win
+    x = rng.standard_normal((2, L, E)).astype(np.float32)
+    allowed = band(L, L, win, True)
+    expected = _mha_by_hand(mha, x.astype(np.float64), allowed)
+    out, _ = mha(x, is_causal=True)
+    np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-5)
+    # the KV cache: a prompt, then one token at a time (lower-right alignment)
+    cache = mha.new_cache(2, L)
+    steps = [mha(x[:, :10], cache=cache, is_causal="lower_right")[0]]
+    steps += [mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")[0] for t in range(10, L)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), expected, rtol=2e-4, atol=2e-5)
+
+
+def test_mha_window_is_validated_by_every_loader():
+    mha = attncore.MultiHeadAttention(16, 2, rng=0)
+    w = dict(q_weight=mha.q_weight, k_weight=mha.k_weight, v_weight=mha.v_weight,
+             out_weight=mha.out_weight)
+    with pytest.raises(ValueError, match="window left"):
+        attncore.MultiHeadAttention.from_arrays(**w, num_heads=2, window=(-2, 0))
+    with pytest.raises(TypeError, match="window"):
+        attncore.MultiHeadAttention(16, 2, window=5)

@@ -163,14 +163,30 @@ def _as_numpy(t, name):
     return t.numpy()
 
 
-def _window_mask(L, S, window, causal):
-    """(L, S) bool: query i (position i + S - L) sees keys within ``window``."""
-    qpos = np.arange(S - L, S)[:, None]
+# ---- sliding windows (transformers' convention) ----------------------------
+# The ``sliding_window`` keyword a model passes to the attention function is
+# the one transformers' flash-attention path turns into the band
+# ``(sliding_window - 1, sliding_window - 1)``, the queries aligned to the last
+# keys, the causal flag then cutting the right side: a causal layer sees the
+# ``sliding_window`` keys ending at the query (``sliding_window_overlay``:
+# kpos > qpos - sliding_window), a bidirectional one the keys within
+# ``sliding_window - 1`` of it on either side
+# (``sliding_window_bidirectional_overlay``: |qpos - kpos| <= w for
+# ModernBERT's ``config.sliding_window`` w, which passes w + 1 here).
+def _sliding_window(window, L, S, causal):
+    """(causal, kernel window or None, bool mask or None) for the keyword
+    ``sliding_window`` when transformers passed no mask."""
+    if window is None or S <= window:       # every key within reach
+        return causal, None, None
+    w = int(window)
+    if causal or L == 1:                    # one query: the last position, either way
+        return True, (w - 1, 0), None
+    if L == S:                              # aligned: the kernel's band, both sides
+        return False, (w - 1, w - 1), None
+    qpos = np.arange(S - L, S)[:, None]     # queries are the last L positions
     kpos = np.arange(S)[None, :]
-    m = kpos > qpos - window
-    if causal:
-        m &= kpos <= qpos
-    return m
+    return False, None, np.abs(kpos - qpos) <= w - 1
+# ---- end of sliding windows -------------------------------------------------
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -196,7 +212,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         Default ``D ** -0.5``.
     is_causal : bool, optional
     **kwargs
-        ``sliding_window`` (the kernel's window when no mask is given),
+        ``sliding_window`` (when no mask is given: the kernel's window --
+        ``sliding_window`` keys ending at the query when causal, the keys
+        within ``sliding_window - 1`` on either side when not, as
+        transformers' flash-attention path and mask functions have it),
         ``softcap`` (logit soft-capping, fused in the kernel),
         ``position_bias`` (added to the scores), ``output_attentions``
         (return the weights; also taken from ``module.config``).
@@ -244,16 +263,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
         causal = bool(is_causal) and L > 1
-        window = kwargs.get("sliding_window")
-        if window is not None and S > window:
-            # the kernel's band (out-of-band key tiles skipped): `window`
-            # keys ending at each query's position
-            if causal or L == 1:
-                causal, win = True, (int(window) - 1, 0)
-            elif L == S:
-                win = (int(window) - 1, -1)
-            else:
-                mask = _window_mask(L, S, int(window), causal)
+        # the kernel's band where it can (out-of-band key tiles skipped)
+        causal, win, mask = _sliding_window(kwargs.get("sliding_window"), L, S, causal)
     bias = kwargs.get("position_bias")
     if bias is not None:
         b = _as_numpy(bias, "position_bias")

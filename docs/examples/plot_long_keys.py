@@ -99,7 +99,8 @@ print(f"causal, merged vs one call: {np.abs(out - ref).max():.1e}")
 # -------
 # :func:`attncore.dask.scaled_dot_product_attention` does all of the above
 # for chunked dask arrays: one task per (query chunk, key chunk) pair, each
-# a core call with ``num_threads=1`` and ``return_lse=True``, merged by a
+# a core call with ``return_lse=True`` (``num_threads=1`` here: the threaded
+# scheduler already runs two tasks at once), merged by a
 # tree of :func:`attncore.merge_attention` (``split_every`` partials at a
 # time).  Causal masks use absolute positions, so no hand-made mask is
 # needed: pairs above the diagonal create no task.  Here it runs on Dask's
@@ -107,12 +108,12 @@ print(f"causal, merged vs one call: {np.abs(out - ref).max():.1e}")
 # runs on the cluster's workers (:doc:`/guide/dask`).
 kd = da.from_array(k, chunks=(B, H, M // parts, D))
 vd = da.from_array(v, chunks=(B, H, M // parts, D))
-res = attncore.dask.scaled_dot_product_attention(q, kd, vd, attn_mask=valid)
+res = attncore.dask.scaled_dot_product_attention(q, kd, vd, attn_mask=valid, num_threads=1)
 print(f"attncore.dask: {len(res.dask)} tasks in the graph for {kd.numblocks[-2]} key chunks")
 with dask.config.set(scheduler="threads", num_workers=2):
     print(f"attncore.dask vs one call: {np.abs(res.compute() - whole).max():.1e}")
     res_c = attncore.dask.scaled_dot_product_attention(q, kd, vd, attn_mask=valid,
-                                                       is_causal="lower_right")
+                                                       is_causal="lower_right", num_threads=1)
     print(f"attncore.dask causal vs one call: {np.abs(res_c.compute() - ref).max():.1e}")
 
 # %%
