@@ -160,7 +160,7 @@ def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.nd
                    vs: np.ndarray | None, m: np.ndarray | None,
                    band: tuple[int | None, int | None] | None, scale: float, gqa: bool,
                    softcap: float | None, num_threads: int | None,
-                   cdt: str, precision: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   cdt: str, precision: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) of one query block over one key block, in the compute dtype.
 
     ``ks`` / ``vs``: the scales (..., Mc, 1) of an int8 key / value block, or
