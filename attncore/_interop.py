@@ -138,8 +138,12 @@ def torch_to_numpy(t, name, half=True):
         return t.detach().float().numpy(), True
     # _version changes with every in-place write to the tensor's storage
     # through it, so a cached view is never stale
-    sig = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
-    a = _memo.get(t, sig)
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors keep no version counter: never cached
+        version = None
+    sig = (t.data_ptr(), t.shape, t.stride(), t.dtype, version)
+    a = _memo.get(t, sig) if version is not None else None
     if a is not None:
         return a, False
     d = t.detach()
@@ -154,7 +158,7 @@ def torch_to_numpy(t, name, half=True):
             a = d.numpy()
     except (RuntimeError, TypeError) as exc:
         raise TypeError(f"{name}: cannot read this torch tensor as an array ({exc})") from None
-    if not resolved:
+    if not resolved and version is not None:
         # a resolved conj / neg view is a copy of a source that may change
         # in place under the same key: never cached
         _memo.put(t, sig, a)

@@ -16,6 +16,7 @@ Dispatch::
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Literal, NamedTuple, Sequence, overload
@@ -503,6 +504,72 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if return_lse:
         lse = lse.reshape(bshape + (N,))
     return out, weights, lse
+
+
+# --------------------------------------------------------------------------
+# a lean call for integrations (the Hugging Face backend's decoding steps)
+# --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=512)
+def _plan_cached(dtype: str, N: int, M: int, D: int, Dv: int, causal: int, nb: int,
+                 nthreads: int, kernel_path: str, converted: bool) -> Plan:
+    return plan(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads,
+                kernel_path=kernel_path, converted_kv=converted)
+
+
+def _kernel_rows(a: np.ndarray) -> bool:
+    """Whether the kernel reads ``a`` (4-D) as it is (see blas_rows)."""
+    st, isz = a.strides, a.itemsize
+    return (a.flags.aligned and st[3] == isz and st[2] >= a.shape[3] * isz
+            and st[2] % isz == 0 and st[1] % isz == 0 and st[0] % isz == 0
+            and st[1] >= 0 and st[0] >= 0)
+
+
+def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
+                       scale: float | None, nthreads: int, window: tuple[int, int] = (-1, -1),
+                       softcap: float = 0.0) -> np.ndarray | None:
+    """Attention of already-checked operands, without the general call's
+    argument handling (private: for integrations that call attncore per
+    layer and per decoding step, where that handling costs as much as a
+    small kernel call).
+
+    q (B, H, L, D), k / v (B, Hk, S, D / Dv): NumPy arrays of one dtype
+    (float32, float16 or bfloat16), Hk dividing H, no mask; ``causal`` a
+    kernel code (0, 1 upper-left, 2 lower-right), ``nthreads`` >= 1,
+    ``window`` / ``softcap`` as parsed by the general call.  Returns the
+    output (B, H, L, Dv) in q's dtype, or None when the call needs the
+    general path (other layouts or dtypes, the BLAS path, empty shapes):
+    the caller then uses :func:`scaled_dot_product_attention`.
+    """
+    dt = q.dtype
+    if (q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.dtype != dt or v.dtype != dt
+            or not (dt == np.float32 or half_code(dt))):
+        return None
+    B, H, N, D = q.shape
+    Bk, Hk, M, Dk = k.shape
+    Dv = v.shape[3]
+    if (Bk != B or v.shape[:3] != (B, Hk, M) or Dk != D or Hk == 0 or H % Hk
+            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > _INT32_MAX
+            or not (_kernel_rows(q) and _kernel_rows(k) and _kernel_rows(v))):
+        return None
+    if scale is None:
+        sc = 1.0 / math.sqrt(D)
+    else:
+        sc = float(scale)
+        if not (math.isfinite(sc) and sc > 0):
+            return None
+    fmt = half_code(dt)
+    pl = _plan_cached(dt.str if not fmt else "float32", N, M, D, Dv, causal, B * H, nthreads,
+                      _sdpa.kernel_path(), bool(fmt))
+    if not pl.fused and N > _SMALL_ROWS:
+        return None  # the BLAS path: the general call decides its threads
+    out = np.empty((B * H, N, Dv), dtype=np.float32)
+    if fmt == HALF_BF16:
+        q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
+    _sdpa.sdpa(q, k, v, None, out, None, (B, H), H // Hk, 0, N, M, D, Dv, causal, sc,
+               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, pl.nthreads, None, window[0], window[1],
+               softcap, None, None, fmt, fmt, fmt)
+    out = out.reshape(B, H, N, Dv)
+    return out.astype(dt) if fmt else out
 
 
 # --------------------------------------------------------------------------

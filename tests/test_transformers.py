@@ -114,6 +114,14 @@ def test_llama_chunked_prefill_with_a_cache_is_lower_right_causal(llamas, monkey
         return real(q, k, v, mask, **kw)
 
     monkeypatch.setattr(mod, "scaled_dot_product_attention", spy)
+    real_fast = mod.attention_prepared
+
+    def spy_fast(q, k, v, causal, *a, **kw):
+        # the backend's lean path (no mask): causal is the kernel's code
+        calls.append((q.shape[2], k.shape[2], True, {0: False, 2: "lower_right"}[causal]))
+        return real_fast(q, k, v, causal, *a, **kw)
+
+    monkeypatch.setattr(mod, "attention_prepared", spy_fast)
     ids, _ = _left_padded_batch(2)
     ids = ids[:1]
     res = {}
@@ -292,6 +300,13 @@ def test_thread_count_follows_torch(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(mod, "scaled_dot_product_attention", spy)
+    real_fast = mod.attention_prepared
+
+    def spy_fast(q, k, v, causal, scale, nthreads, *a, **kw):
+        seen.append(nthreads)
+        return real_fast(q, k, v, causal, scale, nthreads, *a, **kw)
+
+    monkeypatch.setattr(mod, "attention_prepared", spy_fast)
     q, k, v = _inputs()
     n = torch.get_num_threads()
     with torch.no_grad():
@@ -413,3 +428,34 @@ def test_modernbert_without_masks_matches_eager():
         both, _ = attention_forward(_Module(False), q, k, v, None, sliding_window=5)
         one = _expected(q, k, v, (torch.arange(30)[None, :] > torch.arange(30)[:, None] - 5))
     assert not torch.allclose(both, one, atol=1e-3)
+
+
+@pytest.mark.parametrize("tdt", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("L,S", [(1, 40), (7, 7), (5, 30)])
+def test_half_tensors_read_in_place_and_returned_in_their_dtype(monkeypatch, tdt, L, S):
+    pytest.importorskip("ml_dtypes")
+    import attncore.integrations.transformers as mod
+    seen = []
+    real_fast = mod.attention_prepared
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((str(q.dtype), str(k.dtype)))
+        return real_fast(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(mod, "attention_prepared", spy)
+    q, k, v = (t.to(tdt) for t in _inputs(L=L, S=S, D=16))
+    with torch.no_grad():
+        out, w = attention_forward(_Module(), q, k, v, None, scaling=0.3)
+    name = "bfloat16" if tdt is torch.bfloat16 else "float16"
+    assert seen == [(name, name)]          # the 16-bit tensors themselves, no float32 copy
+    assert out.dtype is tdt and w is None and out.shape == (2, L, 4, 16)
+    # against float64 of the rounded inputs, and torch's own error on the dtype
+    kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    causal = L > 1
+    mask = torch.ones(L, S, dtype=torch.bool).tril(S - L) if causal else None
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), kr.double(), vr.double(), attn_mask=mask, scale=0.3).transpose(1, 2)
+    tor = torch.nn.functional.scaled_dot_product_attention(
+        q, kr, vr, attn_mask=mask, scale=0.3).transpose(1, 2)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 1.5 * (tor.double() - ref).abs().max().item() + 1e-7

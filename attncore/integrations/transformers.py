@@ -33,7 +33,11 @@ import warnings
 
 import numpy as np
 
-from ..functional import scaled_dot_product_attention
+from .._dtypes import bfloat16_available, bfloat16_dtype
+from .._interop import numpy_to_torch, torch_to_numpy
+from .._threads import resolve_num_threads
+from .._validation import parse_softcap
+from ..functional import attention_prepared, scaled_dot_product_attention
 
 __all__ = ["register", "attention_forward", "attention_mask"]
 
@@ -151,16 +155,23 @@ def attention_mask(*args, **kwargs):
 # the attention function
 # --------------------------------------------------------------------------
 def _as_numpy(t, name):
-    """A CPU torch tensor as a NumPy array (a view; bfloat16 as a float32 copy)."""
-    torch = sys.modules["torch"]
+    """A CPU torch tensor as a NumPy array: attncore's one conversion
+    (a view; bfloat16 as an ml_dtypes view, a float32 copy without ml_dtypes)."""
     if t.device.type != "cpu":
         raise TypeError(
             f"{name} is on device {t.device}; attncore computes on the CPU: move the model "
             f"there (model.to('cpu')) or use another attn_implementation")
-    t = t.detach()
-    if t.dtype is torch.bfloat16:
-        return t.float().numpy()
-    return t.numpy()
+    return torch_to_numpy(t, name)[0]
+
+
+def _fast_numpy(t, bf16):
+    """A view of a CPU tensor of the model's own dtype (float32 / float16,
+    or bfloat16 read through int16 as ``bf16``), without the general
+    conversion's checks and caching (one call per layer and step)."""
+    d = t.detach()
+    if bf16 is not None:
+        return d.view(sys.modules["torch"].int16).numpy().view(bf16)
+    return d.numpy()
 
 
 # ---- sliding windows (transformers' convention) ----------------------------
@@ -246,6 +257,35 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             "attncore computes no gradients: the attention output is detached; run inference "
             "under torch.no_grad() or torch.inference_mode()", stacklevel=2)
 
+    need_weights = kwargs.get("output_attentions")
+    if need_weights is None:
+        need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
+    if (attention_mask is None and not need_weights and kwargs.get("position_bias") is None
+            and query.device.type == "cpu" and key.device == query.device
+            and value.device == query.device and key.dtype is query.dtype
+            and value.dtype is query.dtype
+            and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and query.layout is torch.strided and key.layout is torch.strided
+            and value.layout is torch.strided):
+        # the lean path of most calls (decoding steps, unpadded prefill):
+        # views, the kernel, and the output back as a torch tensor
+        bf = None
+        if query.dtype is torch.bfloat16:
+            bf = bfloat16_dtype() if bfloat16_available() else False
+        if bf is not False:
+            L, S = query.shape[2], key.shape[2]
+            if is_causal is None:
+                is_causal = getattr(module, "is_causal", True)
+            causal, win, mask = _sliding_window(kwargs.get("sliding_window"), L, S,
+                                                bool(is_causal) and L > 1)
+            if mask is None:
+                out = attention_prepared(
+                    _fast_numpy(query, bf), _fast_numpy(key, bf), _fast_numpy(value, bf),
+                    2 if causal else 0, scaling, resolve_num_threads(torch.get_num_threads()),
+                    win or (-1, -1), parse_softcap(kwargs.get("softcap")))
+                if out is not None:
+                    return numpy_to_torch(out).transpose(1, 2).contiguous(), None
+
     q = _as_numpy(query, "query")
     k = _as_numpy(key, "key")
     v = _as_numpy(value, "value")
@@ -275,21 +315,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         else:
             mask = mask + b
 
-    need_weights = kwargs.get("output_attentions")
-    if need_weights is None:
-        need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
     res = scaled_dot_product_attention(
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
         enable_gqa=True, return_weights=bool(need_weights), window=win,
         softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads())
     out, w = res if need_weights else (res, None)
 
-    o = torch.from_numpy(out)
+    o = numpy_to_torch(out)
     if o.dtype is not query.dtype:
         o = o.to(query.dtype)
     o = o.transpose(1, 2).contiguous()
     if w is not None:
-        w = torch.from_numpy(w)
+        w = numpy_to_torch(w)
         if w.dtype is not query.dtype:
             w = w.to(query.dtype)
     return o, w
