@@ -52,6 +52,9 @@ def config_dict() -> dict:
     info["kernel_path"] = kernel_path()
     info["kernel_paths_available"] = available_kernel_paths()
     info["blas_thread_local_hold"] = blas_hold_supported()
+    from ._core import _sdpa
+
+    info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
     return info
 
 
@@ -67,6 +70,9 @@ def show_config() -> None:
           f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
+    print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place, float32 products"
+          + ("; this CPU has bfloat16 dot products (AVX512_BF16), which attncore does not use "
+             "yet" if info["bf16_dot"] else " (no AVX512_BF16 on this CPU)"))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

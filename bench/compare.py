@@ -6,6 +6,7 @@
     python bench/compare.py --concurrency   # Python threads calling at once
     python bench/compare.py --variants      # sliding window, softcap, int8 K/V
     python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
+    python bench/compare.py --dtype bfloat16 float16   # 16-bit inputs: bench/compare_dtype.py
 
 Each case runs attncore, torch SDPA, ONNX Runtime's contrib
 ``com.microsoft.MultiHeadAttention`` ("ort mha") and standard ``Attention``
@@ -306,9 +307,21 @@ def main(argv=None):
                     help="also time Python threads calling at num_threads=1 at once")
     ap.add_argument("--variants", action="store_true",
                     help="also time sliding windows, soft-capping and int8 keys / values")
+    ap.add_argument("--dtype", nargs="+", default=None, choices=["bfloat16", "float16"],
+                    help="run bench/compare_dtype.py: the 16-bit cases against attncore's "
+                         "float32 call and torch on the same dtype")
+    ap.add_argument("--path", default=None, choices=["portable", "avx2", "avx512"],
+                    help="with --dtype: force this kernel path")
     ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
                     help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
+    if args.dtype:
+        import compare_dtype
+
+        return compare_dtype.main(
+            ["--dtype", *args.dtype, "--threads", *map(str, args.threads), "--repeats",
+             str(args.repeats)] + (["--path", args.path] if args.path else [])
+            + (["--no-peak"] if args.no_peak else []))
     if args.suite == "mha":
         import compare_mha
 

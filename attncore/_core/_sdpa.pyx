@@ -78,6 +78,7 @@ cdef extern from "ac_sdpa.h" nogil:
     int ac_kernel_path
     int ac_set_kernel_path(int path)
     int ac_fused_panel_rows()
+    int ac_cpu_bf16_dot()
     Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
@@ -93,6 +94,7 @@ def cpu_features():
     """Instruction-set paths chosen at run time."""
     return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
             "avx512_small_rows": bool(ac_avx512_ok),
+            "bf16_dot": bool(ac_cpu_bf16_dot()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0}
 
 

@@ -45,6 +45,13 @@ static void ac_cpu_init(void)
     ac_avx512_ok = ac_kernel_path == AC_PATH_AVX512;
 }
 
+/* whether the CPU has bfloat16 dot products (AVX512_BF16: vdpbf16ps) */
+static int ac_cpu_bf16_dot(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+
 /* select a path (-1: the best); 0 on success, -1 if this CPU lacks it */
 static int ac_set_kernel_path(int path)
 {
@@ -271,6 +278,7 @@ static const int ac_best_path = AC_PATH_PORTABLE;
 static const int ac_kernel_path = AC_PATH_PORTABLE;
 static const int ac_avx512_ok = 0;
 static void ac_cpu_init(void) {}
+static int ac_cpu_bf16_dot(void) { return 0; }
 static int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
 #endif
 
