@@ -157,7 +157,7 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
 # scaled_dot_product_attention: checks (the kernel call is planned below)
 # --------------------------------------------------------------------------
 def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
-                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0):
+                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0, alibi=None, sinks=None):
     """(out, weights or None, lse or None) when a batch, N, M or Dv is 0."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     nb = math.prod(bshape)
@@ -166,11 +166,39 @@ def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_cau
         # weights and lse are still defined: compute them with a dummy value column
         _, w, lse = _attention(q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
                                is_causal, scale, enable_gqa, need_w, need_lse, num_threads,
-                               window, softcap)
+                               window, softcap, alibi=alibi, sinks=sinks)
         return out, w, lse
     w = np.zeros(bshape + (N, M), dtype=rdt) if need_w else None
     lse = np.full(bshape + (N,), -np.inf, dtype=cdt) if need_lse else None
+    if lse is not None and sinks is not None and lse.size:
+        # no key: the sink is the whole softmax
+        lse[...] = _per_batch(sinks, bshape, "sinks", True).reshape(bshape)[..., None]
     return out, w, lse
+
+
+def _per_batch(x, bshape: tuple, name: str, allow_neg_inf: bool = False) -> np.ndarray:
+    """A per-head (per batch element) float array broadcast to the batch
+    shape: (H,) matches the head axis (-3 of the query), (B, H) batch and
+    heads, NumPy broadcasting from the right.  Returns it as a flat
+    float64 array of one value per batch element."""
+    a = as_float_array(x, name, allow_bf16=True)
+    if a.ndim > len(bshape):
+        raise ValueError(f"{name} must have at most {len(bshape)} dimensions (one per batch axis, "
+                         f"the last one the heads), broadcastable to the batch shape {bshape}; "
+                         f"got shape {a.shape}")
+    try:
+        b = np.broadcast_to(a, bshape)
+    except ValueError:
+        raise ValueError(f"{name} of shape {a.shape} does not broadcast to the batch shape "
+                         f"{bshape} ((H,) per head or (B, H))") from None
+    f = np.ascontiguousarray(b, dtype=np.float64).reshape(-1)
+    bad = ~np.isfinite(f)
+    if allow_neg_inf:
+        bad &= f != -np.inf
+    if bad.any():
+        raise ValueError(f"{name} must be finite{' (or -inf: no sink)' if allow_neg_inf else ''}, "
+                         f"got {f[bad][0]}")
+    return f
 
 
 def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
@@ -209,6 +237,7 @@ def scaled_dot_product_attention(
     return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
     precision: Literal["float32", "bfloat16"] | None = None,
+    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
 ) -> np.ndarray: ...
 
 
@@ -220,6 +249,7 @@ def scaled_dot_product_attention(
     return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
     precision: Literal["float32", "bfloat16"] | None = None,
+    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -231,6 +261,7 @@ def scaled_dot_product_attention(
     return_lse: Literal[True], window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
     precision: Literal["float32", "bfloat16"] | None = None,
+    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -242,6 +273,7 @@ def scaled_dot_product_attention(
     return_lse: bool = False, window: tuple[int, int] | None = None,
     softcap: float | None = None, num_threads: int | None = None,
     precision: Literal["float32", "bfloat16"] | None = None,
+    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
@@ -262,6 +294,8 @@ def scaled_dot_product_attention(
     softcap: float | None = None,
     num_threads: int | None = None,
     precision: Literal["float32", "bfloat16"] | None = None,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """Scaled dot-product attention, ``softmax(Q K^T * scale + mask) V``.
 
@@ -338,6 +372,21 @@ def scaled_dot_product_attention(
         softmax and the accumulation are float32 in every case; float64
         inputs take no reduced precision (ValueError).  See
         ``attncore.show_config()`` for what this CPU runs.
+    alibi_slopes : array_like, optional
+        ALiBi (BLOOM, MPT): shape (H,) (one slope per head, the query's
+        axis -3) or (B, H), broadcastable to the batch shape.  The score of
+        query i and key j becomes ``score - slope * |i + M - N - j|``
+        (flash-attention's convention: the distance of the lower-right
+        aligned positions, whatever ``is_causal`` is), added after the soft
+        cap and before the mask.  Computed tile by tile in the kernel,
+        never as an N x M array.  Finite floats.
+    sinks : array_like, optional
+        Attention sinks (gpt-oss): one logit per head, shape (H,) or
+        (B, H) like ``alibi_slopes``.  ``exp(sink)`` joins each row's
+        softmax denominator as an extra column that takes no part in the
+        output, so the weights of a row sum to less than 1.  The lse then
+        includes the sink's term (a row with no key to attend gives output
+        0 and ``lse = sink``).  Finite floats, or -inf for no sink.
 
     Returns
     -------
@@ -380,7 +429,8 @@ def scaled_dot_product_attention(
     win = parse_window(window)
     cap = parse_softcap(softcap)
     out, weights, lse = _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                   return_weights, return_lse, num_threads, win, cap, precision)
+                                   return_weights, return_lse, num_threads, win, cap, precision,
+                                   alibi=alibi_slopes, sinks=sinks)
     if not (return_weights or return_lse):
         return out
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
@@ -396,7 +446,8 @@ def _policy(q, k, v, k8, v8, precision) -> Policy:
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
-               window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None):
+               window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
+               alibi=None, sinks=None):
     """(out, weights or None, lse or None): the checked call."""
     key, k_scales = split_quantized(key, "key")
     value, v_scales = split_quantized(value, "value")
@@ -425,10 +476,13 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     bshape, group = _batch_shape(q, k, v, m, enable_gqa)
     nb = math.prod(bshape)
     out_shape = bshape + (N, Dv)
+    slopes = None if alibi is None else _per_batch(alibi, bshape, "alibi_slopes")
+    sk = None if sinks is None else _per_batch(sinks, bshape, "sinks", allow_neg_inf=True)
 
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
-                             is_causal, scale, enable_gqa, num_threads, window, softcap)
+                             is_causal, scale, enable_gqa, num_threads, window, softcap,
+                             alibi=alibi, sinks=sinks)
     if cdt == np.float64 or return_weights:
         # the float64 kernel and the weights path (BLAS over whole rows)
         # take 16-bit operands converted (a copy)
@@ -436,8 +490,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                    for a in (q, k, v))
     banded = causal or window != (-1, -1)
     quantized = k8 is not None or v8 is not None
-    if N > 1 and q.strides[-2] == 0 and not banded and not quantized and \
-            (m is None or m.shape[-2] == 1):
+    if N > 1 and q.strides[-2] == 0 and not banded and not quantized and alibi is None and \
+            sinks is None and (m is None or m.shape[-2] == 1):
         # a broadcast query row axis: every row of a batch element is the
         # same query with the same keys, so compute one and broadcast it
         # (never copy the N identical rows)
@@ -492,7 +546,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     q, k, v = (a.view(np.uint16) if f == HALF_BF16 else a for a, f in ((q, qf), (k, kf), (v, vf)))
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
-               ks, vs, qf, kf, vf)
+               ks, vs, qf, kf, vf, slopes, sk)
 
     out = out.reshape(out_shape)
     if rdt != cdt:

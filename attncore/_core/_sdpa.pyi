@@ -18,6 +18,7 @@ def sdpa(
     lse: Optional[np.ndarray] = ..., win_l: int = ..., win_r: int = ...,
     softcap: float = ..., k_scales: Optional[np.ndarray] = ...,
     v_scales: Optional[np.ndarray] = ..., q_fmt: int = ..., k_fmt: int = ...,
-    v_fmt: int = ...,
+    v_fmt: int = ..., alibi_slopes: Optional[np.ndarray] = ...,
+    sinks: Optional[np.ndarray] = ...,
 ) -> None: ...
 def exp_array(x: np.ndarray) -> np.ndarray: ...

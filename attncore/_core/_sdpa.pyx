@@ -15,7 +15,7 @@ from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free
 from libc.stdint cimport uint8_t, uint16_t
-from libc.math cimport log, NAN, INFINITY
+from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from attncore._core._blas cimport ac_sgemm_t, ac_dgemm_t
@@ -44,6 +44,8 @@ cdef extern from "ac_sdpa.h" nogil:
         Py_ssize_t ks_rs, vs_rs, dq_off
         int qh, kh, vh
         Py_ssize_t qb_off, mp_off
+        int alibi_on
+        double alibi, sink
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -56,15 +58,19 @@ cdef extern from "ac_sdpa.h" nogil:
                           Py_ssize_t ks, Py_ssize_t ke, double *S, double *acc, double *m,
                           double *l, double *alpha, int *bad, ac_dgemm_t gemm)
     void ac_sdpa_finish_f32(int nq, int Dv, int processed, const float *acc, const float *l,
-                            const int *bad, float *out, Py_ssize_t o_rs)
+                            const int *bad, float *out, Py_ssize_t o_rs, const float *m,
+                            double sink)
     void ac_sdpa_finish_f64(int nq, int Dv, int processed, const double *acc, const double *l,
-                            const int *bad, double *out, Py_ssize_t o_rs)
+                            const int *bad, double *out, Py_ssize_t o_rs, const double *m,
+                            double sink)
     void ac_sdpa_merge_f32(int nsplit, int nq, int Dv, const float *pacc, Py_ssize_t acc_ss,
                            const float *pm, const float *pl, Py_ssize_t ml_ss, const int *pbad,
-                           Py_ssize_t bad_ss, float *out, Py_ssize_t o_rs, float *lse)
+                           Py_ssize_t bad_ss, float *out, Py_ssize_t o_rs, float *lse,
+                           double sink)
     void ac_sdpa_merge_f64(int nsplit, int nq, int Dv, const double *pacc, Py_ssize_t acc_ss,
                            const double *pm, const double *pl, Py_ssize_t ml_ss, const int *pbad,
-                           Py_ssize_t bad_ss, double *out, Py_ssize_t o_rs, double *lse)
+                           Py_ssize_t bad_ss, double *out, Py_ssize_t o_rs, double *lse,
+                           double sink)
     void ac_weights_block_f32(const ac_params *p, const float *q, const float *k, const float *v,
                               const uint8_t *mb, const float *mf, Py_ssize_t i0, int nq,
                               float *W, float *out, Py_ssize_t o_rs, float *lse, ac_sgemm_t gemm)
@@ -172,23 +178,23 @@ cdef inline int _range(const ac_params *p, const floating *q, const floating *k,
 
 cdef inline void _finish(int nq, int Dv, int processed, const floating *acc,
                          const floating *l, const int *bad, floating *out,
-                         Py_ssize_t o_rs) noexcept nogil:
+                         Py_ssize_t o_rs, const floating *m, double sink) noexcept nogil:
     if floating is float:
-        ac_sdpa_finish_f32(nq, Dv, processed, acc, l, bad, out, o_rs)
+        ac_sdpa_finish_f32(nq, Dv, processed, acc, l, bad, out, o_rs, m, sink)
     else:
-        ac_sdpa_finish_f64(nq, Dv, processed, acc, l, bad, out, o_rs)
+        ac_sdpa_finish_f64(nq, Dv, processed, acc, l, bad, out, o_rs, m, sink)
 
 
 cdef inline void _merge(int nsplit, int nq, int Dv, const floating *pacc,
                         Py_ssize_t acc_ss, const floating *pm, const floating *pl,
                         Py_ssize_t ml_ss, const int *pbad, Py_ssize_t bad_ss,
-                        floating *out, Py_ssize_t o_rs, floating *lse) noexcept nogil:
+                        floating *out, Py_ssize_t o_rs, floating *lse, double sink) noexcept nogil:
     if floating is float:
         ac_sdpa_merge_f32(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs,
-                          lse)
+                          lse, sink)
     else:
         ac_sdpa_merge_f64(nsplit, nq, Dv, pacc, acc_ss, pm, pl, ml_ss, pbad, bad_ss, out, o_rs,
-                          lse)
+                          lse, sink)
 
 
 cdef inline void _weights(const ac_params *p, const floating *q, const floating *k,
@@ -217,28 +223,46 @@ cdef struct _Ops:
     char *vsc
     const Py_ssize_t *kso
     const Py_ssize_t *vso
+    const double *slopes   # ALiBi slope of each batch element, or NULL
+    const double *sinks    # sink logit of each batch element, or NULL
 
 
 cdef inline void _lse_rows(int nq, int processed, const floating *m, const floating *l,
-                           const int *bad, floating *lse) noexcept nogil:
+                           const int *bad, floating *lse, double sink) noexcept nogil:
     """log-sum-exp of finished rows: m + log(l); -inf for a row with
-    nothing to attend, NaN for a flagged one (l carries NaN otherwise)."""
+    nothing to attend, NaN for a flagged one (l carries NaN otherwise).
+    With a sink (> -inf) its exp joins the sum (an empty row: the sink)."""
     cdef int r
+    cdef double top, tot
     for r in range(nq):
         if processed and bad[r]:
             lse[r] = NAN
         elif not processed or l[r] == 0:
-            lse[r] = -INFINITY
+            lse[r] = sink
+        elif sink > -INFINITY:
+            top = m[r] if m[r] > sink else sink
+            tot = l[r] * exp(m[r] - top) + exp(sink - top)
+            lse[r] = top + log(tot)
         else:
             lse[r] = m[r] + log(l[r])
 
 
-cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
+cdef inline void _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
                              Py_ssize_t w, Py_ssize_t nqb, int nsplit,
                              Py_ssize_t chunk, floating *part, int *pbad) noexcept nogil:
     """One work item of the flash path; buf is the calling thread's scratch."""
     cdef Py_ssize_t per_b = nqb * nsplit
     cdef Py_ssize_t b = w // per_b
+    # this batch element's ALiBi slope / sink in a private copy of the params
+    cdef ac_params pb
+    cdef const ac_params *p = p0
+    if ops.slopes != NULL or ops.sinks != NULL:
+        pb = p0[0]
+        if ops.slopes != NULL:
+            pb.alibi = ops.slopes[b]
+        if ops.sinks != NULL:
+            pb.sink = ops.sinks[b]
+        p = &pb
     cdef Py_ssize_t rem = w - b * per_b
     cdef Py_ssize_t qb = rem // nsplit
     cdef Py_ssize_t s = rem - qb * nsplit
@@ -290,9 +314,9 @@ cdef inline void _flash_item(const ac_params *p, _Ops *ops, floating *buf,
         # finish then scales them in place instead of copying
         o = (<floating *>ops.out) + (b * p.N + i0) * Dv
         processed = _range(p, q, k, v, ksc, vsc, mb, mf, i0, nq, 0, p.M, S, o, m, l, alpha, bad)
-        _finish(nq, p.Dv, processed, o, l, bad, o, Dv)
+        _finish(nq, p.Dv, processed, o, l, bad, o, Dv, m, p.sink)
         if ops.lse != NULL:
-            _lse_rows(nq, processed, m, l, bad, (<floating *>ops.lse) + b * p.N + i0)
+            _lse_rows(nq, processed, m, l, bad, (<floating *>ops.lse) + b * p.N + i0, p.sink)
     else:
         ks = s * chunk
         ke = ks + chunk
@@ -318,7 +342,8 @@ cdef inline void _merge_item(const ac_params *p, _Ops *ops, Py_ssize_t t,
     cdef floating *acc = part + w0 * Bq * (Dv + 2)
     _merge(nsplit, nq, p.Dv, acc, Bq * (Dv + 2), acc + Bq * Dv, acc + Bq * Dv + Bq,
            Bq * (Dv + 2), pbad + w0 * Bq, Bq, (<floating *>ops.out) + (b * p.N + i0) * Dv, Dv,
-           (<floating *>ops.lse) + b * p.N + i0 if ops.lse != NULL else NULL)
+           (<floating *>ops.lse) + b * p.N + i0 if ops.lse != NULL else NULL,
+           ops.sinks[b] if ops.sinks != NULL else -INFINITY)
 
 
 cdef inline void *_align64(void *raw) noexcept nogil:
@@ -395,10 +420,19 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
     return err
 
 
-cdef inline void _weights_item(const ac_params *p, _Ops *ops, Py_ssize_t w, Py_ssize_t nqb,
+cdef inline void _weights_item(const ac_params *p0, _Ops *ops, Py_ssize_t w, Py_ssize_t nqb,
                                floating dummy) noexcept nogil:
     """One query block of the weights-returning path."""
     cdef Py_ssize_t b = w // nqb
+    cdef ac_params pb
+    cdef const ac_params *p = p0
+    if ops.slopes != NULL or ops.sinks != NULL:
+        pb = p0[0]
+        if ops.slopes != NULL:
+            pb.alibi = ops.slopes[b]
+        if ops.sinks != NULL:
+            pb.sink = ops.sinks[b]
+        p = &pb
     cdef Py_ssize_t qb = w - b * nqb
     cdef Py_ssize_t i0 = qb * p.Bq
     cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
@@ -490,7 +524,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
          int N, int M, int D, int Dv, int causal, double scale,
          int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
          int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None,
-         int q_fmt=0, int k_fmt=0, int v_fmt=0):
+         int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, sinks=None):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -509,7 +543,13 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     q_fmt, k_fmt, v_fmt: 0 when that operand has the compute dtype (out's),
     1 for bfloat16, 2 for float16 (16-bit elements read in place; not with
     weights, nor for an int8 key / value).
+    alibi_slopes, sinks: None or a C-contiguous float64 array of one value
+    per batch element (nb): the ALiBi slope (score(i, j) -= slope |i + M -
+    N - j|) and the attention sink logit (its exp joins every row's softmax
+    denominator) of each.
     """
+    cdef const double[::1] slopes_v
+    cdef const double[::1] sinks_v
     cdef _Buffers bufs
     cdef Py_buffer *bq
     cdef Py_buffer *bk
@@ -650,6 +690,22 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         p.band = 1 if (causal != 0 or win_l >= 0 or win_r >= 0) else 0
         p.scale = scale
         p.softcap = softcap
+        p.alibi_on = 0
+        p.alibi = 0.0
+        p.sink = -INFINITY
+        ops.slopes = NULL
+        ops.sinks = NULL
+        if alibi_slopes is not None:
+            slopes_v = alibi_slopes
+            if slopes_v.shape[0] != nb:
+                raise ValueError("alibi_slopes must hold one value per batch element")
+            p.alibi_on = 1
+            ops.slopes = &slopes_v[0]
+        if sinks is not None:
+            sinks_v = sinks
+            if sinks_v.shape[0] != nb:
+                raise ValueError("sinks must hold one value per batch element")
+            ops.sinks = &sinks_v[0]
         ops.q = <char *>bq.buf
         ops.k = <char *>bk.buf
         ops.v = <char *>bv.buf

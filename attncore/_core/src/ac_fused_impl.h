@@ -244,7 +244,7 @@ static AC_TGT int AC_F(ac_fused_panel)(
            before the last row's left edge? */
         const int diag = p->band && (j0 + nk > ac_causal_limit(p, i0) ||
                                      j0 < ac_band_lo(p, i0 + nr - 1));
-        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag && !capped;
+        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag && !capped && !p->alibi_on;
 
         /* the key / value rows of this tile, in place or dequantized */
         const float *kr = KB, *vr = VB;
@@ -301,6 +301,20 @@ static AC_TGT int AC_F(ac_fused_panel)(
                     float *sr = ST + (ptrdiff_t)c * AC_P;
                     VSTORE(sr, VMUL(cl, VTANH(VMUL(VLOAD(sr), icap))));
                     VSTORE(sr + AC_W, VMUL(cl, VTANH(VMUL(VLOAD(sr + AC_W), icap))));
+                }
+                touched = 1;
+            }
+            if (p->alibi_on) {
+                /* ALiBi, after the soft cap, before the mask: score -=
+                   slope |i + M - N - j| (base-2 units) */
+                const VEC sl = VSET1((float)(-p->alibi * 1.4426950408889634));
+                const VEC io0 = VIOTA(), io1 = VADD(VIOTA(), VSET1((float)AC_W));
+                const ptrdiff_t base = i0 + (ptrdiff_t)p->M - p->N - j0;
+                for (int c = 0; c < nk; c++) {
+                    float *sr = ST + (ptrdiff_t)c * AC_P;
+                    const VEC b = VSET1((float)(base - c));
+                    VSTORE(sr, VFMA(sl, VABS(VADD(io0, b)), VLOAD(sr)));
+                    VSTORE(sr + AC_W, VFMA(sl, VABS(VADD(io1, b)), VLOAD(sr + AC_W)));
                 }
                 touched = 1;
             }

@@ -29,3 +29,5 @@
 #undef VZERO_IF_NINF
 #undef VHIDE_FROM
 #undef VTANH
+#undef VIOTA
+#undef VABS

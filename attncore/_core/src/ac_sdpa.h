@@ -71,6 +71,12 @@ typedef struct {
     ptrdiff_t qb_off;         /* offset in the score scratch of the query
                                  block buffer (half queries: max(Bq, 32)
                                  rows x D)                                 */
+    int alibi_on;             /* ALiBi: score(i, j) -= alibi * |i + M - N - j|
+                                 (alibi: this batch element's slope)      */
+    double alibi;
+    double sink;              /* attention sink logit of this batch
+                                 element: exp(sink) joins every row's
+                                 softmax denominator; -inf for none       */
     ptrdiff_t mp_off;         /* offset in the score scratch of the fused
                                  kernel's per-panel state when a block's
                                  panels share converted key / value tiles:

@@ -74,6 +74,14 @@ AC_INLINE void AC_FN(ac_softmax_tile)(const ac_params *p,
             const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
             for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
         }
+        if (p->alibi_on) { /* after the soft cap, before the mask */
+            const AC_T sl = -(AC_T)p->alibi;
+            const ptrdiff_t base = i + (ptrdiff_t)p->M - p->N - j0;
+            for (int c = c_lo; c < ncol; c++) {
+                const ptrdiff_t dd = base - c;
+                row[c] += sl * (AC_T)(dd < 0 ? -dd : dd);
+            }
+        }
         for (int c = 0; c < c_lo; c++) row[c] = ninf; /* before the window */
         /* the mask only over the band: columns before it stay -inf, so a
            NaN / inf mask entry there never reaches the row */
@@ -391,10 +399,13 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
     return !first;
 }
 
-/* out rows = acc / l, 0 for rows with nothing to attend, NaN for flagged */
+/* out rows = acc / l, 0 for rows with nothing to attend, NaN for flagged;
+ * with an attention sink (sink > -inf), exp(sink) joins the denominator:
+ * acc e^m / (l e^m + e^sink), computed relative to max(m, sink) */
 static void AC_FN(ac_sdpa_finish)(int nq, int Dv, int processed,
                                   const AC_T *acc, const AC_T *l,
-                                  const int *bad, AC_T *out, ptrdiff_t o_rs)
+                                  const int *bad, AC_T *out, ptrdiff_t o_rs,
+                                  const AC_T *m, double sink)
 {
     for (int r = 0; r < nq; r++) {
         AC_T *o = out + (ptrdiff_t)r * o_rs;
@@ -403,7 +414,12 @@ static void AC_FN(ac_sdpa_finish)(int nq, int Dv, int processed,
         } else if (!processed || l[r] == 0) {
             for (int d = 0; d < Dv; d++) o[d] = 0;
         } else {
-            const AC_T inv = 1 / l[r];
+            AC_T inv = 1 / l[r];
+            if (sink > -INFINITY) {
+                const AC_T mx = m[r] > (AC_T)sink ? m[r] : (AC_T)sink;
+                const AC_T a = AC_EXP(m[r] - mx);
+                inv = a / (l[r] * a + AC_EXP((AC_T)sink - mx));
+            }
             const AC_T *ar = acc + (ptrdiff_t)r * Dv;
             for (int d = 0; d < Dv; d++) o[d] = ar[d] * inv;
         }
@@ -421,7 +437,7 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
                                  const AC_T *pm, const AC_T *pl,
                                  ptrdiff_t ml_ss, const int *pbad,
                                  ptrdiff_t bad_ss, AC_T *out, ptrdiff_t o_rs,
-                                 AC_T *lse)
+                                 AC_T *lse, double sink)
 {
     for (int r = 0; r < nq; r++) {
         AC_T *o = out + (ptrdiff_t)r * o_rs;
@@ -441,7 +457,7 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
         }
         for (int d = 0; d < Dv; d++) o[d] = 0;
         if (!any) {
-            if (lse) lse[r] = -INFINITY;
+            if (lse) lse[r] = (AC_T)sink;  /* -inf without a sink */
             continue;
         }
         AC_T L = 0;
@@ -453,9 +469,15 @@ static void AC_FN(ac_sdpa_merge)(int nsplit, int nq, int Dv,
             const AC_T *ar = pacc + s * acc_ss + (ptrdiff_t)r * Dv;
             for (int d = 0; d < Dv; d++) o[d] += w * ar[d];
         }
-        const AC_T inv = 1 / L;
+        AC_T inv = 1 / L, top = mx, tot = L;
+        if (sink > -INFINITY) { /* exp(sink) joins the denominator */
+            top = mx > (AC_T)sink ? mx : (AC_T)sink;
+            const AC_T a = AC_EXP(mx - top);
+            tot = L * a + AC_EXP((AC_T)sink - top);
+            inv = a / tot;
+        }
         for (int d = 0; d < Dv; d++) o[d] *= inv;
-        if (lse) lse[r] = mx + log(L);
+        if (lse) lse[r] = top + log(tot);
     }
 }
 
@@ -489,6 +511,14 @@ static AC_CLONES void AC_FN(ac_weights_block)(
             const AC_T cap = (AC_T)p->softcap, icap = 1 / cap;
             for (int c = c_lo; c < ncol; c++) row[c] = cap * AC_TANH(row[c] * icap);
         }
+        if (p->alibi_on) {
+            const AC_T sl = -(AC_T)p->alibi;
+            const ptrdiff_t base = i + (ptrdiff_t)p->M - p->N;
+            for (int c = c_lo; c < ncol; c++) {
+                const ptrdiff_t dd = base - c;
+                row[c] += sl * (AC_T)(dd < 0 ? -dd : dd);
+            }
+        }
         /* the mask only over the band (see ac_softmax_tile) */
         if (mb) {
             const uint8_t *mr = mb + i * p->mask_rs;
@@ -518,9 +548,10 @@ static AC_CLONES void AC_FN(ac_weights_block)(
         }
         if (bm == ninf) { /* nothing to attend */
             for (int c = 0; c < ncol; c++) row[c] = 0;
-            if (lse) lse[r] = -INFINITY;
+            if (lse) lse[r] = (AC_T)p->sink; /* -inf without a sink */
             continue;
         }
+        if (p->sink > bm) bm = (AC_T)p->sink; /* the sink joins the softmax */
         AC_T s = 0;
 #pragma omp simd reduction(+ : s)
         for (int c = 0; c < ncol; c++) {
@@ -528,6 +559,7 @@ static AC_CLONES void AC_FN(ac_weights_block)(
             row[c] = e;
             s += e;
         }
+        if (p->sink > -INFINITY) s += AC_EXP((AC_T)p->sink - bm);
         const AC_T inv = 1 / s;
 #pragma omp simd
         for (int c = 0; c < ncol; c++) row[c] *= inv;
