@@ -1034,12 +1034,11 @@ class MultiHeadAttention:
                 k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in, nt)
         q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
         if rot_pos is not None:
-            # in place on the projection buffer (B, heads, L, hd views)
+            # in place on the projection buffer: the query and key heads of a
+            # row are adjacent blocks of hd, one (B, H + Hkv, L, hd) view
             rot = self._rotary
-            inter = rot["layout"] == "interleaved"
-            k4n = k_p.reshape(B, L, Hkv, hd).transpose(0, 2, 1, 3)
-            apply_rotary(q4, rot_pos, rot["inv_freq"], inter, q4, nt)
-            apply_rotary(k4n, rot_pos, rot["inv_freq"], inter, k4n, nt)
+            qk4 = qkv[:, :Nq + Nk].reshape(B, L, H + Hkv, hd).transpose(0, 2, 1, 3)
+            apply_rotary(qk4, rot_pos, rot["inv_freq"], rot["layout"] == "interleaved", qk4, nt)
         Bk = B if k_in is None else k_in.shape[0]
         if cache is None:
             # (Bk*S, Hkv*hd) rows -> (Bk, Hkv, S, hd) strided views
