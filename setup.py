@@ -148,6 +148,12 @@ def extensions():
                                                     "ac_additive_impl.h")],
         ),
         Extension(
+            "attncore._core._rotary",
+            [os.path.join("attncore", "_core", "_rotary.pyx")],
+            include_dirs=[SRC],
+            depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_rotary.h")],
+        ),
+        Extension(
             "attncore._core._linalg",
             [os.path.join("attncore", "_core", "_linalg.pyx")],
             include_dirs=[SRC],

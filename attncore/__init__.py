@@ -18,6 +18,8 @@ MultiHeadAttention, KVCache
     loaders, and its preallocated key/value cache for decoding.
 sinusoidal_encoding, add_positional_encoding
     Sinusoidal positional encoding.
+rotary_embedding
+    Rotary position embeddings (RoPE) of queries and keys.
 Attention, Alignment, alignments, plot_alignment
     Classic (seq2seq / spatial) attention with pluggable alignment
     functions, their registry, and a heat map of the weights.
@@ -27,6 +29,7 @@ from ._quant import quantize_kv
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
+from ._rotary import rotary_embedding
 from . import alignments
 from .alignments import Alignment
 from ._alignment_layer import Attention, Memory
@@ -36,4 +39,5 @@ __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
+__all__ += ["rotary_embedding"]
 __all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

@@ -63,13 +63,16 @@ class Memory:
     Attributes
     ----------
     batch : int
-        B.
+        B (1 for a memory shared by the batch).
+    shared : bool
+        True for 2-D keys (S, Dk): one memory that every batch row of the
+        query attends (broadcast, never copied).
     length : int
         S, the number of keys (H * W for spatial keys).
     spatial : tuple of int or None
         (H, W) for spatial keys, else None.
     mask : ndarray of bool, shape (B, S), or None
-        True = the key takes part.
+        True = the key takes part ((1, S) for a shared memory).
     values : ndarray, shape (B, S, Dv)
     prepared
         What the alignment precomputed from the keys.
@@ -78,7 +81,8 @@ class Memory:
     """
 
     __slots__ = ("keys", "values", "mask", "prepared", "dtype", "result_dtype", "batch",
-                 "length", "spatial", "key_dim", "_alignment", "_mask_u8", "_src", "_aux")
+                 "length", "spatial", "key_dim", "shared", "_alignment", "_mask_u8", "_src",
+                 "_aux")
     keys: np.ndarray
     values: np.ndarray
     mask: np.ndarray | None
@@ -89,6 +93,7 @@ class Memory:
     length: int
     spatial: tuple[int, int] | None
     key_dim: int
+    shared: bool
     _alignment: Alignment
     _mask_u8: np.ndarray | None
     _src: tuple[np.ndarray, np.ndarray]
@@ -96,6 +101,7 @@ class Memory:
 
     def __repr__(self):
         sp = f", spatial={self.spatial}" if self.spatial else ""
+        sp += ", shared" if self.shared else ""
         return (f"Memory(batch={self.batch}, length={self.length}{sp}, key_dim={self.key_dim}, "
                 f"value_dim={self.values.shape[-1]}, dtype={self.dtype}, "
                 f"masked={self.mask is not None})")
@@ -206,10 +212,14 @@ class Attention:
 
         Parameters
         ----------
-        keys : array_like, shape (B, S, Dk) or (B, H, W, Dk)
-        values : array_like, shape (B, S, Dv) or (B, H, W, Dv), optional
+        keys : array_like, shape (B, S, Dk), (B, H, W, Dk) or (S, Dk)
+            2-D keys are a memory **shared by the whole batch** (a bank of
+            style tokens, a fixed set of image regions): prepared once and
+            attended by every batch row of the query through broadcasting,
+            never copied B times.
+        values : array_like, shape (B, S, Dv), (B, H, W, Dv) or (S, Dv), optional
             Default: the keys.
-        mask : array_like of bool, shape (B, S) or (B, H, W), optional
+        mask : array_like of bool, shape (B, S), (B, H, W) or (S,), optional
             True = the key takes part.  Batch size 1 broadcasts.
 
         Returns
@@ -217,14 +227,17 @@ class Attention:
         Memory
         """
         k = as_float_array(keys, "keys", "mask")
-        if k.ndim not in (3, 4):
-            raise ValueError(f"keys must have shape (B, S, Dk) or (B, H, W, Dk), got shape "
-                             f"{k.shape}")
+        if k.ndim not in (2, 3, 4):
+            raise ValueError(f"keys must have shape (B, S, Dk), (B, H, W, Dk) or (S, Dk) "
+                             f"(shared by the batch), got shape {k.shape}")
         v = k if values is None else as_float_array(values, "values", "mask")
         if v.ndim != k.ndim or v.shape[:-1] != k.shape[:-1]:
-            lead = "(B, S)" if k.ndim == 3 else "(B, H, W)"
+            lead = {2: "(S,)", 3: "(B, S)", 4: "(B, H, W)"}[k.ndim]
             raise ValueError(f"values must have the leading shape {lead} = {k.shape[:-1]} of "
                              f"the keys, got values shape {v.shape} and keys shape {k.shape}")
+        shared = k.ndim == 2
+        if shared:
+            k, v = k[None], v[None]
         spatial = tuple(k.shape[1:3]) if k.ndim == 4 else None
         B = k.shape[0]
         S = k.shape[1] if k.ndim == 3 else k.shape[1] * k.shape[2]
@@ -234,19 +247,23 @@ class Attention:
         if mask is not None:
             m, _ = parse_mask(mask, "mask", allow_float=False)
             want = k.shape[:-1]
+            if shared and m.ndim == 1:
+                m = m[None]
             if m.shape != want and not (m.ndim == len(want) and m.shape[0] == 1
                                         and m.shape[1:] == want[1:]):
+                form = "(B, H, W)" if k.ndim == 4 else "(S,)" if shared else "(B, S)"
                 raise ValueError(
-                    f"mask must have shape {'(B, S)' if k.ndim == 3 else '(B, H, W)'} = "
-                    f"{want} (True = take part), got shape {m.shape}")
+                    f"mask must have shape {form} = {want[1:] if shared else want} (True = "
+                    f"take part), got shape {np.shape(mask)}")
             m = np.ascontiguousarray(np.broadcast_to(m, want).reshape(B, S))
         cdt, rdt = compute_dtype(k.dtype, v.dtype)
         return self._build(k.reshape(B, S, k.shape[-1]), v.reshape(B, S, v.shape[-1]), m,
-                           spatial, cdt, rdt)
+                           spatial, cdt, rdt, shared)
 
-    def _build(self, k, v, m, spatial, cdt, rdt):
+    def _build(self, k, v, m, spatial, cdt, rdt, shared=False):
         mem = Memory()
         mem._src = (k, v)
+        mem.shared = shared
         mem.batch, mem.length = k.shape[0], k.shape[1]
         mem.key_dim = k.shape[-1]
         mem.spatial = spatial
@@ -287,10 +304,12 @@ class Attention:
         Parameters
         ----------
         query : array_like, shape (B, T, Dq) or (B, Dq)
-        keys : array_like, shape (B, S, Dk) or (B, H, W, Dk)
-        values : array_like, shape (B, S, Dv) or (B, H, W, Dv), optional
+        keys : array_like, shape (B, S, Dk), (B, H, W, Dk) or (S, Dk)
+            2-D keys: one memory shared by every batch row (see
+            :meth:`prepare`).
+        values : array_like, shape (B, S, Dv), (B, H, W, Dv) or (S, Dv), optional
             Default: the keys.
-        mask : array_like of bool, shape (B, S) or (B, H, W), optional
+        mask : array_like of bool, shape (B, S), (B, H, W) or (S,), optional
             True = the key takes part.
         return_weights : bool, default False
 
@@ -342,14 +361,15 @@ class Attention:
         else:
             raise ValueError(f"query must have shape (B, Dq) or (B, T, Dq), got shape {q.shape}")
         B, T, Dq = q3.shape
-        if B != memory.batch:
+        if B != memory.batch and not memory.shared:
             raise ValueError(f"query batch size ({B}, query shape {q.shape}) must equal the "
                              f"memory's ({memory.batch})")
         cdt, _ = compute_dtype(q.dtype, memory.dtype)
         rdt = np.result_type(q.dtype, memory.result_dtype)
         if cdt != memory.dtype:  # a wider query: prepare again in its dtype
             spatial = memory.spatial
-            memory = self._build(memory._src[0], memory._src[1], memory.mask, spatial, cdt, rdt)
+            memory = self._build(memory._src[0], memory._src[1], memory.mask, spatial, cdt, rdt,
+                                 memory.shared)
         q3 = q3 if q3.dtype == cdt else q3.astype(cdt)
         S = memory.length
         Dv = memory.values.shape[-1]

@@ -21,6 +21,7 @@ are seen by the next call.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Literal
 
 import numpy as np
@@ -32,6 +33,8 @@ from ._linear import linear
 from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
                           parse_mask, parse_positive_int, to_array, parse_window)
 from ._quant import dequantize, quantize_kv
+from ._rotary import apply_rotary, parse_rotary, rotary_positions
+from ._threads import resolve_num_threads
 from .functional import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
@@ -76,16 +79,22 @@ class KVCache:
       the memory's keys and values once; later calls pass ``key=None`` (or
       the same ``memory`` object) and reuse them, so cross-attention to a
       fixed memory costs only the query and output projections per step.
+      A memory shared by the batch (a 2-D key) is stored once, in row 0.
+
+    :meth:`reorder` selects batch rows (beam search) and :meth:`crop` drops
+    trailing tokens (speculative decoding), in place.
 
     Attributes
     ----------
     batch_size, max_length, num_kv_heads, head_dim, v_head_dim, dtype
     mode : None, 'self' or 'cross'
+    shared : bool
+        True for a cross-attention memory shared by the whole batch.
     """
 
     __slots__ = ("batch_size", "max_length", "num_kv_heads", "head_dim", "v_head_dim",
                  "dtype", "mode", "quantized", "_k", "_v", "_ks", "_vs", "_len", "_source",
-                 "_key_mask")
+                 "_key_mask", "shared")
     mode: str | None
     _source: object
     _key_mask: np.ndarray | None
@@ -110,6 +119,7 @@ class KVCache:
         self.mode = None
         self._source = None
         self._key_mask = None
+        self.shared = False
 
     def __len__(self) -> int:
         """Number of tokens (positions) held."""
@@ -135,26 +145,105 @@ class KVCache:
         self.mode = None
         self._source = None
         self._key_mask = None
+        self.shared = False
+
+    def _token_arrays(self) -> list:
+        """The stored per-token buffers: every array attribute laid out
+        (batch_size, num_kv_heads, max_length, ...) -- keys, values, and
+        the scales or any other per-token storage of a cache variant."""
+        want = (self.batch_size, self.num_kv_heads, self.max_length)
+        seen, out = set(), []
+        for cls in type(self).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                a = getattr(self, name, None)
+                if isinstance(a, np.ndarray) and a.shape[:3] == want and id(a) not in seen:
+                    seen.add(id(a))
+                    out.append(a)
+        return out
+
+    def reorder(self, indices: ArrayLike) -> None:
+        """Select batch rows in place: row ``i`` becomes old row ``indices[i]``
+        (beam search: the beams that survive a step, some repeated).
+
+        Parameters
+        ----------
+        indices : int array_like, (batch_size,)
+            Values in ``[0, batch_size)``.  Applies to every stored array
+            (keys, values, int8 scales) and to the key mask stored with a
+            cross-attention memory; a memory shared by the batch is left as
+            it is.  The capacity is unchanged (nothing is reallocated).
+        """
+        idx = to_array(indices, "indices")
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"indices must be an integer array (batch rows), got dtype "
+                            f"{idx.dtype}")
+        B = self.batch_size
+        if idx.shape != (B,):
+            raise ValueError(f"indices must have shape (batch_size,) = ({B},), got shape "
+                             f"{idx.shape}")
+        if B and (idx.min() < 0 or idx.max() >= B):
+            raise ValueError(f"indices must lie in [0, batch_size) = [0, {B}), got values from "
+                             f"{idx.min()} to {idx.max()}")
+        idx = idx.astype(np.intp, copy=False)
+        n = self._len
+        if n == 0 or (idx == np.arange(B)).all():
+            return
+        if self._key_mask is not None and self._key_mask.shape[0] == B:
+            self._key_mask = self._key_mask[idx]
+        if self.shared:
+            return
+        for a in self._token_arrays():
+            a[:, :, :n] = a[idx, :, :n]           # the gather is a copy: no aliasing
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens, drop the rest (speculative
+        decoding: reject draft tokens).  ``crop(0)`` empties the cache like
+        :meth:`reset`.  Only for self-attention caches; the buffers are kept.
+
+        Parameters
+        ----------
+        length : int
+            ``0 <= length <= len(cache)``.
+        """
+        if isinstance(length, (bool, np.bool_)) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"length must be an int, got {type(length).__name__} {length!r}")
+        length = int(length)
+        n = self._len
+        if not 0 <= length <= n:
+            raise ValueError(f"crop length must be between 0 and the cached length {n}, got "
+                             f"{length}")
+        if length == n:
+            return
+        if self.mode == "cross":
+            raise ValueError("crop drops trailing tokens of a self-attention cache; this cache "
+                             "holds a cross-attention memory (reset() it for a new memory)")
+        if length == 0:
+            self.reset()
+        else:
+            self._len = length
 
     @property
     def keys(self) -> np.ndarray:
         """Projected keys held, a read-only view (batch, num_kv_heads, len, head_dim);
         for an int8 cache their dequantized values (a new array)."""
-        if self.quantized:
-            return dequantize(self._k[:, :, :self._len], self._ks[:, :, :self._len], self.dtype)
-        v = self._k[:, :, :self._len]
-        v.flags.writeable = False
-        return v
+        return self._held(0)
 
     @property
     def values(self) -> np.ndarray:
         """Projected values held, a read-only view (batch, num_kv_heads, len, v_head_dim);
         for an int8 cache their dequantized values (a new array)."""
+        return self._held(1)
+
+    def _held(self, which: int) -> np.ndarray:
+        a = self.view(self._len)[which]
         if self.quantized:
-            return dequantize(self._v[:, :, :self._len], self._vs[:, :, :self._len], self.dtype)
-        v = self._v[:, :, :self._len]
-        v.flags.writeable = False
-        return v
+            a = dequantize(a[0], a[1], self.dtype)
+        if self.shared:  # one row for the whole batch
+            a = np.broadcast_to(a, (self.batch_size,) + a.shape[1:])
+        else:
+            a = a.view()
+        a.flags.writeable = False
+        return a
 
     def _check_room(self, T: int) -> None:
         n = self._len
@@ -165,27 +254,33 @@ class KVCache:
                 f"new_cache(batch_size, max_length>={n + T}) or reset() it")
 
     def _append(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
-        """k_new (B, T, Hkv, hd), v_new (B, T, Hkv, hdv), any strides."""
+        """k_new (B, T, Hkv, hd), v_new (B, T, Hkv, hdv), any strides; a
+        batch of 1 for a shared memory (stored in row 0)."""
         T = k_new.shape[1]
         self._check_room(T)
         n = self._len
+        if k_new.shape[0] != self.batch_size:
+            self.shared = True
+            k, v, ks, vs = self._k[:1], self._v[:1], self._ks[:1], self._vs[:1]
+        else:
+            k, v, ks, vs = self._k, self._v, self._ks, self._vs
         if self.quantized:
             # only the new tokens are quantized (one scale per token and head)
             try:
-                kq, ks = quantize_kv(k_new.transpose(0, 2, 1, 3))
-                vq, vs = quantize_kv(v_new.transpose(0, 2, 1, 3))
+                kq, kqs = quantize_kv(k_new.transpose(0, 2, 1, 3))
+                vq, vqs = quantize_kv(v_new.transpose(0, 2, 1, 3))
             except ValueError:
                 raise ValueError(
                     "int8 KV cache: the projected keys / values of the new tokens hold inf or "
                     "NaN, which cannot be quantized (a float cache would carry them); the cache "
                     "is unchanged") from None
-            self._k[:, :, n:n + T] = kq
-            self._v[:, :, n:n + T] = vq
-            self._ks[:, :, n:n + T] = ks
-            self._vs[:, :, n:n + T] = vs
+            k[:, :, n:n + T] = kq
+            v[:, :, n:n + T] = vq
+            ks[:, :, n:n + T] = kqs
+            vs[:, :, n:n + T] = vqs
         else:
-            self._k[:, :, n:n + T] = k_new.transpose(0, 2, 1, 3)
-            self._v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
+            k[:, :, n:n + T] = k_new.transpose(0, 2, 1, 3)
+            v[:, :, n:n + T] = v_new.transpose(0, 2, 1, 3)
         self._len = n + T
 
     def append_self(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
@@ -217,11 +312,13 @@ class KVCache:
     def view(self, length: int) -> tuple:
         """The first ``length`` keys and values as (B, Hkv, length, hd) views
         (writable: the layer's own access); for an int8 cache the
-        ``(int8 view, scales view)`` pairs the attention kernel reads."""
+        ``(int8 view, scales view)`` pairs the attention kernel reads.  A
+        shared memory: batch 1 (broadcast by the kernel)."""
+        b = 1 if self.shared else self.batch_size
         if self.quantized:
-            return ((self._k[:, :, :length], self._ks[:, :, :length]),
-                    (self._v[:, :, :length], self._vs[:, :, :length]))
-        return self._k[:, :, :length], self._v[:, :, :length]
+            return ((self._k[:b, :, :length], self._ks[:b, :, :length]),
+                    (self._v[:b, :, :length], self._vs[:b, :, :length]))
+        return self._k[:b, :, :length], self._v[:b, :, :length]
 
 
 # --------------------------------------------------------------------------
@@ -269,6 +366,15 @@ class MultiHeadAttention:
         ``i + off - left .. i + off + right``, ``-1`` = unbounded on that
         side, ``off`` following the call's causal alignment).  Default None:
         every key.  Also a settable attribute.
+    rotary : bool or dict, optional
+        Rotary position embeddings of the projected queries and keys
+        (Llama, Mistral, Qwen, GPT-NeoX, GPT-J): ``True`` for the defaults,
+        or a dict with any of ``base``, ``inv_freq``, ``layout``,
+        ``rotary_dim``; see :attr:`rotary`.
+    num_threads : int, optional
+        Default OpenMP threads of every kernel a call runs (projections,
+        rotary embeddings, attention): ``None`` OpenMP's default, ``-1``
+        all cores, ``k >= 1`` k.  A call's ``num_threads=`` overrides it.
 
     Attributes
     ----------
@@ -302,9 +408,11 @@ class MultiHeadAttention:
                  vdim: int | None = None, num_kv_heads: int | None = None, bias: bool = True,
                  out_dim: int | None = None, dtype: DTypeLike = np.float32,
                  rng: np.random.Generator | int | None = None,
-                 window: tuple[int, int] | None = None) -> None:
+                 window: tuple[int, int] | None = None, rotary: Any = None,
+                 num_threads: int | None = None) -> None:
         bias = parse_bool(bias, "bias")
         self.window = window
+        self.num_threads = num_threads
         embed_dim = parse_positive_int(embed_dim, "embed_dim")
         num_heads = parse_positive_int(num_heads, "num_heads")
         kdim = parse_positive_int(kdim, "kdim", True) or embed_dim
@@ -333,6 +441,46 @@ class MultiHeadAttention:
         ow = glorot(out_dim, num_heads * hd)
         biases = [np.zeros(w.shape[0]) if bias else None for w in (qw, kw, vw, ow)]
         self._setup(num_heads, num_kv_heads, qw, kw, vw, ow, *biases, dtype=dt)
+        self.rotary = rotary
+
+    @property
+    def rotary(self) -> dict | None:
+        """Rotary position embeddings of the queries and keys (None: off).
+
+        Set with ``True`` (base 10000, ``"half"`` layout, every channel of a
+        head), a dict with any of the keys ``base``, ``inv_freq``,
+        ``layout``, ``rotary_dim`` (as in :func:`attncore.rotary_embedding`;
+        e.g. ``{"inv_freq": LlamaRotaryEmbedding(config).inv_freq}`` for
+        Llama 3 / YaRN scaling, ``{"rotary_dim": 32}`` for a partial
+        rotation), ``None`` or ``False``.  Read: a dict with the four keys
+        resolved (``inv_freq``: the float64 frequencies in use, read-only;
+        ``base``: None when ``inv_freq`` was given).
+
+        With rotary embeddings, a self-attention call rotates the projected
+        queries and keys of its tokens at their absolute positions:
+        ``positions=`` of the call, else ``arange(L)`` after the tokens a
+        cache holds (decoding continues the positions).  The cache stores
+        rotated keys.  Cross-attention calls are refused (positions of a
+        separate memory are not defined by the layer).
+        """
+        r = getattr(self, "_rotary", None)
+        return None if r is None else dict(r)
+
+    @rotary.setter
+    def rotary(self, value: Any) -> None:
+        self._rotary = parse_rotary(value, self.head_dim)
+
+    @property
+    def num_threads(self) -> int | None:
+        """Default OpenMP threads of the layer's calls (projections, rotary
+        embeddings, attention): ``None`` OpenMP's default, ``-1`` all cores,
+        ``k >= 1`` k; a call's ``num_threads=`` overrides it.  Settable."""
+        return getattr(self, "_num_threads", None)
+
+    @num_threads.setter
+    def num_threads(self, value: int | None) -> None:
+        resolve_num_threads(value)  # validated now
+        self._num_threads = value
 
     @property
     def window(self) -> tuple[int, int] | None:
@@ -485,9 +633,9 @@ class MultiHeadAttention:
                     out_weight: ArrayLike, q_bias: ArrayLike | None = None,
                     k_bias: ArrayLike | None = None, v_bias: ArrayLike | None = None,
                     out_bias: ArrayLike | None = None, num_heads: int,
-                    num_kv_heads: int | None = None,
-                    dtype: DTypeLike | None = None,
-                    window: tuple[int, int] | None = None) -> MultiHeadAttention:
+                    num_kv_heads: int | None = None, dtype: DTypeLike | None = None,
+                    window: tuple[int, int] | None = None, rotary: Any = None,
+                    num_threads: int | None = None) -> MultiHeadAttention:
         """Layer from weight arrays in PyTorch's Linear layout.
 
         Parameters
@@ -506,6 +654,8 @@ class MultiHeadAttention:
         window : (int, int), optional
             Sliding window ``(left, right)`` of every call (see the class
             parameters); default None, every key.
+        rotary, num_threads : optional
+            As in the constructor (:attr:`rotary`, :attr:`num_threads`).
 
         The arrays are copied; head sizes follow from the shapes, so
         ``head_dim`` need not be ``embed_dim // num_heads``.
@@ -515,8 +665,10 @@ class MultiHeadAttention:
                 else np.float32
         self = cls.__new__(cls)
         self.window = window
+        self.num_threads = num_threads
         self._setup(num_heads, num_kv_heads, q_weight, k_weight, v_weight, out_weight,
                     q_bias, k_bias, v_bias, out_bias, dtype=dtype)
+        self.rotary = rotary
         return self
 
     @classmethod
@@ -673,14 +825,6 @@ class MultiHeadAttention:
             a = a[None]
         return a if a.dtype == self.dtype else a.astype(self.dtype)
 
-    def _check_key_mask(self, key_mask, B, S, batched):
-        km, _ = parse_mask(key_mask, "key_mask", allow_float=False)
-        want = (B, S) if batched else (S,)
-        if km.shape != want:
-            raise ValueError(f"key_mask must have shape {want} (batch, key length), got "
-                             f"{km.shape}")
-        return km.reshape(B, 1, 1, S)
-
     def _check_attn_mask(self, attn_mask, B, L, S, batched):
         am, _ = parse_mask(attn_mask, "attn_mask")
         H = self.num_heads
@@ -707,24 +851,31 @@ class MultiHeadAttention:
             am = am.astype(self.dtype)
         return am
 
-    @foreign_arrays(("query", "key", "value"), ("key_mask", "attn_mask"), keep_bf16=False)
+    @foreign_arrays(("query", "key", "value"), ("key_mask", "attn_mask", "positions"),
+                    keep_bf16=False)
     def __call__(self, query: ArrayLike, key: ArrayLike | None = None,
                  value: ArrayLike | None = None, *, key_mask: ArrayLike | None = None,
                  attn_mask: ArrayLike | None = None,
                  is_causal: bool | Literal["upper_left", "lower_right"] = False,
                  need_weights: bool = False, average_attn_weights: bool = True,
-                 cache: KVCache | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                 cache: KVCache | None = None, positions: ArrayLike | None = None,
+                 num_threads: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
         ----------
         query : array_like, (B, L, embed_dim) or unbatched (L, embed_dim)
         key : array_like, (B, S, kdim) or (S, kdim), optional
-            Default: ``query`` (self-attention).
+            Default: ``query`` (self-attention).  With a batched query, a
+            2-D key (S, kdim) is a memory **shared by the whole batch** (a
+            bank of style tokens, a fixed set of image regions): projected
+            once and attended by every batch row through broadcasting,
+            never copied B times.
         value : array_like, (B, S, vdim) or (S, vdim), optional
-            Default: ``key``.
+            Default: ``key``.  2-D exactly when the key is.
         key_mask : bool array_like, (B, S) or (S,), optional
             True = the key is a real token (takes part), False = padding.
+            A shared memory also takes (S,), one mask for every row.
             With a self-attention cache, S is the cached length after this
             call's tokens are appended.
         attn_mask : array_like, optional
@@ -747,6 +898,14 @@ class MultiHeadAttention:
             values and attends over all cached tokens; cross-attention
             projects ``key`` / ``value`` into an empty cache once and later
             calls reuse them (pass ``key=None``).
+        positions : int array_like, (L,) or (B, L), optional
+            Only for a layer with :attr:`rotary` embeddings: the absolute
+            positions of this call's L tokens (e.g. per row for left-padded
+            batches).  Default: ``arange(L)``, after the tokens a cache
+            holds.
+        num_threads : int, optional
+            OpenMP threads of this call's kernels (projections, rotary
+            embeddings, attention); default :attr:`num_threads`.
 
         Returns
         -------
@@ -761,6 +920,8 @@ class MultiHeadAttention:
         """
         need_weights = parse_bool(need_weights, "need_weights")
         average_attn_weights = parse_bool(average_attn_weights, "average_attn_weights")
+        nt = self.num_threads if num_threads is None else num_threads
+        resolve_num_threads(nt)
         if key is None and value is not None:
             raise ValueError("value given without key; pass key as well (value defaults to key)")
         q_arr = to_array(query, "query", "key_mask or attn_mask")
@@ -774,21 +935,26 @@ class MultiHeadAttention:
         # checks first: a call that fails leaves the cache as it was
         self_attn, k_in, v_in, S, stored_mask = self._resolve_kv(
             query, key, value, cache, x_q, B, L, ndim, causal, is_causal)
-        mask = self._combine_masks(key_mask, attn_mask, stored_mask, B, L, S, batched)
+        rot_pos = self._rotary_positions(positions, self_attn, cache, B, L)
+        shared = (k_in is not None and k_in.shape[0] != B) or (
+            k_in is None and cache is not None and cache.mode == "cross" and cache.shared)
+        mask = self._combine_masks(key_mask, attn_mask, stored_mask, B, L, S, batched, shared)
         q4, k4, v4 = self._project_heads(x_q, self_attn, key, value, k_in, v_in, cache,
-                                         key_mask, mask, attn_mask, B, L, S, batched)
+                                         key_mask, mask, attn_mask, B, L, S, batched, shared,
+                                         rot_pos, nt)
         return self._attend(q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
-                            B, L, batched)
+                            B, L, batched, nt)
 
     # ------------------------------------------------------------ call steps
     def _resolve_kv(self, query, key, value, cache, x_q, B, L, ndim, causal, is_causal):
         """Where keys / values come from: (self-attention?, key input, value
-        input, key length S, key mask stored with a cross-attention cache)."""
+        input, key length S, key mask stored with a cross-attention cache).
+        A shared memory's key / value inputs have batch size 1."""
         self_attn = key is None or (key is query and (value is None or value is query))
         if cache is None:
             if self_attn:
                 if self._w_qkv is None:
-                    self._project_self(x_q)                 # raises: needs key and value
+                    self._project_self(x_q, None)           # raises: needs key and value
                 return True, None, None, L, None
             k_in, v_in = self._kv_inputs(key, value, ndim, B)
             return False, k_in, v_in, k_in.shape[1], None
@@ -802,7 +968,7 @@ class MultiHeadAttention:
             return False, None, None, len(cache), cache.key_mask
         if self_attn:
             if self._w_qkv is None:
-                self._project_self(x_q)                     # raises: needs key and value
+                self._project_self(x_q, None)               # raises: needs key and value
             if causal == 1 and len(cache) > 0:
                 raise ValueError(
                     f"is_causal={is_causal!r} (upper-left) with a cache holding "
@@ -816,6 +982,21 @@ class MultiHeadAttention:
         k_in, v_in = self._kv_inputs(key, value, ndim, B)
         cache._check_room(k_in.shape[1])
         return False, k_in, v_in, k_in.shape[1], None
+
+    def _rotary_positions(self, positions, self_attn, cache, B, L):
+        """This call's (P, L) int64 rotary positions, or None without rotary."""
+        rot = getattr(self, "_rotary", None)
+        if rot is None:
+            if positions is not None:
+                raise ValueError("positions= applies to a layer with rotary embeddings "
+                                 "(rotary=...); this layer has none")
+            return None
+        if not self_attn:
+            raise ValueError(
+                "rotary embeddings apply to self-attention (key None or the query itself): "
+                "this layer has rotary=... and was called with a separate key / memory")
+        start = len(cache) if cache is not None else 0
+        return rotary_positions(positions, start, B, L)
 
     def _check_cache(self, cache, B):
         if not isinstance(cache, KVCache):
@@ -832,11 +1013,23 @@ class MultiHeadAttention:
             raise ValueError(f"query batch size {B} does not match the cache's "
                              f"batch_size={cache.batch_size}")
 
-    def _combine_masks(self, key_mask, attn_mask, stored_mask, B, L, S, batched):
+    def _check_key_mask(self, key_mask, B, S, batched, shared=False):
+        km, _ = parse_mask(key_mask, "key_mask", allow_float=False)
+        if shared and km.shape == (S,):
+            return km.reshape(1, 1, 1, S)
+        want = (B, S) if batched else (S,)
+        if km.shape != want:
+            also = f" or (S,) = ({S},) for the shared memory" if shared else ""
+            raise ValueError(f"key_mask must have shape {want} (batch, key length){also}, got "
+                             f"{km.shape}")
+        return km.reshape(B, 1, 1, S)
+
+    def _combine_masks(self, key_mask, attn_mask, stored_mask, B, L, S, batched, shared):
         """One mask for the kernel: key_mask (or the one stored with a
         cross-attention memory: a key_mask given now overrides it) and
         attn_mask, both applying."""
-        mask = stored_mask if key_mask is None else self._check_key_mask(key_mask, B, S, batched)
+        mask = stored_mask if key_mask is None else \
+            self._check_key_mask(key_mask, B, S, batched, shared)
         if attn_mask is None:
             return mask
         am = self._check_attn_mask(attn_mask, B, L, S, batched)
@@ -847,24 +1040,32 @@ class MultiHeadAttention:
         return np.where(mask, am, am.dtype.type(-np.inf))
 
     def _project_heads(self, x_q, self_attn, key, value, k_in, v_in, cache, key_mask, mask,
-                       attn_mask, B, L, S, batched):
-        """Projected (B, heads, length, head_dim) query / key / value views,
-        the cache updated with this call's keys and values."""
+                       attn_mask, B, L, S, batched, shared, rot_pos, nt):
+        """Projected (B, heads, length, head_dim) query / key / value views
+        (batch 1 for a shared memory's keys / values), the cache updated
+        with this call's keys and values."""
         H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         Nq = H * hd
         Nk = Hkv * hd
         if self_attn:
-            qkv = self._project_self(x_q)
+            qkv = self._project_self(x_q, nt)
             q_p, k_p, v_p = qkv[:, :Nq], qkv[:, Nq:Nq + Nk], qkv[:, Nq + Nk:]
         else:
-            q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None)
+            q_p = self._project(x_q, self._wq, self._bq if self._has_b[0] else None, nt)
             if k_in is not None:
-                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in)
+                k_p, v_p = self._project_kv(value is None or value is key, k_in, v_in, nt)
         q4 = q_p.reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+        if rot_pos is not None:
+            # in place on the projection buffer: the query and key heads of a
+            # row are adjacent blocks of hd, one (B, H + Hkv, L, hd) view
+            rot = self._rotary
+            qk4 = qkv[:, :Nq + Nk].reshape(B, L, H + Hkv, hd).transpose(0, 2, 1, 3)
+            apply_rotary(qk4, rot_pos, rot["inv_freq"], rot["layout"] == "interleaved", qk4, nt)
+        Bk = B if k_in is None else k_in.shape[0]
         if cache is None:
-            # (B*S, Hkv*hd) rows -> (B, Hkv, S, hd) strided views
-            k4 = k_p.reshape(B, S, Hkv, hd).transpose(0, 2, 1, 3)
-            v4 = v_p.reshape(B, S, Hkv, hdv).transpose(0, 2, 1, 3)
+            # (Bk*S, Hkv*hd) rows -> (Bk, Hkv, S, hd) strided views
+            k4 = k_p.reshape(Bk, S, Hkv, hd).transpose(0, 2, 1, 3)
+            v4 = v_p.reshape(Bk, S, Hkv, hdv).transpose(0, 2, 1, 3)
             return q4, k4, v4
         if self_attn:
             cache.append_self(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
@@ -872,20 +1073,20 @@ class MultiHeadAttention:
             stored = None
             if key_mask is not None:
                 stored = mask if attn_mask is None else \
-                    self._check_key_mask(key_mask, B, S, batched)
-            cache.bind_memory(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv),
+                    self._check_key_mask(key_mask, B, S, batched, shared)
+            cache.bind_memory(k_p.reshape(Bk, -1, Hkv, hd), v_p.reshape(Bk, -1, Hkv, hdv),
                               key, stored)
         k4, v4 = cache.view(S)
         return q4, k4, v4
 
     def _attend(self, q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
-                B, L, batched):
+                B, L, batched, nt):
         """Attention of the projected heads, then the output projection."""
         H, hdv = self.num_heads, self.v_head_dim
         res = scaled_dot_product_attention(
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != H, return_weights=need_weights,
-            window=self.window)
+            window=self.window, num_threads=nt)
         if need_weights:
             o, w = res
             if w.shape[:2] != (B, H):
@@ -897,21 +1098,34 @@ class MultiHeadAttention:
             o, w = res, None
         # (B, H, L, hdv) -> (B*L, H*hdv) -> output projection
         o2 = o.transpose(0, 2, 1, 3).reshape(B * L, H * hdv)
-        out = self._project(o2, self._wo, self._bo).reshape(B, L, self.out_dim)
+        out = self._project(o2, self._wo, self._bo, nt).reshape(B, L, self.out_dim)
         if not batched:
             out = out[0]
         return out, w
 
     # ------------------------------------------------------------ pieces
     def _kv_inputs(self, key, value, ndim, B):
-        k = self._input(key, "key", self.kdim, ndim)
+        """Key / value inputs as (B, S, kdim) / (B, S, vdim) arrays, or
+        (1, S, .) for a memory shared by a batched query (2-D key)."""
+        k_arr = to_array(key, "key", "key_mask or attn_mask")
+        kndim = ndim
+        if ndim == 3 and k_arr.ndim == 2:
+            kndim = 2                                    # shared by the batch
+        elif ndim == 3 and k_arr.ndim != 3:
+            raise ValueError(f"key must be (B, S, kdim) = ({B}, S, {self.kdim}), or (S, "
+                             f"{self.kdim}) shared by the whole batch, got shape {k_arr.shape}")
+        k = self._input(k_arr, "key", self.kdim, kndim)
         if value is None:
             value = key
         if value is key and self.vdim == self.kdim:
             v = k
         else:
-            v = self._input(value, "value", self.vdim, ndim)
-        if k.shape[0] != B or v.shape[0] != B:
+            if kndim == 2 and ndim == 3 and np.ndim(value) != 2:
+                raise ValueError(f"value must be 2-D (S, vdim) like the shared key (shape "
+                                 f"{k_arr.shape}), got shape {np.shape(value)}")
+            v = self._input(value, "value", self.vdim, kndim)
+        Bk = 1 if kndim != ndim else B
+        if k.shape[0] != Bk or v.shape[0] != Bk:
             raise ValueError(f"key and value must have the query's batch size {B}, got key "
                              f"shape {np.shape(key)} and value shape {np.shape(value)}")
         if v.shape[1] != k.shape[1]:
@@ -920,31 +1134,31 @@ class MultiHeadAttention:
         return k, v
 
     @staticmethod
-    def _project(x2d, w, b):
+    def _project(x2d, w, b, nt):
         # on attncore's threads with single-threaded BLAS blocks (see _linear)
-        return linear(x2d, w, b)
+        return linear(x2d, w, b, num_threads=nt)
 
-    def _project_self(self, x2d):
+    def _project_self(self, x2d, nt):
         """(B*L, Nq+Nk+Nv): Q, K and V of one input, one gemm where the weights allow."""
         b = self._b_in if any(self._has_b) else None
         if self._w_qkv is not None:
-            return self._project(x2d, self._w_qkv, b)
+            return self._project(x2d, self._w_qkv, b, nt)
         if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
             raise ValueError(
                 f"self-attention needs kdim == vdim == embed_dim, got kdim={self.kdim}, "
                 f"vdim={self.vdim}, embed_dim={self.embed_dim}; pass key and value")
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _project_kv(self, same, k_in, v_in):
+    def _project_kv(self, same, k_in, v_in, nt):
         """Projected keys (B*S, Nk) and values (B*S, Nv)."""
         B, S = k_in.shape[:2]
         Nk = self.num_kv_heads * self.head_dim
         xk = k_in.reshape(B * S, self.kdim)
         if same and self._w_kv is not None:
             b = self._b_in[self._bq.shape[0]:] if (self._has_b[1] or self._has_b[2]) else None
-            kv = self._project(xk, self._w_kv, b)
+            kv = self._project(xk, self._w_kv, b, nt)
             return kv[:, :Nk], kv[:, Nk:]
-        k_p = self._project(xk, self._wk, self._bk if self._has_b[1] else None)
+        k_p = self._project(xk, self._wk, self._bk if self._has_b[1] else None, nt)
         xv = v_in.reshape(B * S, self.vdim)
-        v_p = self._project(xv, self._wv, self._bv if self._has_b[2] else None)
+        v_p = self._project(xv, self._wv, self._bv if self._has_b[2] else None, nt)
         return k_p, v_p

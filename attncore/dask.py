@@ -315,7 +315,8 @@ def scaled_dot_product_attention(
 
     The computation of :func:`attncore.scaled_dot_product_attention` -- the
     same arguments except ``return_weights`` (an N x M array is what this
-    module avoids), plus ``split_every``; the same masks, causal alignments,
+    module avoids), ``alibi_slopes`` and ``sinks`` (not supported here: a
+    key chunk's partial result cannot carry them), plus ``split_every``; the same masks, causal alignments,
     sliding windows, soft-capping, int8 keys / values, grouped-query heads,
     dtype rules and errors (the core's own argument checks run on the
     arrays' shapes and dtypes) -- run as a Dask graph: lazily, chunk by

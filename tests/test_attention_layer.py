@@ -163,7 +163,7 @@ BAD_SHAPES_AND_MASKS = [
     ("mask-float", TypeError, "mask must be a bool array",
      lambda att, s: att(s["q"], s["k"], mask=np.ones((3, 7)))),
     ("keys-rank", ValueError, "keys must have shape",
-     lambda att, s: att(s["q"], s["k"][0])),
+     lambda att, s: att(s["q"], s["k"][0, 0])),           # 2-D keys: a shared memory
     ("query-rank", ValueError, "query must have shape",
      lambda att, s: att(s["q"][0, 0], s["k"])),
     ("values-length", ValueError, "values must have the leading shape",
