@@ -459,3 +459,48 @@ def test_half_tensors_read_in_place_and_returned_in_their_dtype(monkeypatch, tdt
         q, kr, vr, attn_mask=mask, scale=0.3).transpose(1, 2)
     err = (out.double() - ref).abs().max().item()
     assert err <= 1.5 * (tor.double() - ref).abs().max().item() + 1e-7
+
+
+def _gpt_oss(impl):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                       max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+    torch.manual_seed(11)
+    m = GptOssForCausalLM._from_config(cfg, attn_implementation=impl).eval()
+    for layer in m.model.layers:   # sinks of either sign and size (zeros at init)
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    return m
+
+
+def test_gpt_oss_sinks_match_eager():
+    """s_aux (gpt-oss' attention sinks) goes to the kernel's sinks: logits
+    and greedy tokens equal transformers' eager attention, which puts the
+    sink column into the softmax literally."""
+    pytest.importorskip("transformers.models.gpt_oss")
+    a, e = _gpt_oss("attncore"), _gpt_oss("eager")
+    e.load_state_dict(a.state_dict())
+    ids, _ = _left_padded_batch(5)
+    with torch.no_grad():
+        la, le = a(ids[:1]).logits, e(ids[:1]).logits
+        torch.testing.assert_close(la, le, rtol=1e-4, atol=1e-4)
+        ga = a.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
+        ge = e.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
+    assert torch.equal(ga, ge)
+
+
+def test_forward_s_aux_against_the_explicit_sink_column():
+    q, k, v = _inputs(L=5, S=9)
+    sinks = torch.tensor([0.5, -1.0, 3.0, 0.0])
+    with torch.no_grad():
+        out, w = attention_forward(_Module(), q, k, v, None, scaling=0.3, s_aux=sinks,
+                                   output_attentions=True)
+    kr, vr = (t.repeat_interleave(2, dim=1).double() for t in (k, v))
+    s = q.double() @ kr.transpose(-1, -2) * 0.3
+    s = s.masked_fill(~torch.ones(5, 9, dtype=torch.bool).tril(4), float("-inf"))
+    full = torch.cat([s, sinks.double().reshape(1, 4, 1, 1).expand(2, 4, 5, 1)], dim=-1)
+    p = torch.softmax(full, dim=-1)[..., :-1]
+    torch.testing.assert_close(out.double(), (p @ vr).transpose(1, 2), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.double(), p, rtol=1e-5, atol=1e-6)

@@ -229,8 +229,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         transformers' flash-attention path and mask functions have it),
         ``softcap`` (logit soft-capping, fused in the kernel),
         ``position_bias`` (added to the scores), ``output_attentions``
-        (return the weights; also taken from ``module.config``).
-        Attention sinks (``s_aux``) are not supported.
+        (return the weights; also taken from ``module.config``),
+        ``s_aux`` (gpt-oss' attention sinks, one logit per head: their exp
+        joins each row's softmax denominator, in the kernel).
 
     Returns
     -------
@@ -238,10 +239,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attn_weights : torch.Tensor (B, H, L, S) or None
     """
     torch = sys.modules["torch"]
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "attention sinks (s_aux) are not supported by attncore; use "
-            "attn_implementation='eager' for this model")
     if dropout:
         raise ValueError(
             f"dropout={dropout!r}: attncore is inference only; call model.eval() (dropout is "
@@ -260,7 +257,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     need_weights = kwargs.get("output_attentions")
     if need_weights is None:
         need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
+    s_aux = kwargs.get("s_aux")
     if (attention_mask is None and not need_weights and kwargs.get("position_bias") is None
+            and s_aux is None
             and query.device.type == "cpu" and key.device == query.device
             and value.device == query.device and key.dtype is query.dtype
             and value.dtype is query.dtype
@@ -318,7 +317,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     res = scaled_dot_product_attention(
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
         enable_gqa=True, return_weights=bool(need_weights), window=win,
-        softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads())
+        softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads(),
+        sinks=None if s_aux is None else _as_numpy(s_aux, "s_aux"))
     out, w = res if need_weights else (res, None)
 
     o = numpy_to_torch(out)
