@@ -250,9 +250,22 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
 #if AC_IS_F32
     /* the fused kernel (no BLAS, nothing of K / V packed) where the CPU
        has one; a handful of rows stay with the direct loops below */
-    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS)
-        return ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
-                                  acc, m, l, bad);
+    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS) {
+        const int done = ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
+                                            acc, m, l, bad);
+        if (done >= 0) return done;
+        /* scores beyond the range of the fused kernel's base-2 units (or
+           NaN): these rows again in natural units, a few at a time on the
+           direct loops below (no BLAS inside the fused path's threads) */
+        int any = 0;
+        for (int r = 0; r < nq; r += AC_SMALL_ROWS) {
+            const int n = (nq - r < AC_SMALL_ROWS) ? nq - r : AC_SMALL_ROWS;
+            any |= AC_FN(ac_sdpa_range)(p, q, k, v, ksc, vsc, mb, mf, i0 + r, n, ks, ke, S,
+                                        acc + (ptrdiff_t)r * Dv, m + r, l + r, alpha + r,
+                                        bad + r, gemm);
+        }
+        return any;
+    }
 #endif
     /* int8 keys / values: each tile is dequantized into these buffers */
     AC_T *KB = S + p->dq_off, *VB = KB + (ptrdiff_t)Bk * p->D;
@@ -487,7 +500,9 @@ static AC_CLONES void AC_FN(ac_weights_block)(
             bm = x > bm ? x : bm;
             nan |= (x != x);
         }
-        if (nan) {
+        if (nan || bm == (AC_T)INFINITY) {
+            /* a NaN score, or a +inf one (exp(inf - inf)): the whole row
+               of weights is NaN, the columns outside the band included */
             for (int c = 0; c < M; c++) row[c] = (AC_T)NAN;
             if (lse) lse[r] = (AC_T)NAN;
             continue;
