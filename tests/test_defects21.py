@@ -151,6 +151,31 @@ def test_min_mask_rows_average(path, layout, causal):
     np.testing.assert_allclose(lse, e_lse, rtol=1e-6, atol=3e-6)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_min_mask_rows_split_keys_and_int8(path, int8):
+    """The same with the keys split over threads (flash decoding: one work
+    item, 2048 keys) and with int8 keys / values."""
+    N, M = 8, 2048
+    q, k, v = rand((1, 1, N, 16), 37), rand((1, 1, M, 16), 38), rand((1, 1, M, 8), 39)
+    mask = rand((1, 1, N, M), 40)
+    mask[..., ::2, :] = F32_MIN                       # even rows: every key
+    mask[..., 1::2, : M // 2] = F32_MIN               # odd rows: the first half
+    kk, vv = k, v
+    if int8:
+        (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+        kk, vv = (k8, ks), (v8, vs)
+        k = k8.astype(np.float64) * ks.astype(np.float64)[..., None]
+        v = v8.astype(np.float64) * vs.astype(np.float64)[..., None]
+    e_out, _ = ref(q, k, v, mask)
+    e_lse = lse_ref(q, k, mask)
+    e_out[..., ::2, :] = v.astype(np.float64).mean(-2)[..., None, :]
+    e_lse[..., ::2] = F32_MIN + np.log(M)
+    for t in (1, 2):
+        out, lse = sdpa(q, kk, vv, mask, return_lse=True, num_threads=t)
+        np.testing.assert_allclose(out, e_out, **TOL32)
+        np.testing.assert_allclose(lse, e_lse, rtol=1e-6, atol=3e-6)
+
+
 def test_huge_positive_mask_entry(path):
     """+3e38 on one key of each row: that key takes all the weight (the
     fused kernel turned it into +inf, then NaN)."""
