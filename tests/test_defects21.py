@@ -372,3 +372,34 @@ def test_nan_rows_of_weights_span_the_row(path, dtype, band):
         assert np.all(np.isnan(o[nan_rows])) and np.all(np.isnan(ls[nan_rows]))
         assert not np.any(np.isnan(o[~nan_rows])) and not np.any(np.isnan(ls[~nan_rows]))
     np.testing.assert_allclose(w[~nan_rows].sum(-1), 1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dot", "scaled_dot", "bilinear", "mlp", "plugin"])
+def test_nan_rows_of_layer_weights_span_the_row(path, kind):
+    """The same rule in attncore.Attention, whose key mask leaves masked
+    keys at weight 0 in ordinary rows: a NaN row is NaN there too."""
+    rng = np.random.default_rng(41)
+    B, T, S, D = 2, 6, 9, 6
+    q, k, vals = rng.standard_normal((B, T, D)), rng.standard_normal((B, S, D)), \
+        rng.standard_normal((B, S, 4))
+    mask = np.ones((B, S), bool)
+    mask[:, 6:] = False
+    q[1, 2, 0] = np.nan
+    if kind == "bilinear":
+        att = attncore.Attention(kind, weight=rng.standard_normal((D, D)) * 0.3)
+    elif kind == "mlp":
+        att = attncore.Attention(kind, q_weight=rng.standard_normal((5, D)) * 0.4,
+                                 k_weight=rng.standard_normal((5, D)) * 0.4,
+                                 v=rng.standard_normal(5))
+    elif kind == "plugin":
+        class Half(attncore.Alignment):
+            def score(self, query, prepared):
+                return np.matmul(query, np.swapaxes(prepared, -1, -2)) / 2
+        att = attncore.Attention(Half())
+    else:
+        att = attncore.Attention(kind)
+    ctx, w = att(q, k, vals, mask=mask, return_weights=True)
+    assert np.all(np.isnan(w[1, 2])) and np.all(np.isnan(ctx[1, 2]))
+    rest = np.ones((B, T), bool)
+    rest[1, 2] = False
+    assert np.all(np.isfinite(w[rest])) and np.all(w[rest][:, 6:] == 0)
