@@ -164,10 +164,9 @@ AC_DEF_PV_TAIL(1, ac_pv1_tail)
  * Attention of the query rows [i0, i0 + nr) (nr <= P) over keys [ks, ke):
  * the unnormalized accumulator goes to acc (nr x Dv, ld Dv, natural
  * layout), the running max (natural-log units) to m, the sum to l, and bad
- * is cleared.  Returns 1 if a key tile was processed, 0 if none, -1 when a
- * row's scores left the float range in base-2 units or are NaN (see the
- * end).  scratch: AC_FUSED_SCRATCH floats, 64-byte
- * aligned.
+ * is cleared, or -1 for a row whose scores left the float range in base-2
+ * units or are NaN (see the end).  Returns 1 if a key tile was processed.
+ * scratch: AC_FUSED_SCRATCH floats, 64-byte aligned.
  */
 static AC_TGT int AC_F(ac_fused_panel)(
     const ac_params *p, const float *q, const float *k, const float *v,
@@ -435,21 +434,17 @@ static AC_TGT int AC_F(ac_fused_panel)(
         VSTORE(ll, l0);
         VSTORE(ll + AC_W, l1);
         const float ln2 = 0.693147180559945309f;
-        for (int r = 0; r < nr; r++) {
-            m[r] = mm[r] * ln2;
-            l[r] = ll[r];
-            bad[r] = 0;
-        }
         /* Out of range in base-2 units: a score or float mask entry beyond
            FLT_MAX / log2(e) gives +inf (l NaN) or -inf (a row that attends
            keys but has no finite score).  NaN from the inputs also shows
-           as l NaN.  Such a panel is redone by the caller in natural
-           units (-1). */
+           as l NaN.  Such a row is flagged bad = -1: the caller computes
+           it again in natural units. */
         for (int r = 0; r < nr; r++) {
-            if (!(ll[r] <= FLT_MAX) || mm[r] == INFINITY) return -1;
-            if (processed && mm[r] == -INFINITY &&
-                ac_row_attends_f32(p, mb, mf, i0 + r, ks, ke))
-                return -1;
+            m[r] = mm[r] * ln2;
+            l[r] = ll[r];
+            bad[r] = (!(ll[r] <= FLT_MAX) || mm[r] == INFINITY ||
+                      (processed && mm[r] == -INFINITY &&
+                       ac_row_attends_f32(p, mb, mf, i0 + r, ks, ke))) ? -1 : 0;
         }
     }
     return processed;

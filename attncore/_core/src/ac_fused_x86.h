@@ -397,10 +397,10 @@ static int ac_fused_panel_rows(void)
 }
 
 /* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
- * the same contract as ac_sdpa_range_f32, or -1 (nothing usable written)
- * when a score, the scale or a float mask entry is out of range for the
- * base-2 units of the fused kernel, or a score is NaN: the caller then
- * takes these rows on its own loops. */
+ * the same contract as ac_sdpa_range_f32, except that a row whose scores
+ * (the scale, a float mask entry) are out of range for the base-2 units
+ * of the fused kernel, or NaN, comes back with bad = -1: the caller then
+ * computes it on its own loops. */
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
                               const float *ksc, const float *vsc,
@@ -411,20 +411,20 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 {
     const int P = ac_fused_panel_rows();
     /* scale log2(e) folded into the queries must be a float */
-    if (!((float)p->scale * 1.44269504088896341f <= FLT_MAX)) return -1;
+    if (!((float)p->scale * 1.44269504088896341f <= FLT_MAX)) {
+        for (int r = 0; r < nq; r++) bad[r] = -1;
+        return 0;
+    }
     int processed = 0;
     for (int r0 = 0; r0 < nq; r0 += P) {
         const int nr = (nq - r0 < P) ? nq - r0 : P;
         float *a = acc + (ptrdiff_t)r0 * p->Dv;
-        int done;
         if (ac_kernel_path == AC_PATH_AVX512)
-            done = ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
-                                             ks, ke, scratch, a, m + r0, l + r0, bad + r0);
+            processed |= ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
+                                                   ks, ke, scratch, a, m + r0, l + r0, bad + r0);
         else
-            done = ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
-                                           ks, ke, scratch, a, m + r0, l + r0, bad + r0);
-        if (done < 0) return -1;
-        processed |= done;
+            processed |= ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr,
+                                                 ks, ke, scratch, a, m + r0, l + r0, bad + r0);
     }
     return processed;
 }

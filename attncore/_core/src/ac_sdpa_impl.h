@@ -251,18 +251,23 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
     /* the fused kernel (no BLAS, nothing of K / V packed) where the CPU
        has one; a handful of rows stay with the direct loops below */
     if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS) {
-        const int done = ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
-                                            acc, m, l, bad);
-        if (done >= 0) return done;
-        /* scores beyond the range of the fused kernel's base-2 units (or
-           NaN): these rows again in natural units, a few at a time on the
-           direct loops below (no BLAS inside the fused path's threads) */
-        int any = 0;
-        for (int r = 0; r < nq; r += AC_SMALL_ROWS) {
-            const int n = (nq - r < AC_SMALL_ROWS) ? nq - r : AC_SMALL_ROWS;
+        int any = ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
+                                     acc, m, l, bad);
+        /* rows whose scores left the range of the fused kernel's base-2
+           units (or are NaN), bad = -1: again in natural units, up to
+           AC_SMALL_ROWS adjacent ones at a time, on the direct loops below
+           (no BLAS inside the fused path's threads) */
+        for (int r = 0; r < nq;) {
+            if (bad[r] >= 0) {
+                r++;
+                continue;
+            }
+            int n = 1;
+            while (n < AC_SMALL_ROWS && r + n < nq && bad[r + n] < 0) n++;
             any |= AC_FN(ac_sdpa_range)(p, q, k, v, ksc, vsc, mb, mf, i0 + r, n, ks, ke, S,
                                         acc + (ptrdiff_t)r * Dv, m + r, l + r, alpha + r,
                                         bad + r, gemm);
+            r += n;
         }
         return any;
     }
