@@ -151,7 +151,9 @@ class Attention:
       default the keys; mask (B, S) / (B, H, W) bool, True = the key takes
       part (batch size 1 broadcasts).
     * A query whose keys are all masked out gets context 0 and weights 0.
-      NaN in inputs that take part propagates.
+      NaN in inputs that take part propagates: a query whose scores hold
+      NaN gets a NaN context and a row of weights NaN across the whole row
+      (masked keys included), for every alignment.
     * dtypes: float32 / float64 computed natively, float16 computed in
       float32 and returned as float16; query, keys and values promote as
       NumPy does.  Alignment parameters are cast to the compute dtype (once,

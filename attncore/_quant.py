@@ -18,6 +18,9 @@ from ._validation import as_float_array
 
 __all__ = ["quantize_kv"]
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
+
 
 @foreign_arrays(("x",), keep_bf16=False)
 def quantize_kv(x: Any, axis: int = -1) -> Tuple[np.ndarray, np.ndarray]:
@@ -26,6 +29,17 @@ def quantize_kv(x: Any, axis: int = -1) -> Tuple[np.ndarray, np.ndarray]:
     ``scale = max(|x|) / 127`` over ``axis`` and ``q = round(x / scale)``
     (round half to even), so that ``|q * scale - x| <= scale / 2`` for
     every element.  All-zero slices get scale 0 (and dequantize to 0).
+
+    The scales are float32, and so is the dequantized ``q * scale``:
+    ``|x|`` must not exceed the float32 maximum (about 3.4e38; larger
+    float64 values raise ``ValueError``), and a scale whose ``127 * scale``
+    would round past it is taken one float32 step lower.  A slice so small
+    that ``max(|x|) / 127`` is below float32's smallest normal number
+    (``max(|x|)`` below about 1.5e-36) gets that quotient rounded *up* to
+    a float32 (subnormal, at least about 1.4e-45) rather than to nearest:
+    the bound above then still holds for every element, while the slice's
+    largest magnitude may map to less than 127 (to 0 when ``max(|x|)`` is
+    below about 7e-46).
 
     Parameters
     ----------
@@ -41,6 +55,15 @@ def quantize_kv(x: Any, axis: int = -1) -> Tuple[np.ndarray, np.ndarray]:
     scales : ndarray of float32, the shape of ``x`` without ``axis``
         Of the input's array type (torch in, torch out; see the interop
         rules of :func:`scaled_dot_product_attention`).
+
+    Notes
+    -----
+    :func:`attncore.scaled_dot_product_attention` takes the result as a
+    ``(q, scales)`` tuple or list for its ``key`` / ``value``.  A tuple or
+    list of two is read as such a pair only when its first element is an
+    int8 array (NumPy, a torch tensor of ``torch.int8``, or any array whose
+    dtype is int8); anything else is an ordinary array-like (e.g. two
+    float rows of a key).
 
     Examples
     --------
@@ -62,27 +85,69 @@ def quantize_kv(x: Any, axis: int = -1) -> Tuple[np.ndarray, np.ndarray]:
         return (np.zeros(a.shape, np.int8),
                 np.zeros(a.shape[:ax] + a.shape[ax + 1:], np.float32))
     amax = np.max(np.abs(a), axis=ax, keepdims=True).astype(np.float64)
-    scale = (amax / 127.0).astype(np.float32)
+    big = float(np.max(amax, initial=0.0))
+    if big > _F32_MAX:
+        raise ValueError(f"x must lie within the float32 range (|x| <= {_F32_MAX:.8g}: the "
+                         f"scales and the dequantized values are float32), got max |x| = "
+                         f"{big:.6g}")
+    quot = amax / 127.0
+    scale = quot.astype(np.float32)
+    # below the normal range a float32 scale rounded to nearest can be far
+    # below the quotient (or 0): then round it up, so |x| / scale <= 127
+    # (no clipping) and the half-step bound holds
+    low = (scale < _F32_TINY) & (scale.astype(np.float64) < quot)
+    if np.any(low):
+        scale = np.where(low, np.nextafter(scale, np.float32(np.inf)), scale)
+    # near the float32 maximum, a scale rounded up can make 127 * scale
+    # overflow in float32: then one step down (|x| / scale stays below 127.5)
+    with np.errstate(over="ignore"):
+        over = np.isinf(scale * np.float32(127))
+    if np.any(over):
+        scale = np.where(over, np.nextafter(scale, np.float32(0)), scale)
     denom = np.where(scale == 0, 1.0, scale.astype(np.float64))
     q = np.clip(np.rint(a.astype(np.float64) / denom), -127, 127).astype(np.int8)
     return q, np.squeeze(scale, axis=ax)
 
 
+def _is_int8_array(x: Any) -> bool:
+    """Whether ``x`` is an int8 array: a NumPy array, a torch tensor of
+    ``torch.int8`` (recognised without importing torch) or another array
+    object (JAX, ...) whose dtype NumPy reads as int8."""
+    if isinstance(x, np.ndarray):
+        return x.dtype == np.int8
+    dt = getattr(x, "dtype", None)
+    if dt is None or isinstance(x, (np.generic, str, bytes)):
+        return False
+    if type(x).__module__.split(".")[0] == "torch":
+        return str(dt) == "torch.int8"
+    if not (hasattr(x, "__array__") or hasattr(x, "__dlpack__")):
+        return False
+    try:
+        return np.dtype(dt) == np.int8
+    except TypeError:
+        return False
+
+
 def split_quantized(arg: Any, name: str):
     """``(array, scales)`` for a quantized pair, ``(arg, None)`` otherwise.
 
-    A tuple / list of two is a quantized pair: an int8 array and its
-    scales of the array's shape without the last axis.  A bare int8 array
-    is an error (its scales are missing).
+    A tuple / list of two whose first element is an int8 array (see
+    :func:`_is_int8_array`) is a quantized pair: the int8 array and its
+    scales of the array's shape without the last axis.  Any other tuple /
+    list is an ordinary array-like, except one that can only be a pair
+    whose first element is not int8 (its second element has the first's
+    shape without the last axis, which no array-like has): a TypeError.
+    A bare int8 array is an error (its scales are missing).
     """
-    if isinstance(arg, (tuple, list)) and len(arg) == 2 and not np.isscalar(arg[0]) \
-            and np.ndim(arg[0]) >= 1 and (
-                getattr(arg[0], "dtype", None) is not None or isinstance(arg[0], np.ndarray)):
+    if isinstance(arg, (tuple, list)) and len(arg) == 2:
         data, scales = arg
+        if not _is_int8_array(data):
+            sh0, sh1 = _shape_of(data), _shape_of(scales)
+            if sh0 is not None and sh1 is not None and len(sh0) >= 1 and sh1 == sh0[:-1]:
+                raise TypeError(f"{name}: a quantized pair must hold an int8 array (from "
+                                f"attncore.quantize_kv), got dtype {np.asarray(data).dtype}")
+            return arg, None
         d = np.asarray(data)
-        if d.dtype != np.int8:
-            raise TypeError(f"{name}: a quantized pair must hold an int8 array (from "
-                            f"attncore.quantize_kv), got dtype {d.dtype}")
         if d.ndim < 2:
             raise ValueError(f"{name}: the int8 array must have at least 2 dimensions "
                              f"(..., length, dim), got shape {d.shape}")
@@ -95,10 +160,21 @@ def split_quantized(arg: Any, name: str):
             d = d.astype(d.dtype.newbyteorder("="))
         return d, s
     a = getattr(arg, "dtype", None)
-    if a is not None and np.dtype(a) == np.int8:
+    if a is not None and _is_int8_array(arg):
         raise TypeError(f"{name} is an int8 array without scales: pass the pair "
                         f"({name}_int8, scales) that attncore.quantize_kv returns")
     return arg, None
+
+
+def _shape_of(x: Any):
+    """The shape of an array object (not of a list or a scalar), else None."""
+    if isinstance(x, (list, tuple, str, bytes)) or np.isscalar(x):
+        return None
+    sh = getattr(x, "shape", None)
+    try:
+        return tuple(int(n) for n in sh) if sh is not None else None
+    except TypeError:
+        return None
 
 
 def dequantize(data: np.ndarray, scales: np.ndarray, dtype) -> np.ndarray:

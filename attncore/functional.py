@@ -157,14 +157,18 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
 # scaled_dot_product_attention: checks (the kernel call is planned below)
 # --------------------------------------------------------------------------
 def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
-                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0, alibi=None, sinks=None):
-    """(out, weights or None, lse or None) when a batch, N, M or Dv is 0."""
+                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0, key_arg=None,
+                  alibi=None, sinks=None):
+    """(out, weights or None, lse or None) when a batch, N, M or Dv is 0.
+    ``key_arg``: the key to score with when ``k`` is a stand-in (an int8
+    pair)."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     nb = math.prod(bshape)
     out = np.zeros(bshape + (N, Dv), dtype=rdt)
     if Dv == 0 and (need_w or need_lse) and nb and N and M:
         # weights and lse are still defined: compute them with a dummy value column
-        _, w, lse = _attention(q, k, np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
+        _, w, lse = _attention(q, k if key_arg is None else key_arg,
+                               np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
                                is_causal, scale, enable_gqa, need_w, need_lse, num_threads,
                                window, softcap, alibi=alibi, sinks=sinks)
         return out, w, lse
@@ -313,6 +317,11 @@ def scaled_dot_product_attention(
         never modified.  bfloat16 and float16 are read in place (converted
         a tile at a time, never copied to float32 as a whole) and the
         output comes back in that dtype.
+        ``key`` and / or ``value`` may also be an int8 pair ``(q, scales)``
+        from :func:`attncore.quantize_kv`: a tuple or list of two is read
+        as such a pair only when its first element is an int8 array (NumPy,
+        a ``torch.int8`` tensor, or any array whose dtype is int8);
+        anything else is an ordinary array-like.
     attn_mask : array_like, optional
         Broadcastable to (..., N, M).  **bool**: True = the query may attend
         to that key (take part), False = masked out.  **float**: added to
@@ -348,7 +357,9 @@ def scaled_dot_product_attention(
     softcap : float, optional
         Logit soft-capping: the scaled scores become
         ``softcap * tanh(score / softcap)`` before the mask is applied
-        (Gemma 2's order).  Must be finite and > 0.
+        (Gemma 2's order).  From 1e-30 to 1e30; the tanh is accurate to a
+        few float32 ulps relative on every kernel path (so a cap far above
+        the scores leaves them unchanged).
     return_lse : bool, default False
         Also return the log-sum-exp of each query row, shape (..., N), in
         the compute dtype (float32 for float16 inputs): the natural log of
@@ -393,7 +404,9 @@ def scaled_dot_product_attention(
     out : ndarray, shape (..., N, Dv)
     weights : ndarray, shape (..., N, M)
         Only with ``return_weights=True``; rows sum to 1, or are all 0 for a
-        query with nothing to attend.
+        query with nothing to attend, or are NaN across the whole row (keys
+        outside a causal / window band included) where an attended score is
+        NaN or +inf (from the inputs or a float mask entry).
     lse : ndarray, shape (..., N)
         Only with ``return_lse=True`` (after ``weights`` when both are
         asked for).
@@ -411,6 +424,11 @@ def scaled_dot_product_attention(
       the query or keys (not the mask) also gives output 0 and weights 0,
       as PyTorch does; a +inf score (or NaN from inf - inf in ``q . k``)
       gives NaN.
+    * Scores, ``scale`` and float mask entries are used as they are over
+      the whole float range, on every kernel path: a mask of
+      ``numpy.finfo(numpy.float32).min`` on every key of a row (Hugging
+      Face's masked value) gives that row's plain average of the values
+      and a finite lse (about -3.4e38), not the result of an empty row.
     * dtypes: float32 and float64 are computed natively; float16 and
       bfloat16 are read in place, computed with float32 accumulation and
       returned in their dtype (the lse stays float32).  Mixed dtypes:
@@ -482,6 +500,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
                              is_causal, scale, enable_gqa, num_threads, window, softcap,
+                             key_arg=None if k8 is None else (k8, k_scales),
                              alibi=alibi, sinks=sinks)
     if cdt == np.float64 or return_weights:
         # the float64 kernel and the weights path (BLAS over whole rows)

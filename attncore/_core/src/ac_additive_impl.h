@@ -199,6 +199,8 @@ static void AC_ADD_FN(ac_additive_block)(const ac_add_params *p, const AC_T *qp,
             const AC_T inv = (AC_T)1 / sum;
             for (int j = 0; j < nvalid; j++)
                 w[idx[j]] *= inv;
+            if (sum != sum) /* a NaN row is NaN across the row, masked keys too */
+                for (int j = 0; j < M; j++) w[j] = (AC_T)NAN;
         }
     }
     /* context */

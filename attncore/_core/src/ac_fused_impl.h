@@ -164,9 +164,9 @@ AC_DEF_PV_TAIL(1, ac_pv1_tail)
  * Attention of the query rows [i0, i0 + nr) (nr <= P) over keys [ks, ke):
  * the unnormalized accumulator goes to acc (nr x Dv, ld Dv, natural
  * layout), the running max (natural-log units) to m, the sum to l, and bad
- * is cleared (NaN travels through l: a NaN score makes l NaN).  Returns 1
- * if a key tile was processed.  scratch: AC_FUSED_SCRATCH floats, 64-byte
- * aligned.
+ * is cleared, or -1 for a row whose scores left the float range in base-2
+ * units or are NaN (see the end).  Returns 1 if a key tile was processed.
+ * scratch: AC_FUSED_SCRATCH floats, 64-byte aligned.
  *
  * One panel may also run over consecutive key chunks in several calls
  * (phase AC_PH_INIT on the first, AC_PH_FINISH on the last): QT (D x P)
@@ -490,10 +490,17 @@ static AC_TGT int AC_F(ac_fused_panel)(
         VSTORE(ll, l0);
         VSTORE(ll + AC_W, l1);
         const float ln2 = 0.693147180559945309f;
+        /* Out of range in base-2 units: a score or float mask entry beyond
+           FLT_MAX / log2(e) gives +inf (l NaN) or -inf (a row that attends
+           keys but has no finite score).  NaN from the inputs also shows
+           as l NaN.  Such a row is flagged bad = -1: the caller computes
+           it again in natural units. */
         for (int r = 0; r < nr; r++) {
             m[r] = mm[r] * ln2;
             l[r] = ll[r];
-            bad[r] = 0;
+            bad[r] = (!(ll[r] <= FLT_MAX) || mm[r] == INFINITY ||
+                      (processed && mm[r] == -INFINITY &&
+                       ac_row_attends_f32(p, mb, mf, i0 + r, ks, ke))) ? -1 : 0;
         }
     }
     return processed;

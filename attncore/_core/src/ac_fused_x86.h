@@ -19,6 +19,8 @@
 #ifndef AC_FUSED_X86_H
 #define AC_FUSED_X86_H
 
+#include <float.h>
+
 #ifndef AC_BK
 #define AC_BK 128
 #endif
@@ -33,6 +35,35 @@
 #define AC_NOINLINE __attribute__((noinline))
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.h) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
+
+/* Whether query row i attends a key of [ks, ke) by the band and the mask
+ * (whatever the scores).  The fused kernel asks it for a row whose scores
+ * all came out -inf: if the row attends a key, a score or a float mask
+ * entry below -FLT_MAX / log2(e) overflowed in base-2 units. */
+static int ac_row_attends_f32(const ac_params *p, const uint8_t *mb, const float *mf,
+                              ptrdiff_t i, ptrdiff_t ks, ptrdiff_t ke)
+{
+    int c0, c1;
+    ac_band_cols(p, i, ks, (int)(ke - ks), &c0, &c1);
+    const ptrdiff_t cs = p->mask_cs;
+    for (int c = c0; c < c1; c++) {
+        const ptrdiff_t j = ks + c;
+        if (mb ? mb[i * p->mask_rs + j * cs] != 0
+               : (!mf || mf[i * p->mask_rs + j * cs] != -INFINITY))
+            return 1;
+    }
+    return 0;
+}
+
+/* the vector tanh of both instruction sets (ac_tanh_avx512): below
+   AC_TANH_SMALL, tanh(x) = x + x z p(z), z = x^2, with p(z) = P0 + P1 z +
+   ... + P4 z^4 fitted to the relative error (0.8 ulp in float32) */
+#define AC_TANH_SMALL 0.625f
+#define AC_TANH_P0 -0.3333328068256378f
+#define AC_TANH_P1 0.13331444561481476f
+#define AC_TANH_P2 -0.053739890456199646f
+#define AC_TANH_P3 0.02063967101275921f
+#define AC_TANH_P4 -0.005705652758479118f
 
 /* ---------------------------------------------------------------- AVX-512 */
 #define AC_ISA avx512
@@ -158,14 +189,32 @@ static AC_TGT inline __m512 ac_hide_from_avx512(__m512 x, int lane0, ptrdiff_t u
     return _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
 }
 
-/* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) = 2^(-2 log2(e) |x|)
- * (absolute error a few 1e-8; NaN propagates, +-inf give +-1) */
+/* tanh(x), relative error about 2 ulp over the whole float range:
+ *   |x| <  0.625: x + x z p(z), z = x^2 (p: degree-4 fit of the relative
+ *                 error; tanh(x) -> x as x -> 0, subnormals included)
+ *   |x| >= 0.625: sign(x) (1 - e) / (1 + e), e = exp(-2|x|) = 2^(-2 log2(e) |x|)
+ * NaN propagates, +-inf give +-1. */
 static AC_TGT inline __m512 ac_tanh_avx512(__m512 x)
 {
     const __m512 ax = _mm512_abs_ps(x);
-    const __m512 e = ac_exp2_avx512(_mm512_mul_ps(ax, _mm512_set1_ps(-2.8853900817779268f)));
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __mmask16 lo = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(AC_TANH_SMALL), _CMP_LT_OQ);
+    __m512 t = _mm512_setzero_ps();
+    /* each piece only where a lane needs it (typical capped scores are all
+       small: the exp and the division are then skipped) */
+    if (lo != 0xFFFF) {
+        const __m512 e = ac_exp2_avx512(_mm512_mul_ps(ax, _mm512_set1_ps(-2.8853900817779268f)));
+        const __m512 one = _mm512_set1_ps(1.0f);
+        t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    }
+    if (lo) {
+        const __m512 z = _mm512_mul_ps(ax, ax);
+        __m512 pz = _mm512_set1_ps(AC_TANH_P4);
+        pz = _mm512_fmadd_ps(pz, z, _mm512_set1_ps(AC_TANH_P3));
+        pz = _mm512_fmadd_ps(pz, z, _mm512_set1_ps(AC_TANH_P2));
+        pz = _mm512_fmadd_ps(pz, z, _mm512_set1_ps(AC_TANH_P1));
+        pz = _mm512_fmadd_ps(pz, z, _mm512_set1_ps(AC_TANH_P0));
+        t = _mm512_mask_mov_ps(t, lo, _mm512_fmadd_ps(_mm512_mul_ps(ax, z), pz, ax));
+    }
     /* copy the sign of x (NaN keeps its NaN) */
     return _mm512_castsi512_ps(_mm512_or_si512(
         _mm512_castps_si512(t),
@@ -311,13 +360,28 @@ static AC_TGT inline __m256 ac_hide_from_avx2(__m256 x, int lane0, ptrdiff_t u)
     return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), hide);
 }
 
+/* tanh(x): the two pieces of ac_tanh_avx512 */
 static AC_TGT inline __m256 ac_tanh_avx2(__m256 x)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 ax = _mm256_andnot_ps(sign, x);
-    const __m256 e = ac_exp2_avx2(_mm256_mul_ps(ax, _mm256_set1_ps(-2.8853900817779268f)));
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 lo = _mm256_cmp_ps(ax, _mm256_set1_ps(AC_TANH_SMALL), _CMP_LT_OQ);
+    const int lanes = _mm256_movemask_ps(lo);
+    __m256 t = _mm256_setzero_ps();
+    if (lanes != 0xFF) {
+        const __m256 e = ac_exp2_avx2(_mm256_mul_ps(ax, _mm256_set1_ps(-2.8853900817779268f)));
+        const __m256 one = _mm256_set1_ps(1.0f);
+        t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    }
+    if (lanes) {
+        const __m256 z = _mm256_mul_ps(ax, ax);
+        __m256 pz = _mm256_set1_ps(AC_TANH_P4);
+        pz = _mm256_fmadd_ps(pz, z, _mm256_set1_ps(AC_TANH_P3));
+        pz = _mm256_fmadd_ps(pz, z, _mm256_set1_ps(AC_TANH_P2));
+        pz = _mm256_fmadd_ps(pz, z, _mm256_set1_ps(AC_TANH_P1));
+        pz = _mm256_fmadd_ps(pz, z, _mm256_set1_ps(AC_TANH_P0));
+        t = _mm256_blendv_ps(t, _mm256_fmadd_ps(_mm256_mul_ps(ax, z), pz, ax), lo);
+    }
     return _mm256_or_ps(t, _mm256_and_ps(sign, x));
 }
 
@@ -353,7 +417,10 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
 }
 
 /* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
- * the same contract as ac_sdpa_range_f32.
+ * the same contract as ac_sdpa_range_f32, except that a row whose scores
+ * (the scale, a float mask entry) are out of range for the base-2 units
+ * of the fused kernel, or NaN, comes back with bad = -1: the caller then
+ * computes it on its own loops.
  *
  * float32 keys / values are read in place by every panel.  int8 and half
  * keys / values are converted once per chunk of AC_BK keys for all the
@@ -369,6 +436,11 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 {
     const int P = ac_fused_panel_rows();
     const int D = p->D, Dv = p->Dv;
+    /* scale log2(e) folded into the queries must be a float */
+    if (!((float)p->scale * 1.44269504088896341f <= FLT_MAX)) {
+        for (int r = 0; r < nq; r++) bad[r] = -1;
+        return 0;
+    }
     int processed = 0;
     const int convert = p->kq8 || p->vq8 || p->kh || p->vh;
     if (!convert || nq <= P) {

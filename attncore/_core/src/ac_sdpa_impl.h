@@ -258,9 +258,27 @@ static AC_CLONES int AC_FN(ac_sdpa_range)(
 #if AC_IS_F32
     /* the fused kernel (no BLAS, nothing of K / V packed) where the CPU
        has one; a handful of rows stay with the direct loops below */
-    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS)
-        return ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
-                                  acc, m, l, bad);
+    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS) {
+        int any = ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
+                                     acc, m, l, bad);
+        /* rows whose scores left the range of the fused kernel's base-2
+           units (or are NaN), bad = -1: again in natural units, up to
+           AC_SMALL_ROWS adjacent ones at a time, on the direct loops below
+           (no BLAS inside the fused path's threads) */
+        for (int r = 0; r < nq;) {
+            if (bad[r] >= 0) {
+                r++;
+                continue;
+            }
+            int n = 1;
+            while (n < AC_SMALL_ROWS && r + n < nq && bad[r + n] < 0) n++;
+            any |= AC_FN(ac_sdpa_range)(p, q, k, v, ksc, vsc, mb, mf, i0 + r, n, ks, ke, S,
+                                        acc + (ptrdiff_t)r * Dv, m + r, l + r, alpha + r,
+                                        bad + r, gemm);
+            r += n;
+        }
+        return any;
+    }
 #endif
     /* int8 / half keys and values: each tile is converted into these
        buffers; half queries: the block is converted into QB */
@@ -541,7 +559,9 @@ static AC_CLONES void AC_FN(ac_weights_block)(
             bm = x > bm ? x : bm;
             nan |= (x != x);
         }
-        if (nan) {
+        if (nan || bm == (AC_T)INFINITY) {
+            /* a NaN score, or a +inf one (exp(inf - inf)): the whole row
+               of weights is NaN, the columns outside the band included */
             for (int c = 0; c < M; c++) row[c] = (AC_T)NAN;
             if (lse) lse[r] = (AC_T)NAN;
             continue;
