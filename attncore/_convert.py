@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ._dtypes import half_code
+from ._interop import torch_to_numpy
 from ._validation import parse_positive_int, to_array
 
 __all__ = ["to_numpy", "torch_arrays", "keras_arrays"]
@@ -21,10 +23,9 @@ __all__ = ["to_numpy", "torch_arrays", "keras_arrays"]
 def to_numpy(t: Any, name: str) -> np.ndarray:
     """A torch tensor, Keras variable or array-like as a NumPy array."""
     if hasattr(t, "detach") and hasattr(t, "cpu"):        # torch.Tensor
-        t = t.detach().cpu()
-        if hasattr(t, "float") and str(getattr(t, "dtype", "")) in ("torch.bfloat16",):
-            t = t.float()
-        return t.numpy()
+        # weights are loaded once: a tensor on another device is copied to
+        # the CPU, then read through attncore's one torch conversion
+        return torch_to_numpy(t.detach().cpu(), name)[0]
     if hasattr(t, "numpy") and not isinstance(t, np.ndarray):   # Keras / TF variable
         try:
             return np.asarray(t.numpy())
@@ -124,8 +125,8 @@ def torch_arrays(state_dict_or_module: Any, num_heads: Any = None, dtype: Any = 
         b = shaped("in_proj_bias", (3 * E,))
         qb, kb, vb = b[:E], b[E:2 * E], b[2 * E:]
         ob = shaped("out_proj.bias", (E,))
-    if dtype is None:
-        dtype = np.float64 if ow.dtype == np.float64 else np.float32
+    if dtype is None:  # float64 and 16-bit weights keep their dtype
+        dtype = ow.dtype if (ow.dtype == np.float64 or half_code(ow.dtype)) else np.float32
     return dict(q_weight=qw, k_weight=kw, v_weight=vw, out_weight=ow, q_bias=qb, k_bias=kb,
                 v_bias=vb, out_bias=ob, num_heads=H, num_kv_heads=H, dtype=dtype)
 

@@ -28,6 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._convert import keras_arrays, to_numpy, torch_arrays
+from ._dtypes import bfloat16_dtype, half_code
 from ._interop import foreign_arrays
 from ._linear import linear
 from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
@@ -44,12 +45,36 @@ __all__ = ["MultiHeadAttention", "KVCache"]
 # small checks
 # --------------------------------------------------------------------------
 def _layer_dtype(dtype) -> np.dtype:
-    return parse_float_dtype(dtype, "dtype", (4, 8))
+    """A layer's / cache's dtype: float32, float64, float16 or bfloat16
+    (``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``; needs
+    ml_dtypes)."""
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        dtype = str(dtype).replace("torch.", "")
+    if (isinstance(dtype, str) and dtype == "bfloat16") or (
+            isinstance(dtype, (type, np.dtype)) and getattr(dtype, "__name__", getattr(
+                dtype, "name", "")) == "bfloat16"):
+        return bfloat16_dtype("a bfloat16 layer")
+    try:
+        if np.dtype(dtype).name == "bfloat16":
+            return bfloat16_dtype("a bfloat16 layer")
+    except TypeError:
+        pass
+    try:
+        return parse_float_dtype(dtype, "dtype", (2, 4, 8))
+    except TypeError:
+        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got "
+                        f"{dtype!r}") from None
+
+
+def _compute_dtype(dt: np.dtype) -> np.dtype:
+    """The dtype a layer of storage dtype ``dt`` computes in: float32 for
+    the 16-bit dtypes (their weights and caches are read in place)."""
+    return np.dtype(np.float32) if half_code(dt) else dt
 
 
 def _weight(a, shape, name: str, dtype) -> np.ndarray:
     """``a`` as a float array of exactly ``shape`` (a new array, never a view of the input)."""
-    arr = as_float_array(to_numpy(a, name), name)
+    arr = as_float_array(to_numpy(a, name), name, allow_bf16=True)
     if arr.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {arr.shape}")
     return np.array(arr, dtype=dtype, copy=True)
@@ -237,7 +262,7 @@ class KVCache:
     def _held(self, which: int) -> np.ndarray:
         a = self.view(self._len)[which]
         if self.quantized:
-            a = dequantize(a[0], a[1], self.dtype)
+            a = dequantize(a[0], a[1], _compute_dtype(self.dtype))
         if self.shared:  # one row for the whole batch
             a = np.broadcast_to(a, (self.batch_size,) + a.shape[1:])
         else:
@@ -352,9 +377,15 @@ class MultiHeadAttention:
         Whether the four projections have biases.
     out_dim : int, optional
         Width of the output (default ``embed_dim``).
-    dtype : {float32, float64}, default float32
-        dtype of the weights and of the computation; inputs of another float
-        dtype are converted to it and the output has this dtype.
+    dtype : {float32, float64, float16, "bfloat16"}, default float32
+        dtype of the weights, of the KV cache and of the output.  float32
+        and float64 layers compute in their dtype (inputs of another float
+        dtype are converted to it).  float16 / bfloat16 layers (bfloat16:
+        ``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``) keep
+        weights and cache in 16 bits -- half the memory, read in place by
+        the kernels -- and compute with float32 activations, biases and
+        accumulation: inputs are converted to float32, the output comes
+        back in the layer's dtype.
     rng : numpy.random.Generator or int, optional
         Source (or seed) for the random initial weights: Glorot-uniform
         weights and zero biases, for demos and tests.  Real weights come
@@ -496,10 +527,10 @@ class MultiHeadAttention:
     def _setup(self, num_heads, num_kv_heads, qw, kw, vw, ow, qb, kb, vb, ob, *, dtype):
         """Check the shapes against each other and lay the weights out."""
         dt = _layer_dtype(dtype)
-        qw = as_float_array(to_numpy(qw, "q_weight"), "q_weight")
-        kw = as_float_array(to_numpy(kw, "k_weight"), "k_weight")
-        vw = as_float_array(to_numpy(vw, "v_weight"), "v_weight")
-        ow = as_float_array(to_numpy(ow, "out_weight"), "out_weight")
+        qw = as_float_array(to_numpy(qw, "q_weight"), "q_weight", allow_bf16=True)
+        kw = as_float_array(to_numpy(kw, "k_weight"), "k_weight", allow_bf16=True)
+        vw = as_float_array(to_numpy(vw, "v_weight"), "v_weight", allow_bf16=True)
+        ow = as_float_array(to_numpy(ow, "out_weight"), "out_weight", allow_bf16=True)
         for nm, w in (("q_weight", qw), ("k_weight", kw), ("v_weight", vw), ("out_weight", ow)):
             if w.ndim != 2 or 0 in w.shape:
                 raise ValueError(
@@ -537,6 +568,9 @@ class MultiHeadAttention:
         self.head_dim, self.v_head_dim = hd, hdv
         self.out_dim = ow.shape[0]
         self.dtype = dt
+        # 16-bit layers: weights and caches stay 16-bit (read in place by
+        # the kernels); activations, biases and products are float32
+        self._cdt = _compute_dtype(dt)
         self.scale = 1.0 / math.sqrt(hd)
 
         # input projections: one buffer where the input widths allow a fused gemm
@@ -559,7 +593,7 @@ class MultiHeadAttention:
         self._wv[...] = vw
         self._wo = np.array(ow, dtype=dt, copy=True)
         # biases: one buffer (zeros where a projection has none)
-        self._b_in = np.zeros(Nq + Nk + Nv, dtype=dt)
+        self._b_in = np.zeros(Nq + Nk + Nv, dtype=self._cdt)
         self._bq, self._bk, self._bv = (self._b_in[:Nq], self._b_in[Nq:Nq + Nk],
                                         self._b_in[Nq + Nk:])
         self._has_b = [False, False, False]
@@ -578,7 +612,7 @@ class MultiHeadAttention:
             buf[...] = 0
             self._has_b[i] = False
         else:
-            buf[...] = _weight(value, buf.shape, name, self.dtype)
+            buf[...] = _weight(value, buf.shape, name, self._cdt)
             self._has_b[i] = True
 
     q_weight = property(lambda self: self._wq,
@@ -611,7 +645,7 @@ class MultiHeadAttention:
     @out_bias.setter
     def out_bias(self, value):
         self._bo = None if value is None else _weight(value, (self.out_dim,), "out_bias",
-                                                      self.dtype)
+                                                      self._cdt)
 
     def __repr__(self) -> str:
         extra = ""
@@ -649,8 +683,9 @@ class MultiHeadAttention:
         num_heads : int
         num_kv_heads : int, optional
             Default ``num_heads``.
-        dtype : {float32, float64}, optional
-            Default: float64 if ``q_weight`` is float64, else float32.
+        dtype : {float32, float64, float16, "bfloat16"}, optional
+            Default: ``q_weight``'s dtype if float64, float16 or bfloat16,
+            else float32.
         window : (int, int), optional
             Sliding window ``(left, right)`` of every call (see the class
             parameters); default None, every key.
@@ -660,9 +695,9 @@ class MultiHeadAttention:
         The arrays are copied; head sizes follow from the shapes, so
         ``head_dim`` need not be ``embed_dim // num_heads``.
         """
-        if dtype is None:
-            dtype = np.float64 if to_numpy(q_weight, "q_weight").dtype == np.float64 \
-                else np.float32
+        if dtype is None:  # float64 and 16-bit weights keep their dtype
+            wdt = to_numpy(q_weight, "q_weight").dtype
+            dtype = wdt if (wdt == np.float64 or half_code(wdt)) else np.float32
         self = cls.__new__(cls)
         self.window = window
         self.num_threads = num_threads
@@ -688,8 +723,9 @@ class MultiHeadAttention:
         num_heads : int
             Required with a state dict; with a module it defaults to (and
             must equal) ``module.num_heads``.
-        dtype : {float32, float64}, optional
-            Default: the tensors' dtype if float64, else float32.
+        dtype : {float32, float64, float16, "bfloat16"}, optional
+            Default: the tensors' dtype if float64, float16 or bfloat16,
+            else float32.
         window : (int, int), optional
             Sliding window ``(left, right)`` of every call (see the class
             parameters); default None, every key.  torch's module has no
@@ -811,7 +847,7 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------ call
     def _input(self, x, name, width, ndim):
-        a = as_float_array(x, name, "key_mask or attn_mask")
+        a = as_float_array(x, name, "key_mask or attn_mask", allow_bf16=True)
         if a.ndim != ndim:
             if name == "query":
                 raise ValueError(f"query must be (batch, length, {width}) or unbatched "
@@ -823,7 +859,7 @@ class MultiHeadAttention:
             raise ValueError(f"{name} last dimension must be {attr}={width}, got shape {a.shape}")
         if ndim == 2:
             a = a[None]
-        return a if a.dtype == self.dtype else a.astype(self.dtype)
+        return a if a.dtype == self._cdt else a.astype(self._cdt)
 
     def _check_attn_mask(self, attn_mask, B, L, S, batched):
         am, _ = parse_mask(attn_mask, "attn_mask")
@@ -847,8 +883,8 @@ class MultiHeadAttention:
         if not ok:
             raise ValueError(f"attn_mask must have shape {forms} (size-1 axes broadcast), got "
                              f"{np.shape(attn_mask)}")
-        if am.dtype.kind == "f" and am.dtype != self.dtype:
-            am = am.astype(self.dtype)
+        if (am.dtype.kind == "f" or half_code(am.dtype)) and am.dtype != self._cdt:
+            am = am.astype(self._cdt)
         return am
 
     @foreign_arrays(("query", "key", "value"), ("key_mask", "attn_mask", "positions"),
@@ -1101,6 +1137,9 @@ class MultiHeadAttention:
         out = self._project(o2, self._wo, self._bo, nt).reshape(B, L, self.out_dim)
         if not batched:
             out = out[0]
+        if self._cdt != self.dtype:  # a 16-bit layer returns its dtype
+            out = out.astype(self.dtype)
+            w = None if w is None else w.astype(self.dtype)
         return out, w
 
     # ------------------------------------------------------------ pieces

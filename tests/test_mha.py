@@ -455,7 +455,7 @@ def test_weight_attributes_are_live_and_checked():
     np.testing.assert_allclose(m(x)[0], reference_mha(m, x)[0], **TOL64)
     with pytest.raises(ValueError, match=r"k_weight must have shape \(16, 16\), got \(16, 15\)"):
         m.k_weight = np.zeros((16, 15))
-    with pytest.raises(TypeError, match="out_bias must be a float16, float32 or float64 array"):
+    with pytest.raises(TypeError, match="out_bias must be a bfloat16, float16, float32 or float64 array"):
         m.out_bias = np.zeros(16, dtype=np.int64)
 
 
@@ -518,7 +518,7 @@ BAD_CONSTRUCTION = [
      (16, 4), dict(num_kv_heads=3)),
     ("num_heads-float", TypeError, "num_heads must be an int", (16, 4.0), {}),
     ("embed_dim-zero", ValueError, "embed_dim must be >= 1", (0, 1), {}),
-    ("dtype-int", TypeError, "dtype must be float32 or float64",
+    ("dtype-int", TypeError, "dtype must be float32, float64, float16 or bfloat16",
      (16, 4), dict(dtype=np.int32)),
 ]
 
@@ -553,7 +553,7 @@ BAD_CALLS = [
      lambda q, k, v: _args(q, k[0], v)),
     ("query-rank", ValueError, r"query must be \(batch, length, 16\) or unbatched",
      lambda q, k, v: _args(q[None], k, v)),
-    ("query-int", TypeError, "query must be a float16, float32 or float64 array, got dtype int64",
+    ("query-int", TypeError, "query must be a bfloat16, float16, float32 or float64 array, got dtype int64",
      lambda q, k, v: _args(np.ones((2, 3, 16), dtype=np.int64), k, v)),
     ("value-without-key", ValueError, "value given without key",
      lambda q, k, v: _args(q, value=v)),

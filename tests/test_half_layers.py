@@ -1,0 +1,140 @@
+"""16-bit layers: MultiHeadAttention(dtype="bfloat16" / float16), its KV
+cache, linear with 16-bit weights read in place, the Attention layer with
+16-bit memories -- against float64 references of the rounded weights and
+inputs, and against torch on the same dtype."""
+import numpy as np
+import pytest
+
+import attncore
+from attncore import _kernels
+from attncore._linear import linear
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+HALF = [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")]
+ULP = {BF16: 2.0 ** -8, F16: 2.0 ** -11}
+
+
+@pytest.fixture(params=_kernels.available_kernel_paths())
+def path(request):
+    prev = _kernels.set_kernel_path(request.param)
+    yield request.param
+    _kernels.set_kernel_path(prev)
+
+
+@pytest.mark.parametrize("dt", HALF)
+@pytest.mark.parametrize("R,C,K", [(1, 100, 37), (5, 130, 64), (70, 200, 96), (300, 257, 512)])
+def test_linear_with_half_weights(path, dt, R, C, K):
+    rng = np.random.default_rng(R + C + K)
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(dt)
+    b = rng.standard_normal(C).astype(np.float32)
+    w0 = w.copy()
+    r = x.astype(np.float64) @ w.astype(np.float64).T + b
+    for nt in (1, 2):
+        out = linear(x, w, b, num_threads=nt)
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out, r, rtol=0, atol=2e-5 * np.abs(r).max())
+    assert np.array_equal(w.view(np.uint16), w0.view(np.uint16))
+
+
+def _layers(dt, E=64, H=4, Hkv=2, seed=0):
+    """A 16-bit layer and a float64 layer holding the same (rounded) weights."""
+    rng = np.random.default_rng(seed)
+    hd = E // H
+    ws = dict(q_weight=rng.standard_normal((E, E)) * 0.2,
+              k_weight=rng.standard_normal((Hkv * hd, E)) * 0.2,
+              v_weight=rng.standard_normal((Hkv * hd, E)) * 0.2,
+              out_weight=rng.standard_normal((E, E)) * 0.2,
+              q_bias=rng.standard_normal(E) * 0.1, out_bias=rng.standard_normal(E) * 0.1)
+    ws = {k: v.astype(np.float32).astype(dt) if k.endswith("weight") else v.astype(np.float32)
+          for k, v in ws.items()}
+    half = attncore.MultiHeadAttention.from_arrays(**ws, num_heads=H, num_kv_heads=Hkv)
+    ref = attncore.MultiHeadAttention.from_arrays(
+        **{k: v.astype(np.float64) for k, v in ws.items()}, num_heads=H, num_kv_heads=Hkv)
+    return half, ref
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_mha_half_layer_matches_float64_of_the_rounded_weights(path, dt):
+    half, ref = _layers(dt)
+    assert half.dtype == dt and half.q_weight.dtype == dt
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 20, 64)).astype(np.float32)
+    for kw in (dict(), dict(is_causal=True), dict(key_mask=np.arange(20) < np.array([[20], [15], [7]]))):
+        out, _ = half(x, **kw)
+        r, _ = ref(x.astype(np.float64), **kw)
+        assert out.dtype == dt and out.shape == r.shape
+        # the output rounding, and a float32 computation
+        np.testing.assert_allclose(out.astype(np.float64), r, rtol=0,
+                                   atol=2 * ULP[dt] * np.abs(r).max() + 1e-5)
+    out, w = half(x.astype(dt), need_weights=True)   # 16-bit inputs too
+    assert out.dtype == dt and w.dtype == dt
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_half_cache_decoding_reorder_crop(dt):
+    half, ref = _layers(dt, seed=2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 12, 64)).astype(np.float32)
+    cache = half.new_cache(batch_size=2, max_length=16)
+    c32 = attncore.MultiHeadAttention(64, 4, num_kv_heads=2).new_cache(2, 16)
+    assert cache.keys.dtype == dt and cache.nbytes == c32.nbytes // 2
+    steps = [half(x[:, t:t + 1], cache=cache, is_causal="lower_right")[0] for t in range(12)]
+    full, _ = ref(x.astype(np.float64), is_causal=True)
+    got = np.concatenate(steps, axis=1).astype(np.float64)
+    # keys / values are stored rounded to the layer's dtype
+    np.testing.assert_allclose(got, full, rtol=0, atol=8 * ULP[dt] * np.abs(full).max())
+    cache.reorder([1, 0])
+    cache.crop(8)
+    assert len(cache) == 8 and cache.keys.dtype == dt
+    nxt, _ = half(x[::-1, 8:9], cache=cache, is_causal="lower_right")
+    r, _ = ref(x[::-1, :9].astype(np.float64), is_causal=True)
+    np.testing.assert_allclose(nxt[:, 0].astype(np.float64), r[:, 8], rtol=0,
+                               atol=8 * ULP[dt] * np.abs(r).max())
+    q8 = half.new_cache(batch_size=2, max_length=16, dtype="int8")
+    steps = [half(x[:, t:t + 1], cache=q8, is_causal="lower_right")[0] for t in range(12)]
+    np.testing.assert_allclose(np.concatenate(steps, 1).astype(np.float64), full, atol=2e-2 * np.abs(full).max())
+
+
+def test_bf16_from_torch_matches_torch_bf16():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(64, 4, batch_first=True).to(torch.bfloat16).eval()
+    layer = attncore.MultiHeadAttention.from_torch(tm)
+    assert str(layer.dtype) == "bfloat16"
+    x = torch.randn(2, 9, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        out, _ = layer(x)
+        t16, _ = tm(x, x, x, need_weights=False)
+        t64, _ = tm.double()(x.double(), x.double(), x.double(), need_weights=False)
+    assert isinstance(out, torch.Tensor) and out.dtype is torch.bfloat16
+    err = (out.double() - t64).abs().max().item()
+    assert err <= 1.5 * (t16.double() - t64).abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_attention_layer_with_half_memory_and_query(dt):
+    rng = np.random.default_rng(4)
+    keys = rng.standard_normal((2, 15, 32)).astype(dt)
+    q = rng.standard_normal((2, 3, 32)).astype(dt)
+    att = attncore.Attention("scaled_dot")
+    out = att(q, keys)
+    k64, q64 = keys.astype(np.float64), q.astype(np.float64)
+    s = q64 @ np.swapaxes(k64, -1, -2) / np.sqrt(32)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    r = p @ k64
+    assert out.dtype == dt
+    np.testing.assert_allclose(out.astype(np.float64), r, atol=2 * ULP[dt] * np.abs(r).max())
+    mem = att.prepare(keys)
+    np.testing.assert_allclose(att.step(q, mem).astype(np.float64), r,
+                               atol=2 * ULP[dt] * np.abs(r).max())
+
+
+def test_layer_dtype_errors():
+    with pytest.raises(TypeError, match="dtype must be float32, float64, float16 or bfloat16"):
+        attncore.MultiHeadAttention(64, 4, dtype=np.int8)
+    with pytest.raises(TypeError, match="dtype must be float32, float64, float16 or bfloat16"):
+        attncore.MultiHeadAttention(64, 4, dtype="float8")
