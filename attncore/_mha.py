@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._convert import keras_arrays, to_numpy, torch_arrays
-from ._dtypes import bfloat16_dtype, half_code
+from ._dtypes import bfloat16_dtype, half_code, parse_precision
 from ._interop import foreign_arrays
 from ._linear import linear
 from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
@@ -406,6 +406,12 @@ class MultiHeadAttention:
         Default OpenMP threads of every kernel a call runs (projections,
         rotary embeddings, attention): ``None`` OpenMP's default, ``-1``
         all cores, ``k >= 1`` k.  A call's ``num_threads=`` overrides it.
+    alibi_slopes : array_like, optional
+        ALiBi slopes, one per query head (BLOOM, MPT), applied in the
+        kernel on every call (:attr:`alibi_slopes`).
+    precision : {None, 'float32', 'bfloat16'}, optional
+        The dot products' precision of the attention
+        (:attr:`precision`; as in the core).
 
     Attributes
     ----------
@@ -440,10 +446,12 @@ class MultiHeadAttention:
                  out_dim: int | None = None, dtype: DTypeLike = np.float32,
                  rng: np.random.Generator | int | None = None,
                  window: tuple[int, int] | None = None, rotary: Any = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, alibi_slopes: ArrayLike | None = None,
+                 precision: str | None = None) -> None:
         bias = parse_bool(bias, "bias")
         self.window = window
         self.num_threads = num_threads
+        self.precision = precision
         embed_dim = parse_positive_int(embed_dim, "embed_dim")
         num_heads = parse_positive_int(num_heads, "num_heads")
         kdim = parse_positive_int(kdim, "kdim", True) or embed_dim
@@ -473,6 +481,7 @@ class MultiHeadAttention:
         biases = [np.zeros(w.shape[0]) if bias else None for w in (qw, kw, vw, ow)]
         self._setup(num_heads, num_kv_heads, qw, kw, vw, ow, *biases, dtype=dt)
         self.rotary = rotary
+        self.alibi_slopes = alibi_slopes
 
     @property
     def rotary(self) -> dict | None:
@@ -500,6 +509,37 @@ class MultiHeadAttention:
     @rotary.setter
     def rotary(self, value: Any) -> None:
         self._rotary = parse_rotary(value, self.head_dim)
+
+    @property
+    def alibi_slopes(self) -> np.ndarray | None:
+        """ALiBi slopes of every call, one per query head (None: none);
+        settable.  Applied in the kernel (see
+        :func:`attncore.scaled_dot_product_attention`)."""
+        return self._alibi
+
+    @alibi_slopes.setter
+    def alibi_slopes(self, value: ArrayLike | None) -> None:
+        if value is None:
+            self._alibi = None
+            return
+        a = np.array(as_float_array(to_numpy(value, "alibi_slopes"), "alibi_slopes"),
+                     dtype=np.float64)
+        if a.shape != (self.num_heads,):
+            raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({self.num_heads},), "
+                             f"got {a.shape}")
+        if not np.isfinite(a).all():
+            raise ValueError("alibi_slopes must be finite")
+        self._alibi = a
+
+    @property
+    def precision(self) -> str | None:
+        """The dot products' precision of every call (None, 'float32' or
+        'bfloat16'; see :func:`attncore.scaled_dot_product_attention`)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str | None) -> None:
+        self._precision = parse_precision(value)
 
     @property
     def num_threads(self) -> int | None:
@@ -669,7 +709,8 @@ class MultiHeadAttention:
                     out_bias: ArrayLike | None = None, num_heads: int,
                     num_kv_heads: int | None = None, dtype: DTypeLike | None = None,
                     window: tuple[int, int] | None = None, rotary: Any = None,
-                    num_threads: int | None = None) -> MultiHeadAttention:
+                    num_threads: int | None = None, alibi_slopes: ArrayLike | None = None,
+                    precision: str | None = None) -> MultiHeadAttention:
         """Layer from weight arrays in PyTorch's Linear layout.
 
         Parameters
@@ -704,6 +745,8 @@ class MultiHeadAttention:
         self._setup(num_heads, num_kv_heads, q_weight, k_weight, v_weight, out_weight,
                     q_bias, k_bias, v_bias, out_bias, dtype=dtype)
         self.rotary = rotary
+        self.alibi_slopes = alibi_slopes
+        self.precision = precision
         return self
 
     @classmethod
@@ -1122,7 +1165,8 @@ class MultiHeadAttention:
         res = scaled_dot_product_attention(
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != H, return_weights=need_weights,
-            window=self.window, num_threads=nt)
+            window=self.window, num_threads=nt, alibi_slopes=self._alibi,
+            precision=self._precision)
         if need_weights:
             o, w = res
             if w.shape[:2] != (B, H):

@@ -138,3 +138,31 @@ def test_layer_dtype_errors():
         attncore.MultiHeadAttention(64, 4, dtype=np.int8)
     with pytest.raises(TypeError, match="dtype must be float32, float64, float16 or bfloat16"):
         attncore.MultiHeadAttention(64, 4, dtype="float8")
+
+
+def test_mha_alibi_and_precision():
+    """The layer's ALiBi slopes reach the kernel: equal to the core call on
+    the layer's own projections; cached decoding continues the distances."""
+    rng = np.random.default_rng(5)
+    mha = attncore.MultiHeadAttention(32, 4, rng=0, alibi_slopes=[0.5, 0.25, 0.125, 0.0625],
+                                      precision="float32")
+    x = rng.standard_normal((2, 7, 32)).astype(np.float32)
+    out, _ = mha(x, is_causal=True)
+    q = (x @ mha.q_weight.T + mha.q_bias).reshape(2, 7, 4, 8).transpose(0, 2, 1, 3)
+    k = (x @ mha.k_weight.T + mha.k_bias).reshape(2, 7, 4, 8).transpose(0, 2, 1, 3)
+    v = (x @ mha.v_weight.T + mha.v_bias).reshape(2, 7, 4, 8).transpose(0, 2, 1, 3)
+    i, j = np.arange(7)[:, None], np.arange(7)[None, :]
+    s = q.astype(np.float64) @ np.swapaxes(k, -1, -2) / np.sqrt(8)
+    s = s - mha.alibi_slopes[:, None, None] * np.abs(i - j)
+    s = np.where(j <= i, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = (p @ v).transpose(0, 2, 1, 3).reshape(2, 7, 32) @ mha.out_weight.T + mha.out_bias
+    np.testing.assert_allclose(out, o, atol=2e-5)
+    cache = mha.new_cache(2, 8)
+    steps = [mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")[0] for t in range(7)]
+    np.testing.assert_allclose(np.concatenate(steps, 1), out, atol=2e-5)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(num_heads,\) = \(4,\)"):
+        mha.alibi_slopes = [1.0, 2.0]
+    with pytest.raises(ValueError, match="precision must be None, 'float32' or 'bfloat16'"):
+        mha.precision = "int4"
