@@ -13,7 +13,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from ._interop import foreign_arrays
+from ._interop import _to_numpy, foreign_arrays
 from ._validation import as_float_array
 
 __all__ = ["quantize_kv"]
@@ -147,7 +147,10 @@ def split_quantized(arg: Any, name: str):
                 raise TypeError(f"{name}: a quantized pair must hold an int8 array (from "
                                 f"attncore.quantize_kv), got dtype {np.asarray(data).dtype}")
             return arg, None
-        d = np.asarray(data)
+        # torch / JAX parts through the one conversion (a tensor that
+        # requires grad is read detached, as every other input)
+        d = np.asarray(_to_numpy(data, name)[0])
+        scales = _to_numpy(scales, f"{name} scales", True)[0]
         if d.ndim < 2:
             raise ValueError(f"{name}: the int8 array must have at least 2 dimensions "
                              f"(..., length, dim), got shape {d.shape}")

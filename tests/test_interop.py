@@ -334,3 +334,27 @@ def test_plot_alignment_takes_a_tensor_that_requires_grad():
     w = torch.eye(3).requires_grad_()
     assert attncore.plot_alignment(w, ax=ax) is ax
     np.testing.assert_array_equal(ax.images[0].get_array(), np.eye(3))
+
+
+def test_issue21_reused_neg_view_is_recomputed_and_requires_grad_scales():
+    """A resolved neg / conj view is never served from the cache after its
+    source changes in place; an int8 pair whose scales require grad is read
+    detached like any other input; return_lse=np.True_ keeps the lse float32."""
+    torch = pytest.importorskip("torch")
+    sd = attncore.scaled_dot_product_attention
+    z = torch.randn(5, 4, dtype=torch.complex64)
+    qn = z.conj().imag
+    k, v = torch.randn(6, 4), torch.randn(6, 3)
+    r1 = sd(qn, k, v)
+    z.mul_(3.0)
+    r2 = sd(qn, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(qn.resolve_neg(), k, v)
+    torch.testing.assert_close(r2, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(r1, r2)
+    k8, ks = attncore.quantize_kv(k.numpy())
+    pair = (torch.from_numpy(k8), torch.from_numpy(ks).requires_grad_())
+    out = sd(torch.randn(2, 4), pair, v)
+    assert isinstance(out, torch.Tensor)
+    qb = torch.randn(3, 4).to(torch.bfloat16)
+    o, lse = sd(qb, qb, qb, return_lse=np.True_)
+    assert o.dtype is torch.bfloat16 and lse.dtype is torch.float32
