@@ -3,6 +3,7 @@
     python bench/compare_transformers.py                    # every case at 1 and 2 threads
     python bench/compare_transformers.py --threads 2 --repeats 5 --cases decode
     python bench/compare_transformers.py --json hf.json
+    python bench/compare_transformers.py --dtype bfloat16   # a bf16 model (also: float16)
 
 Model: a random Llama-style ``LlamaForCausalLM`` (hidden 768, 12 heads, 4
 key/value heads, 6 layers, MLP 2048, vocabulary 1000), float32, built from a
@@ -21,6 +22,11 @@ inside the attention functions alone (each registered function wrapped with
 a timer; for attncore this includes reading the tensors as NumPy views and
 returning a torch tensor, for sdpa its own layout work), and the ratios
 sdpa / attncore (> 1: attncore is faster), with the issue's bars.
+
+``--dtype bfloat16`` / ``float16``: both models in that dtype (16-bit
+tensors reach attncore in place), plus a third, float32 "attncore" model
+whose attention time is shown as "attn: ac f32" -- the bf16 issue's bar
+compares the 16-bit attention with attncore's own float32 attention.
 
 Threads: ``torch.set_num_threads(n)`` (the backend hands
 ``torch.get_num_threads()`` to attncore, so both sides run n threads) and
@@ -63,8 +69,9 @@ CASES = ["prefill 1x4096", "prefill 4x512 left-pad", "decode 128 after 2048"]
 BARS = {"prefill 1x4096": (1.05, 1.3), "prefill 4x512 left-pad": (None, 1.3),
         "decode 128 after 2048": (1.0, 1.3)}
 IMPLS = ("attncore", "sdpa")
+F32 = "attncore_f32"   # the float32 attncore model of a --dtype run
 
-_attn_seconds = {name: 0.0 for name in IMPLS}
+_attn_seconds = {name: 0.0 for name in IMPLS + (F32,)}
 
 
 def _timed(name, fn):
@@ -81,6 +88,8 @@ def _register_timed():
     act.register("attncore")
     AttentionInterface.register("attncore", _timed("attncore", act.attention_forward))
     AttentionInterface.register("sdpa", _timed("sdpa", sdpa_attention_forward))
+    act.register(F32)
+    AttentionInterface.register(F32, _timed(F32, act.attention_forward))
 
 
 def _config():
@@ -90,17 +99,21 @@ def _config():
                        eos_token_id=2)
 
 
-def _models():
+def _models(dtype="float32"):
     torch.manual_seed(0)
     models = {}
     state = None
-    for impl in IMPLS:
+    impls = IMPLS + ((F32,) if dtype != "float32" else ())
+    for impl in impls:
         m = LlamaForCausalLM._from_config(_config(), attn_implementation=impl).eval()
         if state is None:
             state = m.state_dict()
         else:
             m.load_state_dict(state, assign=True)      # the same weight tensors
         models[impl] = m
+    if dtype != "float32":
+        for impl in IMPLS:   # the 16-bit models; the float32 one keeps the originals
+            models[impl] = models[impl].to(getattr(torch, dtype))
     return models
 
 
@@ -153,7 +166,7 @@ def run_case(case, models, threads, repeats, decode_steps, settle=0.1):
     attn = {k: [] for k in fns}
     with threadpool_limits(limits=threads), torch.inference_mode():
         outs = {k: fn() for k, fn in fns.items()}                 # warm-up, and a check
-        err = float((outs["attncore"] - outs["sdpa"]).abs().max())
+        err = float((outs["attncore"].float() - outs["sdpa"].float()).abs().max())
         for _ in range(repeats):
             for k, fn in fns.items():
                 if threads > 1 and settle:
@@ -165,6 +178,8 @@ def run_case(case, models, threads, repeats, decode_steps, settle=0.1):
                 attn[k].append(_attn_seconds[k])
     ms = {k: 1e3 * statistics.median(v) / per for k, v in total.items()}
     attn_ms = {k: 1e3 * statistics.median(v) / per for k, v in attn.items()}
+    if F32 in attn_ms:
+        attn_ms["f32_over_attncore"] = attn_ms[F32] / attn_ms["attncore"]
     return {"case": case, "threads": threads, "ms": ms, "attention_ms": attn_ms,
             "end_to_end_ratio": ms["sdpa"] / ms["attncore"],
             "attention_ratio": attn_ms["sdpa"] / attn_ms["attncore"],
@@ -185,12 +200,13 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="*", default=None,
                     help="only cases whose name contains one of these words")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
     if torch is None:
         sys.exit("compare_transformers.py needs torch and transformers "
                  "(pip install '.[transformers]')")
     _register_timed()
-    models = _models()
+    models = _models(args.dtype)
     cases = [c for c in CASES if not args.cases or any(w in c for w in args.cases)]
     print(header())
     fmt = "{:<24} {:>3} {:>10} {:>10} {:>7} {:>5} {:>10} {:>10} {:>7} {:>5} {:>9}"
@@ -207,7 +223,10 @@ def main(argv=None):
                              "-" if e2e_bar is None else f"{e2e_bar:.2f}",
                              f"{r['attention_ms']['attncore']:.1f}",
                              f"{r['attention_ms']['sdpa']:.1f}", f"{r['attention_ratio']:.2f}",
-                             f"{attn_bar:.2f}", f"{r['max_abs_diff_logits']:.1e}"), flush=True)
+                             f"{attn_bar:.2f}", f"{r['max_abs_diff_logits']:.1e}")
+                  + (f"   attn: ac f32 {r['attention_ms'][F32]:.1f} "
+                     f"({r['attention_ms']['f32_over_attncore']:.2f}x)"
+                     if F32 in r["attention_ms"] else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header(), "rows": rows}, f, indent=1)
