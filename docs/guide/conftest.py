@@ -24,6 +24,7 @@ REQUIRES = {
     "mha.rst": ["torch"],
     "pytorch.rst": ["torch", "transformers"],
     "dask.rst": ["dask", "distributed"],
+    "precision.rst": ["ml_dtypes"],
 }
 
 
