@@ -70,9 +70,9 @@ def show_config() -> None:
           f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
-    print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place, float32 products"
-          + ("; this CPU has bfloat16 dot products (AVX512_BF16), which attncore does not use "
-             "yet" if info["bf16_dot"] else " (no AVX512_BF16 on this CPU)"))
+    print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
+          + ("bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and precision='bfloat16'"
+             if info["bf16_dot"] else "float32 products (no AVX512_BF16 on this CPU)"))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

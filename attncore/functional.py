@@ -459,7 +459,8 @@ def _policy(q, k, v, k8, v8, precision) -> Policy:
     (it counts as the query's dtype)."""
     kd = q.dtype if k8 is not None else k.dtype
     vd = q.dtype if v8 is not None else v.dtype
-    return resolve((q.dtype, kd, vd), ("query", "key", "value"), precision)
+    return resolve((q.dtype, kd, vd), ("query", "key", "value"), precision,
+                   bf16_products=_sdpa.bf16_mode() != 0)
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
@@ -543,8 +544,9 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
 
+    bf16dot = pol.products == "bfloat16"
     pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
-              converted_kv=bool(kf or vf or ks is not None or vs is not None))
+              converted_kv=bool(kf or vf or ks is not None or vs is not None or bf16dot))
     # the fused kernel and the direct loops of a few rows call no BLAS
     uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
     nthreads = pl.nthreads
@@ -565,7 +567,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     q, k, v = (a.view(np.uint16) if f == HALF_BF16 else a for a, f in ((q, qf), (k, kf), (v, vf)))
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
-               ks, vs, qf, kf, vf, slopes, sk)
+               ks, vs, qf, kf, vf, slopes, sk,
+               _sdpa.bf16_mode() if (bf16dot and pl.fused) else 0)
 
     out = out.reshape(out_shape)
     if rdt != cdt:
@@ -631,6 +634,8 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
         if not (math.isfinite(sc) and sc > 0):
             return None
     fmt = half_code(dt)
+    # bfloat16 inputs: bfloat16 products where the CPU has them (the policy)
+    bfm = _sdpa.bf16_mode() if fmt == HALF_BF16 else 0
     pl = _plan_cached(dt.str if not fmt else "float32", N, M, D, Dv, causal, B * H, nthreads,
                       _sdpa.kernel_path(), bool(fmt))
     if not pl.fused and N > _SMALL_ROWS:
@@ -640,7 +645,7 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     _sdpa.sdpa(q, k, v, None, out, None, (B, H), H // Hk, 0, N, M, D, Dv, causal, sc,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, pl.nthreads, None, window[0], window[1],
-               softcap, None, None, fmt, fmt, fmt)
+               softcap, None, None, fmt, fmt, fmt, None, None, bfm if pl.fused else 0)
     out = out.reshape(B, H, N, Dv)
     return out.astype(dt) if fmt else out
 

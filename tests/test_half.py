@@ -68,11 +68,24 @@ PATHS = list(_sdpa.available_kernel_paths())
 sd = attncore.scaled_dot_product_attention
 
 
-@pytest.fixture(params=PATHS)
+# kernel paths, and on AVX-512 the bfloat16 dot products: "off" (float32
+# products), "emulate" (the bf16 kernels with vdpbf16ps spelled in
+# AVX-512F: every line of that path but the instruction), "native" where
+# the CPU has AVX512_BF16
+BF16_MODES = (["emulate"] if "avx512" in PATHS else []) + \
+    (["native"] if _sdpa.cpu_features()["bf16_dot"] else [])
+PATH_MODES = [(p, "off") for p in PATHS] + [("avx512", m) for m in BF16_MODES]
+
+
+@pytest.fixture(params=PATH_MODES, ids=lambda pm: f"{pm[0]}-{pm[1]}")
 def path(request):
-    prev = _sdpa.set_kernel_path(request.param)
-    yield request.param
+    p, mode = request.param
+    prev = _sdpa.set_kernel_path(p)
+    prev_mode = _sdpa.set_bf16_mode(mode)
+    yield p
     _sdpa.set_kernel_path(prev)
+    _sdpa.set_bf16_mode(None)
+    del prev_mode
 
 
 def _rand(rng, shape, dt, offset=0.0):
@@ -199,6 +212,35 @@ def test_bfloat16_with_float16_is_a_clear_error():
         sd(q, k, k)
 
 
+@pytest.mark.parametrize("mode", BF16_MODES)
+@pytest.mark.parametrize("offset", [0.0, 10.0])
+def test_precision_bfloat16_on_float32_inputs(mode, offset):
+    """float32 inputs with precision="bfloat16" on the bf16 kernels: the
+    error of bf16-rounded Q, K, P and V with float32 accumulation, held to
+    torch's bf16 SDPA on the same values rounded to bfloat16 (keys with
+    per-channel offsets too: real models' keys have them)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 2, 256, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 384, 64), dtype=np.float32)
+    k += (rng.standard_normal(64) * offset).astype(np.float32)
+    v = rng.standard_normal((1, 2, 384, 64), dtype=np.float32)
+    prev_path = _sdpa.set_kernel_path("avx512")
+    _sdpa.set_bf16_mode(mode)
+    try:
+        out = sd(q, k, v, precision="bfloat16")
+        ref32 = sd(q, k, v, precision="float32")
+    finally:
+        _sdpa.set_bf16_mode(None)
+        _sdpa.set_kernel_path(prev_path)
+    rout = sdpa_ref(*_f64(q, k, v))
+    tt = [torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v)]
+    tor = torch.nn.functional.scaled_dot_product_attention(*tt).double().numpy()
+    err, terr = np.abs(out - rout).max(), np.abs(tor - rout).max()
+    assert err <= 1.5 * terr
+    assert np.abs(ref32 - rout).max() < 1e-5 < err   # the products really were bf16
+
+
 def test_precision_argument():
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((2, 7, 8), dtype=np.float32) for _ in range(3))
@@ -291,3 +333,27 @@ def test_half_int8_values_mix():
     assert out.dtype == BF16
     rv = v8.astype(np.float64) * vs[..., None]
     np.testing.assert_allclose(out.astype(np.float64), sdpa_ref(*_f64(q, k, rv)), atol=2e-2)
+
+
+def test_nonfinite_values_of_unattended_keys_never_leak(path):
+    """inf / NaN in the values (and keys) of keys a query does not attend
+    stay out of its output on every path, the bf16 kernels included (their
+    key pairs span a masked neighbour)."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 1, 70, 32)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 200, 32)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 200, 16)).astype(np.float32)
+    mask = np.ones((70, 200), bool)
+    bad = [0, 5, 77, 128, 199]
+    mask[:, bad] = False
+    v[..., bad, :] = np.inf
+    v[..., 77, 3] = np.nan
+    k[..., 128, :] = np.nan
+    for prec in (None, "bfloat16"):
+        for x in (np.float32, BF16):
+            out = sd(q.astype(x), k.astype(x), v.astype(x), mask, precision=prec)
+            assert np.isfinite(np.asarray(out, np.float32)).all()
+            keep = np.ones(200, bool)
+            keep[bad] = False
+            r = sdpa_ref(*_f64(q.astype(x), k.astype(x)[..., keep, :], v.astype(x)[..., keep, :]))
+            np.testing.assert_allclose(np.asarray(out, np.float64), r, atol=2e-2)

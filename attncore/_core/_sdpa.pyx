@@ -46,6 +46,8 @@ cdef extern from "ac_sdpa.h" nogil:
         Py_ssize_t qb_off, mp_off
         int alibi_on
         double alibi, sink
+        int bf16dot
+        Py_ssize_t bf_off
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -102,6 +104,38 @@ def cpu_features():
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0}
+
+
+# bfloat16 dot products: 1 vdpbf16ps where the CPU has AVX512_BF16, else 0;
+# set_bf16_mode("emulate") runs the same kernels with the instruction
+# spelled in AVX-512F (tests of the path on any AVX-512 CPU)
+_bf16_mode = 1 if ac_cpu_bf16_dot() else 0
+
+
+def bf16_mode():
+    """0: float32 products for bfloat16; 1: vdpbf16ps; 2: emulated (tests)."""
+    return _bf16_mode
+
+
+def set_bf16_mode(mode):
+    """Private, process-wide (tests and benchmarks): 'native' (needs
+    AVX512_BF16), 'emulate' (needs AVX-512), 'off', or None (the default
+    of this CPU).  Returns the previous mode's name."""
+    global _bf16_mode
+    names = ("off", "native", "emulate")
+    prev = names[_bf16_mode]
+    if mode is None:
+        _bf16_mode = 1 if ac_cpu_bf16_dot() else 0
+    elif mode == "native" and ac_cpu_bf16_dot():
+        _bf16_mode = 1
+    elif mode == "emulate" and ac_best_path == 2:
+        _bf16_mode = 2
+    elif mode == "off":
+        _bf16_mode = 0
+    else:
+        raise ValueError(f"bf16 mode must be 'native', 'emulate', 'off' or None and runnable "
+                         f"on this CPU, got {mode!r}")
+    return prev
 
 
 def kernel_path():
@@ -524,7 +558,8 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
          int N, int M, int D, int Dv, int causal, double scale,
          int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
          int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None,
-         int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, sinks=None):
+         int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, sinks=None,
+         int bf16dot=0):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -547,6 +582,9 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     per batch element (nb): the ALiBi slope (score(i, j) -= slope |i + M -
     N - j|) and the attention sink logit (its exp joins every row's softmax
     denominator) of each.
+    bf16dot: bfloat16 dot products in the fused AVX-512 kernel (float32
+    compute dtype): 1 vdpbf16ps (the CPU must have AVX512_BF16), 2 the same
+    arithmetic in AVX-512F (tests), 0 float32 products.
     """
     cdef const double[::1] slopes_v
     cdef const double[::1] sinks_v
@@ -659,8 +697,16 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
             # the converted query block (or fused panel: 32 rows at most)
             p.qb_off = p.s_len
             p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
+        if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
+            raise ValueError("invalid bf16dot")
+        p.bf16dot = 0 if is64 else bf16dot
+        p.bf_off = 0
+        if p.bf16dot:
+            # the packed bfloat16 chunk: K16, VI and the probability pairs
+            p.bf_off = p.s_len
+            p.s_len += (128 * ((D + 1) // 2) + 65 * Dv + 66 * 32 + 15) // 16 * 16
         p.mp_off = 0
-        if not is64 and (have_ks or have_vs or k_fmt or v_fmt):
+        if not is64 and (have_ks or have_vs or k_fmt or v_fmt or p.bf16dot):
             # the fused kernel's panels sharing converted key / value tiles:
             # packed queries and running statistics of each (panels of 16
             # rows at least)

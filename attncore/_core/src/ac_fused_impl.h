@@ -180,8 +180,12 @@ static AC_TGT int AC_F(ac_fused_panel)(
     const float *ksc, const float *vsc,
     const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr, ptrdiff_t ks,
     ptrdiff_t ke, float *scratch, float *acc, float *m, float *l, int *bad,
-    float *QT, float *state, int phase, const float *kc, const float *vc)
+    float *QT, float *state, int phase, const float *kc, const float *vc,
+    const ac_bf16_chunk *bt)
 {
+#if !AC_BF16_PANEL
+    (void)bt;
+#endif
     /* int8 / half keys and values: each tile is converted into these
        buffers */
     float *KB = scratch + p->dq_off, *VB = KB + (ptrdiff_t)AC_BK * p->D;
@@ -199,14 +203,21 @@ static AC_TGT int AC_F(ac_fused_panel)(
     if (phase & AC_PH_INIT) {
         /* pack the panel: QT[d][r] = qs * q[i0 + r][d], zero rows beyond
            nr (half queries: converted to float rows first) */
+        const float *qrow = q + i0 * p->q_rs;
+        ptrdiff_t qrs = p->q_rs;
         if (p->qh) {
             float *QB = scratch + p->qb_off;
             ac_half_rows_f32(p->qh, (const uint16_t *)(const void *)q + i0 * p->q_rs, p->q_rs,
                              nr, D, QB, D);
-            AC_F(ac_pack_rows)(QB, D, nr, D, qs, QT);
-        } else {
-            AC_F(ac_pack_rows)(q + i0 * p->q_rs, p->q_rs, nr, D, qs, QT);
+            qrow = QB;
+            qrs = D;
         }
+#if AC_BF16_PANEL
+        if (bt) /* bfloat16 pairs, unscaled (the scale goes on the scores) */
+            ac_pack_pairs_panel(qrow, qrs, nr, D, AC_P, (uint32_t *)(void *)QT);
+        else
+#endif
+        AC_F(ac_pack_rows)(qrow, qrs, nr, D, qs, QT);
         /* the accumulator: natural layout, rows beyond nr never touched */
         memset(acc, 0, sizeof(float) * (size_t)nr * (size_t)Dv);
         m0 = VSET1(ninf);
@@ -276,6 +287,13 @@ static AC_TGT int AC_F(ac_fused_panel)(
 
         /* ---- scores ---- */
         VEC t0 = VSET1(ninf), t1 = VSET1(ninf);
+#if AC_BF16_PANEL
+        if (bt) {
+            const int Dh = (D + 1) / 2;
+            ac_bf16_scores(bt->mode, (const uint32_t *)(const void *)QT, Dh,
+                           bt->k16 + (j0 - ks) * Dh, nk, qs, ST, &t0, &t1);
+        } else
+#endif
         {
             int j = 0;
             for (; j + AC_KU <= nk; j += AC_KU)
@@ -463,7 +481,20 @@ static AC_TGT int AC_F(ac_fused_panel)(
                     for (int d = 0; d < Dv; d++) ar[d] += pc * vj[d];
                 }
             }
-        } else {
+        }
+#if AC_BF16_PANEL
+        else if (bt && bt->vfin) {
+            /* probabilities rounded to bfloat16 pairs; the pairs of VI
+               start at the chunk's first key: a tile starting at an odd
+               offset takes a zero probability for the key before it */
+            const int shift = (int)((j0 - ks) & 1);
+            const int npairs = (shift + nk + 1) / 2;
+            ac_pack_probs(ST, -shift, nk, bt->pt2, npairs);
+            ac_bf16_pv_rows(bt->mode, bt->pt2, npairs, bt->vi + ((j0 - ks - shift) / 2) * Dv,
+                            Dv, acc, alpha, nr);
+        }
+#endif
+        else {
             int r_ = 0;
             for (; r_ + AC_RU <= nr; r_ += AC_RU)
                 AC_PV_ROWS(AC_RU, ac_pv_main, ac_pv_one, ac_pv_tail);

@@ -31,3 +31,4 @@
 #undef VTANH
 #undef VIOTA
 #undef VABS
+#undef AC_BF16_PANEL

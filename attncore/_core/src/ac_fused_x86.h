@@ -227,6 +227,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
     return _mm512_mask_mov_ps(x, k, _mm512_setzero_ps());
 }
 
+#define AC_BF16_PANEL 1
 #include "ac_fused_impl.h"
 
 #include "ac_fused_undef.h"
@@ -391,6 +392,7 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
     return _mm256_andnot_ps(k, x);
 }
 
+#define AC_BF16_PANEL 0
 #include "ac_fused_impl.h"
 
 #include "ac_fused_undef.h"
@@ -407,13 +409,14 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
                                const uint8_t *mb, const float *mf, ptrdiff_t i0, int nr,
                                ptrdiff_t ks, ptrdiff_t ke, float *scratch, float *acc,
                                float *m, float *l, int *bad, float *QT, float *state,
-                               int phase, const float *kc, const float *vc)
+                               int phase, const float *kc, const float *vc,
+                               const ac_bf16_chunk *bt)
 {
     if (ac_kernel_path == AC_PATH_AVX512)
         return ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
-                                         acc, m, l, bad, QT, state, phase, kc, vc);
+                                         acc, m, l, bad, QT, state, phase, kc, vc, bt);
     return ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
-                                   acc, m, l, bad, QT, state, phase, kc, vc);
+                                   acc, m, l, bad, QT, state, phase, kc, vc, NULL);
 }
 
 /* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
@@ -442,7 +445,10 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
         return 0;
     }
     int processed = 0;
-    const int convert = p->kq8 || p->vq8 || p->kh || p->vh;
+    /* bfloat16 dot products: the AVX-512 panels, chunks shared by a block */
+    const int bfm = p->bf16dot && ac_kernel_path == AC_PATH_AVX512;
+    const int kconv = p->kq8 || p->kh, vconv = p->vq8 || p->vh;
+    const int convert = kconv || vconv || bfm;
     if (!convert || nq <= P) {
         float state[64];
         for (int r0 = 0; r0 < nq; r0 += P) {
@@ -450,7 +456,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
             processed |= ac_fused_panel_call(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke,
                                              scratch, acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0,
                                              bad + r0, scratch, state,
-                                             AC_PH_INIT | AC_PH_FINISH, NULL, NULL);
+                                             AC_PH_INIT | AC_PH_FINISH, NULL, NULL, NULL);
         }
         return processed;
     }
@@ -464,6 +470,15 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     }
     if (ken < kst) ken = kst;
     float *KC = scratch + p->dq_off, *VC = KC + (ptrdiff_t)AC_BK * D;
+    /* bfloat16 chunk: K16 (AC_BK x (D+1)/2), VI (AC_BK/2 x Dv), PT2 */
+    uint32_t *K16 = (uint32_t *)(void *)(scratch + p->bf_off);
+    uint32_t *VI = K16 + (ptrdiff_t)AC_BK * ((D + 1) / 2);
+    ac_bf16_chunk bt;
+    bt.mode = p->bf16dot;
+    bt.k16 = K16;
+    bt.vi = VI;
+    bt.pt2 = VI + (ptrdiff_t)(AC_BK / 2 + 1) * Dv;
+    bt.vfin = 0;
     const ptrdiff_t per = (ptrdiff_t)D * 32 + 64; /* a panel's QT and state */
     float *mp = scratch + p->mp_off;
     ptrdiff_t c0 = kst;
@@ -483,6 +498,15 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
             else if (p->vh)
                 ac_half_rows_f32(p->vh, (const uint16_t *)(const void *)v + c0 * p->v_rs,
                                  p->v_rs, nk, Dv, VC, Dv);
+            if (bfm) {
+                /* the chunk's bfloat16 operands, from the float rows */
+                const float *ksrc = kconv ? KC : k + c0 * p->k_rs;
+                const float *vsrc = vconv ? VC : v + c0 * p->v_rs;
+                const ptrdiff_t krs = kconv ? D : p->k_rs, vrs = vconv ? Dv : p->v_rs;
+                ac_pack_pairs_rows(ksrc, krs, nk, D, K16, (D + 1) / 2);
+                ac_pack_pairs_keys(vsrc, vrs, nk, Dv, VI);
+                bt.vfin = !ac_rows_nonfinite_f32(vsrc, nk, Dv, vrs);
+            }
         }
         const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);
         for (int r0 = 0, pn = 0; r0 < nq; r0 += P, pn++) {
@@ -491,7 +515,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
             processed |= ac_fused_panel_call(
                 p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, c0, c1, scratch,
                 acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, QT, QT + (ptrdiff_t)D * 32,
-                phase, (p->kq8 || p->kh) ? KC : NULL, (p->vq8 || p->vh) ? VC : NULL);
+                phase, kconv ? KC : NULL, vconv ? VC : NULL, bfm ? &bt : NULL);
         }
         c0 = c1;
     } while (c0 < ken);

@@ -32,6 +32,7 @@
 #include "ac_math.h"
 #include "ac_small_x86.h"
 #include "ac_half.h"
+#include "ac_bf16dot.h"
 
 enum { AC_MASK_NONE = 0, AC_MASK_BOOL = 1, AC_MASK_ADD = 2 };
 enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 };
@@ -77,6 +78,11 @@ typedef struct {
     double sink;              /* attention sink logit of this batch
                                  element: exp(sink) joins every row's
                                  softmax denominator; -inf for none       */
+    int bf16dot;              /* fused AVX-512 kernel with bfloat16 dot
+                                 products: 1 vdpbf16ps, 2 the same in
+                                 AVX-512F (tests), 0 float32 products      */
+    ptrdiff_t bf_off;         /* offset in the score scratch of the packed
+                                 bfloat16 chunk (ac_bf16dot.h)            */
     ptrdiff_t mp_off;         /* offset in the score scratch of the fused
                                  kernel's per-panel state when a block's
                                  panels share converted key / value tiles:
