@@ -21,4 +21,11 @@ def sdpa(
     v_fmt: int = ..., alibi_slopes: Optional[np.ndarray] = ...,
     sinks: Optional[np.ndarray] = ...,
 ) -> None: ...
+def sdpa_varlen(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, cu_q: np.ndarray,
+    cu_k: np.ndarray, group: int, D: int, Dv: int, causal: int, scale: float, Bq: int,
+    Bk: int, nthreads: int, win_l: int = ..., win_r: int = ..., softcap: float = ...,
+    q_fmt: int = ..., k_fmt: int = ..., v_fmt: int = ...,
+    alibi_slopes: Optional[np.ndarray] = ...,
+) -> None: ...
 def exp_array(x: np.ndarray) -> np.ndarray: ...

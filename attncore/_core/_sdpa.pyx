@@ -13,8 +13,8 @@ operand is ever expanded or copied here.
 """
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
-from libc.stdlib cimport malloc, free
-from libc.stdint cimport uint8_t, uint16_t
+from libc.stdlib cimport malloc, free, qsort
+from libc.stdint cimport uint8_t, uint16_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -78,6 +78,8 @@ cdef extern from "ac_sdpa.h" nogil:
                               const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
                               double *W, double *out, Py_ssize_t o_rs, double *lse,
                               ac_dgemm_t gemm)
+    Py_ssize_t ac_causal_limit(const ac_params *p, Py_ssize_t i)
+    Py_ssize_t ac_band_lo(const ac_params *p, Py_ssize_t i)
     void ac_cpu_init()
     int ac_avx512_ok
     int ac_best_path
@@ -519,6 +521,46 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
         return cols if cols > 1 else 1
     return buf.strides[buf.ndim - 2] // buf.itemsize
 
+cdef void _size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, bint is64, bint have_ks,
+                        bint have_vs, int q_fmt, int k_fmt, int v_fmt) noexcept nogil:
+    """Tile sizes and the layout of each thread's score scratch (s_len,
+    dq_off, qb_off, mp_off) for these operand formats."""
+    cdef Py_ssize_t dq_rows
+    p.D = D
+    p.Dv = Dv
+    p.Bq = Bq
+    p.Bk = Bk
+    p.ldS = (Bk + 15) // 16 * 16
+    p.s_len = Bq * p.ldS
+    if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
+        p.s_len = AC_FUSED_SCRATCH(D, Dv)
+    p.s_len = (p.s_len + 15) // 16 * 16
+    p.kq8 = have_ks
+    p.vq8 = have_vs
+    p.qh = q_fmt
+    p.kh = k_fmt
+    p.vh = v_fmt
+    p.dq_off = 0
+    p.qb_off = 0
+    p.ks_rs = 0
+    p.vs_rs = 0
+    if have_ks or have_vs or k_fmt or v_fmt:
+        # converted key / value tile buffers after the score scratch
+        dq_rows = Bk if Bk > 128 else 128
+        p.dq_off = p.s_len
+        p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
+    if q_fmt:
+        # the converted query block (or fused panel: 32 rows at most)
+        p.qb_off = p.s_len
+        p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
+    p.mp_off = 0
+    if not is64 and (have_ks or have_vs or k_fmt or v_fmt):
+        # the fused kernel's panels sharing converted key / value tiles:
+        # packed queries and running statistics of each (panels of 16
+        # rows at least)
+        p.mp_off = p.s_len
+        p.s_len += (Bq + 15) // 16 * (D * 32 + 64)
+
 
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
@@ -561,7 +603,6 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     cdef Py_buffer *bks = NULL
     cdef Py_buffer *bvs = NULL
     cdef bint have_m, have_w, have_ks, have_vs
-    cdef Py_ssize_t dq_rows
     cdef ac_params p
     cdef _Ops ops
     cdef Py_ssize_t nb = 1, d, nd = len(bshape)
@@ -632,40 +673,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         _fill_offsets(bv, nd, shp, group, offs + 2 * nb)
         p.N = N
         p.M = M
-        p.D = D
-        p.Dv = Dv
-        p.Bq = Bq
-        p.Bk = Bk
-        p.ldS = (Bk + 15) // 16 * 16
-        p.s_len = Bq * p.ldS
-        if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
-            p.s_len = AC_FUSED_SCRATCH(D, Dv)
-        p.s_len = (p.s_len + 15) // 16 * 16
-        p.kq8 = have_ks
-        p.vq8 = have_vs
-        p.qh = q_fmt
-        p.kh = k_fmt
-        p.vh = v_fmt
-        p.dq_off = 0
-        p.qb_off = 0
-        p.ks_rs = 0
-        p.vs_rs = 0
-        if have_ks or have_vs or k_fmt or v_fmt:
-            # converted key / value tile buffers after the score scratch
-            dq_rows = Bk if Bk > 128 else 128
-            p.dq_off = p.s_len
-            p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
-        if q_fmt:
-            # the converted query block (or fused panel: 32 rows at most)
-            p.qb_off = p.s_len
-            p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
-        p.mp_off = 0
-        if not is64 and (have_ks or have_vs or k_fmt or v_fmt):
-            # the fused kernel's panels sharing converted key / value tiles:
-            # packed queries and running statistics of each (panels of 16
-            # rows at least)
-            p.mp_off = p.s_len
-            p.s_len += (Bq + 15) // 16 * (D * 32 + 64)
+        _size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt)
         if have_ks:
             _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
             p.ks_rs = _row_stride(bks)
@@ -737,6 +745,283 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     finally:
         _release_all(&bufs)
         free(offs)
+
+
+
+# --------------------------------------------------------------------------
+# packed variable-length batches
+# --------------------------------------------------------------------------
+cdef struct _VItem:
+    double cost     # estimated work: query rows x keys they see
+    int seq
+    int head
+    int qb          # query block of the sequence
+
+
+cdef int _vitem_cmp(const void *a, const void *b) noexcept nogil:
+    """Costliest first; ties in (sequence, query block, head) order, so
+    that the heads sharing a key / value head (GQA) run side by side."""
+    cdef const _VItem *x = <const _VItem *>a
+    cdef const _VItem *y = <const _VItem *>b
+    if x.cost != y.cost:
+        return -1 if x.cost > y.cost else 1
+    if x.seq != y.seq:
+        return -1 if x.seq < y.seq else 1
+    if x.qb != y.qb:
+        return -1 if x.qb < y.qb else 1
+    if x.head != y.head:
+        return -1 if x.head < y.head else 1
+    return 0
+
+
+cdef struct _VOps:
+    char *q
+    char *k
+    char *v
+    char *out
+    const int64_t *cuq
+    const int64_t *cuk
+    Py_ssize_t q_hs, k_hs, v_hs   # head strides (elements)
+    Py_ssize_t o_rs               # output row stride (elements): Hq * Dv
+    int Hq, group
+    const double *slopes          # ALiBi slope per (sequence, head), or NULL
+
+
+cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VItem *it,
+                              floating *buf) noexcept nogil:
+    """One (sequence, head, query block) of a packed batch; buf is the
+    calling thread's scratch.  The accumulator lives in the scratch and
+    the finish writes the rows straight into the strided output."""
+    cdef ac_params pb = p0[0]
+    cdef Py_ssize_t sq = it.seq, h = it.head
+    cdef Py_ssize_t q0 = ops.cuq[sq], k0 = ops.cuk[sq]
+    pb.N = <int>(ops.cuq[sq + 1] - q0)
+    pb.M = <int>(ops.cuk[sq + 1] - k0)
+    if ops.slopes != NULL:
+        pb.alibi = ops.slopes[sq * ops.Hq + h]
+    cdef Py_ssize_t hk = h // ops.group
+    cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv
+    cdef Py_ssize_t i0 = it.qb * Bq
+    cdef int nq = pb.Bq if pb.N - i0 > pb.Bq else <int>(pb.N - i0)
+    cdef Py_ssize_t qo = q0 * pb.q_rs + h * ops.q_hs
+    cdef Py_ssize_t ko = k0 * pb.k_rs + hk * ops.k_hs
+    cdef Py_ssize_t vo = k0 * pb.v_rs + hk * ops.v_hs
+    cdef const floating *q
+    cdef const floating *k
+    cdef const floating *v
+    # half operands: offsets in 16-bit elements (the kernel reads uint16_t)
+    if pb.qh:
+        q = <const floating *>((<const uint16_t *>ops.q) + qo)
+    else:
+        q = (<const floating *>ops.q) + qo
+    if pb.kh:
+        k = <const floating *>((<const uint16_t *>ops.k) + ko)
+    else:
+        k = (<const floating *>ops.k) + ko
+    if pb.vh:
+        v = <const floating *>((<const uint16_t *>ops.v) + vo)
+    else:
+        v = (<const floating *>ops.v) + vo
+    cdef floating *S = buf
+    cdef floating *acc = S + pb.s_len
+    cdef floating *m = acc + Bq * Dv
+    cdef floating *l = m + Bq
+    cdef floating *alpha = l + Bq
+    cdef int *bad = <int *>(alpha + Bq)
+    cdef int processed = 0
+    if pb.M > 0:
+        processed = _range(&pb, q, k, v, NULL, NULL, NULL, NULL, i0, nq, 0, pb.M, S, acc, m,
+                           l, alpha, bad)
+    # no key at all: the finish writes zeros
+    _finish(nq, pb.Dv, processed, acc, l, bad,
+            (<floating *>ops.out) + (q0 + i0) * ops.o_rs + h * Dv, ops.o_rs, m, -INFINITY)
+
+
+cdef int _run_varlen(const ac_params *p, const _VOps *ops, const _VItem *items, Py_ssize_t W,
+                     int nthreads, floating dummy) noexcept nogil:
+    """All items in one parallel region, dynamically scheduled in the
+    order given (costliest first).  0 on success, -1 when memory ran out."""
+    cdef Py_ssize_t Bq = p.Bq
+    cdef Py_ssize_t nbuf = p.s_len + Bq * p.Dv + 4 * Bq + Bq
+    cdef void *raw = NULL
+    cdef floating *buf = NULL
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef Py_ssize_t w
+    if nthreads <= 1:
+        raw = malloc(nbuf * sizeof(floating) + 64)
+        buf = <floating *>_align64(raw)
+        if buf == NULL:
+            return -1
+        ac_blas_hold()
+        for w in range(W):
+            _varlen_item(p, ops, items + w, buf)
+        ac_blas_release()
+        free(raw)
+        return 0
+    with parallel(num_threads=nthreads):
+        # assigned in the parallel block, so private to each thread
+        raw = malloc(nbuf * sizeof(floating) + 64)
+        buf = <floating *>_align64(raw)
+        if buf == NULL:
+            errp[0] = -1
+        ac_blas_hold()
+        for w in prange(W, schedule='dynamic'):
+            if buf != NULL:
+                _varlen_item(p, ops, items + w, buf)
+        ac_blas_release()
+        free(raw)
+    return err
+
+
+def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
+                int group, int D, int Dv, int causal, double scale, int Bq, int Bk,
+                int nthreads, int win_l=-1, int win_r=-1, double softcap=0.0,
+                int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None):
+    """Run the kernel on a packed variable-length batch (see attncore._varlen).
+
+    q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv): arrays of
+    the compute dtype (out's) or 16-bit (q_fmt / k_fmt / v_fmt: 1 bfloat16,
+    2 float16), last axis contiguous, strides non-negative multiples of the
+    item size, row stride (axis 0) at least the row length.  out: a
+    C-contiguous (total_q, Hq, Dv) float32 / float64 array.  cu_q, cu_k:
+    (B + 1,) offsets of the sequences (checked by the caller).  Key / value
+    head of query head h: h // group.  causal: kernel code (0 none, 2
+    lower-right, 3 no causal bound with a lower-right window).  Bq, Bk: tile
+    sizes (the largest sequence's).  alibi_slopes: None or a C-contiguous
+    float64 (B * Hq,) array, one slope per (sequence, head).
+
+    Work items are (sequence, head, query block), sorted costliest first
+    and scheduled dynamically in one parallel region: no padding is
+    computed, and long sequences start early so that short ones fill the
+    gaps at the end.
+    """
+    cdef const double[::1] slopes_v
+    cdef _Buffers bufs
+    cdef Py_buffer *bq
+    cdef Py_buffer *bk
+    cdef Py_buffer *bv
+    cdef Py_buffer *bo
+    cdef ac_params p
+    cdef _VOps ops
+    cdef Py_ssize_t B = cu_q.shape[0] - 1, W = 0, w, s, h, qb, nqb, n, i0, nq, lo, hi
+    cdef int Hq
+    cdef _VItem *items = NULL
+    cdef int err = 0
+    cdef bint is64
+    if B < 0 or cu_k.shape[0] != B + 1:
+        raise ValueError("cu_q and cu_k must hold B + 1 offsets each")
+    bufs.n = 0
+    try:
+        bq = _acquire(&bufs, q, PyBUF_RECORDS_RO)
+        bk = _acquire(&bufs, k, PyBUF_RECORDS_RO)
+        bv = _acquire(&bufs, v, PyBUF_RECORDS_RO)
+        bo = _acquire(&bufs, out, PyBUF_RECORDS)
+        if bq.ndim != 3 or bk.ndim != 3 or bv.ndim != 3 or bo.ndim != 3:
+            raise ValueError("q, k, v and out must be 3-D")
+        if bo.itemsize == 8:
+            is64 = True
+        elif bo.itemsize == 4:
+            is64 = False
+        else:
+            raise TypeError("kernel dtype must be float32 or float64")
+        if q_fmt not in (0, 1, 2) or k_fmt not in (0, 1, 2) or v_fmt not in (0, 1, 2):
+            raise ValueError("invalid operand formats")
+        if (bq.itemsize != (2 if q_fmt else bo.itemsize)
+                or bk.itemsize != (2 if k_fmt else bo.itemsize)
+                or bv.itemsize != (2 if v_fmt else bo.itemsize)):
+            raise TypeError("query, key, value and out must share one dtype")
+        Hq = <int>bq.shape[1]
+        if (bo.shape[1] != Hq or bo.shape[2] != Dv or bq.shape[2] != D or bk.shape[2] != D
+                or bv.shape[2] != Dv or group < 1 or bk.shape[1] * group != Hq
+                or bv.shape[1] != bk.shape[1] or bo.shape[0] != bq.shape[0]
+                or cu_q[B] != bq.shape[0] or cu_k[B] != bk.shape[0]
+                or bv.shape[0] != bk.shape[0]):
+            raise ValueError("operand shapes do not match")
+        if B == 0 or Hq == 0 or bq.shape[0] == 0 or Dv == 0:
+            return
+        p.N = 0
+        p.M = 0
+        _size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt)
+        p.q_rs = bq.strides[0] // bq.itemsize
+        p.k_rs = bk.strides[0] // bk.itemsize
+        p.v_rs = bv.strides[0] // bv.itemsize
+        p.mask_rs = 0
+        p.mask_cs = 0
+        p.mask_kind = 0
+        p.causal = causal
+        p.win_l = win_l
+        p.win_r = win_r
+        p.band = 1 if (causal == 1 or causal == 2 or win_l >= 0 or win_r >= 0) else 0
+        p.scale = scale
+        p.softcap = softcap
+        p.alibi_on = 0
+        p.alibi = 0.0
+        p.sink = -INFINITY
+        ops.slopes = NULL
+        if alibi_slopes is not None:
+            slopes_v = alibi_slopes
+            if slopes_v.shape[0] != B * Hq:
+                raise ValueError("alibi_slopes must hold one value per (sequence, head)")
+            p.alibi_on = 1
+            ops.slopes = &slopes_v[0]
+        ops.q = <char *>bq.buf
+        ops.k = <char *>bk.buf
+        ops.v = <char *>bv.buf
+        ops.out = <char *>bo.buf
+        ops.cuq = &cu_q[0]
+        ops.cuk = &cu_k[0]
+        ops.q_hs = bq.strides[1] // bq.itemsize
+        ops.k_hs = bk.strides[1] // bk.itemsize
+        ops.v_hs = bv.strides[1] // bv.itemsize
+        ops.o_rs = Hq * Dv
+        ops.Hq = Hq
+        ops.group = group
+        for s in range(B):
+            n = cu_q[s + 1] - cu_q[s]
+            if n < 0 or cu_k[s + 1] - cu_k[s] < 0:
+                raise ValueError("cu_q and cu_k must be non-decreasing")
+            W += (n + Bq - 1) // Bq * Hq
+        if W == 0:
+            return
+        items = <_VItem *>malloc(W * sizeof(_VItem))
+        if items == NULL:
+            raise MemoryError()
+        with nogil:
+            w = 0
+            for s in range(B):
+                p.N = <int>(cu_q[s + 1] - cu_q[s])
+                p.M = <int>(cu_k[s + 1] - cu_k[s])
+                nqb = (p.N + Bq - 1) // Bq
+                for qb in range(nqb):
+                    i0 = qb * Bq
+                    nq = Bq if p.N - i0 > Bq else p.N - i0
+                    # the keys this block's rows see (the band's hull)
+                    lo = 0
+                    hi = p.M
+                    if p.band:
+                        hi = ac_causal_limit(&p, i0 + nq - 1)
+                        lo = ac_band_lo(&p, i0)
+                    if hi < lo:
+                        hi = lo
+                    for h in range(Hq):
+                        items[w].cost = <double>nq * (hi - lo + 16)
+                        items[w].seq = <int>s
+                        items[w].head = <int>h
+                        items[w].qb = <int>qb
+                        w += 1
+            qsort(items, W, sizeof(_VItem), _vitem_cmp)
+            p.N = 0
+            p.M = 0
+            if is64:
+                err = _run_varlen(&p, &ops, items, W, nthreads, <double>0)
+            else:
+                err = _run_varlen(&p, &ops, items, W, nthreads, <float>0)
+        if err:
+            raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+    finally:
+        _release_all(&bufs)
+        free(items)
 
 
 def exp_array(x):
