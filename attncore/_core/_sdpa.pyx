@@ -747,30 +747,35 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         free(offs)
 
 
-
 # --------------------------------------------------------------------------
 # packed variable-length batches
 # --------------------------------------------------------------------------
 cdef struct _VItem:
-    double cost     # estimated work: query rows x keys they see
+    double gcost    # estimated work of the item's (sequence, head): query rows x keys seen
+    double cost     # the same of this query block alone
     int seq
     int head
     int qb          # query block of the sequence
 
 
 cdef int _vitem_cmp(const void *a, const void *b) noexcept nogil:
-    """Costliest first; ties in (sequence, query block, head) order, so
-    that the heads sharing a key / value head (GQA) run side by side."""
+    """(sequence, head) pairs costliest first, and within one the query
+    blocks costliest first: the team works through one head's keys and
+    values together (they stay in cache, as in a call per sequence), the
+    longest sequences start first and the cheapest blocks of the shortest
+    ones fill the gaps at the end."""
     cdef const _VItem *x = <const _VItem *>a
     cdef const _VItem *y = <const _VItem *>b
-    if x.cost != y.cost:
-        return -1 if x.cost > y.cost else 1
+    if x.gcost != y.gcost:
+        return -1 if x.gcost > y.gcost else 1
     if x.seq != y.seq:
         return -1 if x.seq < y.seq else 1
-    if x.qb != y.qb:
-        return -1 if x.qb < y.qb else 1
     if x.head != y.head:
         return -1 if x.head < y.head else 1
+    if x.cost != y.cost:
+        return -1 if x.cost > y.cost else 1
+    if x.qb != y.qb:
+        return -1 if x.qb < y.qb else 1
     return 0
 
 
@@ -891,10 +896,10 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
     sizes (the largest sequence's).  alibi_slopes: None or a C-contiguous
     float64 (B * Hq,) array, one slope per (sequence, head).
 
-    Work items are (sequence, head, query block), sorted costliest first
-    and scheduled dynamically in one parallel region: no padding is
-    computed, and long sequences start early so that short ones fill the
-    gaps at the end.
+    Work items are (sequence, head, query block), ordered by the estimated
+    cost of their (sequence, head) and then their own, and scheduled
+    dynamically in one parallel region: no padding is computed, long
+    sequences start early and short ones fill the gaps at the end.
     """
     cdef const double[::1] slopes_v
     cdef _Buffers bufs
@@ -904,7 +909,8 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
     cdef Py_buffer *bo
     cdef ac_params p
     cdef _VOps ops
-    cdef Py_ssize_t B = cu_q.shape[0] - 1, W = 0, w, s, h, qb, nqb, n, i0, nq, lo, hi
+    cdef Py_ssize_t B = cu_q.shape[0] - 1, W = 0, w, w0, w1, s, h, qb, nqb, n, i0, nq, lo, hi
+    cdef double cost, gcost
     cdef int Hq
     cdef _VItem *items = NULL
     cdef int err = 0
@@ -993,6 +999,8 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
                 p.N = <int>(cu_q[s + 1] - cu_q[s])
                 p.M = <int>(cu_k[s + 1] - cu_k[s])
                 nqb = (p.N + Bq - 1) // Bq
+                w0 = w
+                gcost = 0
                 for qb in range(nqb):
                     i0 = qb * Bq
                     nq = Bq if p.N - i0 > Bq else p.N - i0
@@ -1004,12 +1012,16 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
                         lo = ac_band_lo(&p, i0)
                     if hi < lo:
                         hi = lo
+                    cost = <double>nq * (hi - lo + 16)
+                    gcost += cost
                     for h in range(Hq):
-                        items[w].cost = <double>nq * (hi - lo + 16)
+                        items[w].cost = cost
                         items[w].seq = <int>s
                         items[w].head = <int>h
                         items[w].qb = <int>qb
                         w += 1
+                for w1 in range(w0, w):
+                    items[w1].gcost = gcost
             qsort(items, W, sizeof(_VItem), _vitem_cmp)
             p.N = 0
             p.M = 0
