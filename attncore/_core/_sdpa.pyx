@@ -14,6 +14,7 @@ operand is ever expanded or copied here.
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free, qsort
+from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint16_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
@@ -790,10 +791,27 @@ cdef struct _VOps:
     Py_ssize_t o_rs               # output row stride (elements): Hq * Dv
     int Hq, group
     const double *slopes          # ALiBi slope per (sequence, head), or NULL
+    int pack_k, pack_v            # copy K / V rows of one head into the thread's buffer
+    Py_ssize_t k_isz, v_isz       # their element sizes (bytes)
+    Py_ssize_t kv_vo              # bytes from the buffer's K rows to its V rows
+
+
+cdef struct _VCache:
+    char *kv          # this thread's dense copy of one (sequence, key head)'s K / V rows
+    Py_ssize_t seq    # which one it holds (-1: none)
+    Py_ssize_t hk
+
+
+cdef inline void _pack_rows(char *dst, const char *src, Py_ssize_t rows, Py_ssize_t rs,
+                            Py_ssize_t width) noexcept nogil:
+    """rows of width bytes, rs bytes apart at src, made dense at dst."""
+    cdef Py_ssize_t r
+    for r in range(rows):
+        memcpy(dst + r * width, src + r * rs, width)
 
 
 cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VItem *it,
-                              floating *buf) noexcept nogil:
+                              floating *buf, _VCache *kc) noexcept nogil:
     """One (sequence, head, query block) of a packed batch; buf is the
     calling thread's scratch.  The accumulator lives in the scratch and
     the finish writes the rows straight into the strided output."""
@@ -814,6 +832,20 @@ cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VIte
     cdef const floating *q
     cdef const floating *k
     cdef const floating *v
+    if (ops.pack_k or ops.pack_v) and pb.M > 0:
+        # the rows of one head lie Hk * D elements apart in the packed
+        # layout: the thread copies them dense once per (sequence, key
+        # head), and its following blocks of that head read the copy
+        # (fewer pages and cache lines per key tile)
+        if kc.seq != sq or kc.hk != hk:
+            if ops.pack_k:
+                _pack_rows(kc.kv, ops.k + ko * ops.k_isz, pb.M, pb.k_rs * ops.k_isz,
+                           pb.D * ops.k_isz)
+            if ops.pack_v:
+                _pack_rows(kc.kv + ops.kv_vo, ops.v + vo * ops.v_isz, pb.M,
+                           pb.v_rs * ops.v_isz, pb.Dv * ops.v_isz)
+            kc.seq = sq
+            kc.hk = hk
     # half operands: offsets in 16-bit elements (the kernel reads uint16_t)
     if pb.qh:
         q = <const floating *>((<const uint16_t *>ops.q) + qo)
@@ -827,6 +859,12 @@ cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VIte
         v = <const floating *>((<const uint16_t *>ops.v) + vo)
     else:
         v = (<const floating *>ops.v) + vo
+    if ops.pack_k and pb.M > 0:
+        k = <const floating *>kc.kv
+        pb.k_rs = pb.D
+    if ops.pack_v and pb.M > 0:
+        v = <const floating *>(kc.kv + ops.kv_vo)
+        pb.v_rs = pb.Dv
     cdef floating *S = buf
     cdef floating *acc = S + pb.s_len
     cdef floating *m = acc + Bq * Dv
@@ -843,37 +881,52 @@ cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VIte
 
 
 cdef int _run_varlen(const ac_params *p, const _VOps *ops, const _VItem *items, Py_ssize_t W,
-                     int nthreads, floating dummy) noexcept nogil:
+                     Py_ssize_t kv_bytes, int nthreads, floating dummy) noexcept nogil:
     """All items in one parallel region, dynamically scheduled in the
-    order given (costliest first).  0 on success, -1 when memory ran out."""
+    order given.  Each thread's scratch: the kernel's (as sdpa's), then
+    kv_bytes for its copy of one head's K / V rows, then that copy's tag.
+    0 on success, -1 when memory ran out."""
     cdef Py_ssize_t Bq = p.Bq
     cdef Py_ssize_t nbuf = p.s_len + Bq * p.Dv + 4 * Bq + Bq
+    cdef Py_ssize_t fbytes = (nbuf * sizeof(floating) + 63) // 64 * 64
+    cdef Py_ssize_t total = fbytes + (kv_bytes + 63) // 64 * 64 + sizeof(_VCache)
     cdef void *raw = NULL
     cdef floating *buf = NULL
+    cdef _VCache *kc = NULL
     cdef int err = 0
     cdef int *errp = &err
     cdef Py_ssize_t w
     if nthreads <= 1:
-        raw = malloc(nbuf * sizeof(floating) + 64)
+        raw = malloc(total + 64)
         buf = <floating *>_align64(raw)
         if buf == NULL:
             return -1
+        kc = <_VCache *>((<char *>buf) + total - sizeof(_VCache))
+        kc.kv = (<char *>buf) + fbytes
+        kc.seq = -1
+        kc.hk = -1
         ac_blas_hold()
         for w in range(W):
-            _varlen_item(p, ops, items + w, buf)
+            _varlen_item(p, ops, items + w, buf, kc)
         ac_blas_release()
         free(raw)
         return 0
     with parallel(num_threads=nthreads):
         # assigned in the parallel block, so private to each thread
-        raw = malloc(nbuf * sizeof(floating) + 64)
+        raw = malloc(total + 64)
         buf = <floating *>_align64(raw)
+        kc = NULL
         if buf == NULL:
             errp[0] = -1
+        else:
+            kc = <_VCache *>((<char *>buf) + total - sizeof(_VCache))
+            kc.kv = (<char *>buf) + fbytes
+            kc.seq = -1
+            kc.hk = -1
         ac_blas_hold()
         for w in prange(W, schedule='dynamic'):
             if buf != NULL:
-                _varlen_item(p, ops, items + w, buf)
+                _varlen_item(p, ops, items + w, buf, kc)
         ac_blas_release()
         free(raw)
     return err
@@ -911,6 +964,7 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
     cdef _VOps ops
     cdef Py_ssize_t B = cu_q.shape[0] - 1, W = 0, w, w0, w1, s, h, qb, nqb, n, i0, nq, lo, hi
     cdef double cost, gcost
+    cdef Py_ssize_t maxk, kv_bytes
     cdef int Hq
     cdef _VItem *items = NULL
     cdef int err = 0
@@ -983,6 +1037,18 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
         ops.o_rs = Hq * Dv
         ops.Hq = Hq
         ops.group = group
+        # K / V rows of one head closer than their length apart (the packed
+        # (total, Hk, D) layout with Hk > 1) are copied dense per head
+        ops.k_isz = bk.itemsize
+        ops.v_isz = bv.itemsize
+        ops.pack_k = 1 if (p.k_rs != D and bk.shape[0] > 1) else 0
+        ops.pack_v = 1 if (p.v_rs != Dv and bv.shape[0] > 1) else 0
+        maxk = 0
+        for s in range(B):
+            if cu_k[s + 1] - cu_k[s] > maxk:
+                maxk = cu_k[s + 1] - cu_k[s]
+        ops.kv_vo = (maxk * D * ops.k_isz + 63) // 64 * 64 if ops.pack_k else 0
+        kv_bytes = ops.kv_vo + (maxk * Dv * ops.v_isz if ops.pack_v else 0)
         for s in range(B):
             n = cu_q[s + 1] - cu_q[s]
             if n < 0 or cu_k[s + 1] - cu_k[s] < 0:
@@ -1026,9 +1092,9 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
             p.N = 0
             p.M = 0
             if is64:
-                err = _run_varlen(&p, &ops, items, W, nthreads, <double>0)
+                err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <double>0)
             else:
-                err = _run_varlen(&p, &ops, items, W, nthreads, <float>0)
+                err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <float>0)
         if err:
             raise MemoryError("attncore: could not allocate the kernel's scratch memory")
     finally:
