@@ -202,6 +202,10 @@ def test_strided_inputs_and_int64_offsets(path):
     np.testing.assert_allclose(out, reference(q, k, v, cq, ck, causal=True), atol=3e-6)
     for a, b in zip((qs, kv), before):
         np.testing.assert_array_equal(a, b)
+    # head-major keys / values (rows D apart: read in place, not copied)
+    kh, vh = (np.ascontiguousarray(a.transpose(1, 0, 2)).transpose(1, 0, 2) for a in (k, v))
+    out = va(q, kh, vh, cq, ck, is_causal=True, num_threads=2)
+    np.testing.assert_allclose(out, reference(q, k, v, cq, ck, causal=True), atol=3e-6)
 
 
 def test_empty_everything():
