@@ -9,6 +9,9 @@ Public API
 scaled_dot_product_attention
     Batched (masked, causal, grouped-query) attention; with
     ``return_lse=True`` also the log-sum-exp of each query row.
+varlen_attention
+    Attention over a packed batch of variable-length sequences
+    (flash-attention's varlen layout), without padding.
 merge_attention
     Combine attention over disjoint key sets into attention over all keys.
 show_config
@@ -26,6 +29,7 @@ Attention, Alignment, alignments, plot_alignment
 """
 from .functional import merge_attention, scaled_dot_product_attention
 from ._quant import quantize_kv
+from ._varlen import varlen_attention
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
@@ -39,5 +43,5 @@ __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
-__all__ += ["rotary_embedding"]
+__all__ += ["rotary_embedding", "varlen_attention"]
 __all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

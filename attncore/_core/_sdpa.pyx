@@ -13,8 +13,9 @@ operand is ever expanded or copied here.
 """
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
 from cython.parallel cimport prange, parallel
-from libc.stdlib cimport malloc, free
-from libc.stdint cimport uint8_t, uint16_t
+from libc.stdlib cimport malloc, free, qsort
+from libc.string cimport memcpy
+from libc.stdint cimport uint8_t, uint16_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -80,6 +81,8 @@ cdef extern from "ac_sdpa.h" nogil:
                               const uint8_t *mb, const double *mf, Py_ssize_t i0, int nq,
                               double *W, double *out, Py_ssize_t o_rs, double *lse,
                               ac_dgemm_t gemm)
+    Py_ssize_t ac_causal_limit(const ac_params *p, Py_ssize_t i)
+    Py_ssize_t ac_band_lo(const ac_params *p, Py_ssize_t i)
     void ac_cpu_init()
     int ac_avx512_ok
     int ac_best_path
@@ -553,6 +556,54 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
         return cols if cols > 1 else 1
     return buf.strides[buf.ndim - 2] // buf.itemsize
 
+cdef void _size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, bint is64, bint have_ks,
+                        bint have_vs, int q_fmt, int k_fmt, int v_fmt,
+                        int bf16dot=0) noexcept nogil:
+    """Tile sizes and the layout of each thread's score scratch (s_len,
+    dq_off, qb_off, bf_off, mp_off) for these operand formats; bf16dot:
+    the fused kernel's bfloat16 dot products (1 / 2) or none (0)."""
+    cdef Py_ssize_t dq_rows
+    p.D = D
+    p.Dv = Dv
+    p.Bq = Bq
+    p.Bk = Bk
+    p.ldS = (Bk + 15) // 16 * 16
+    p.s_len = Bq * p.ldS
+    if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
+        p.s_len = AC_FUSED_SCRATCH(D, Dv)
+    p.s_len = (p.s_len + 15) // 16 * 16
+    p.kq8 = have_ks
+    p.vq8 = have_vs
+    p.qh = q_fmt
+    p.kh = k_fmt
+    p.vh = v_fmt
+    p.dq_off = 0
+    p.qb_off = 0
+    p.ks_rs = 0
+    p.vs_rs = 0
+    if have_ks or have_vs or k_fmt or v_fmt:
+        # converted key / value tile buffers after the score scratch
+        dq_rows = Bk if Bk > 128 else 128
+        p.dq_off = p.s_len
+        p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
+    if q_fmt:
+        # the converted query block (or fused panel: 32 rows at most)
+        p.qb_off = p.s_len
+        p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
+    p.bf16dot = bf16dot
+    p.bf_off = 0
+    if bf16dot:
+        # the packed bfloat16 chunk: K16, VI and the probability pairs
+        p.bf_off = p.s_len
+        p.s_len += (128 * ((D + 1) // 2) + 65 * Dv + 66 * 32 + 15) // 16 * 16
+    p.mp_off = 0
+    if not is64 and (have_ks or have_vs or k_fmt or v_fmt or bf16dot):
+        # the fused kernel's panels sharing converted key / value tiles:
+        # packed queries and running statistics of each (panels of 16
+        # rows at least)
+        p.mp_off = p.s_len
+        p.s_len += (Bq + 15) // 16 * (D * 32 + 64)
+
 
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
          int N, int M, int D, int Dv, int causal, double scale,
@@ -599,7 +650,6 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     cdef Py_buffer *bks = NULL
     cdef Py_buffer *bvs = NULL
     cdef bint have_m, have_w, have_ks, have_vs
-    cdef Py_ssize_t dq_rows
     cdef ac_params p
     cdef _Ops ops
     cdef Py_ssize_t nb = 1, d, nd = len(bshape)
@@ -670,48 +720,10 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         _fill_offsets(bv, nd, shp, group, offs + 2 * nb)
         p.N = N
         p.M = M
-        p.D = D
-        p.Dv = Dv
-        p.Bq = Bq
-        p.Bk = Bk
-        p.ldS = (Bk + 15) // 16 * 16
-        p.s_len = Bq * p.ldS
-        if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
-            p.s_len = AC_FUSED_SCRATCH(D, Dv)
-        p.s_len = (p.s_len + 15) // 16 * 16
-        p.kq8 = have_ks
-        p.vq8 = have_vs
-        p.qh = q_fmt
-        p.kh = k_fmt
-        p.vh = v_fmt
-        p.dq_off = 0
-        p.qb_off = 0
-        p.ks_rs = 0
-        p.vs_rs = 0
-        if have_ks or have_vs or k_fmt or v_fmt:
-            # converted key / value tile buffers after the score scratch
-            dq_rows = Bk if Bk > 128 else 128
-            p.dq_off = p.s_len
-            p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
-        if q_fmt:
-            # the converted query block (or fused panel: 32 rows at most)
-            p.qb_off = p.s_len
-            p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
         if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
             raise ValueError("invalid bf16dot")
-        p.bf16dot = 0 if is64 else bf16dot
-        p.bf_off = 0
-        if p.bf16dot:
-            # the packed bfloat16 chunk: K16, VI and the probability pairs
-            p.bf_off = p.s_len
-            p.s_len += (128 * ((D + 1) // 2) + 65 * Dv + 66 * 32 + 15) // 16 * 16
-        p.mp_off = 0
-        if not is64 and (have_ks or have_vs or k_fmt or v_fmt or p.bf16dot):
-            # the fused kernel's panels sharing converted key / value tiles:
-            # packed queries and running statistics of each (panels of 16
-            # rows at least)
-            p.mp_off = p.s_len
-            p.s_len += (Bq + 15) // 16 * (D * 32 + 64)
+        _size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt,
+                      0 if is64 else bf16dot)
         if have_ks:
             _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
             p.ks_rs = _row_stride(bks)
@@ -783,6 +795,360 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     finally:
         _release_all(&bufs)
         free(offs)
+
+
+# --------------------------------------------------------------------------
+# packed variable-length batches
+# --------------------------------------------------------------------------
+cdef struct _VItem:
+    double gcost    # estimated work of the item's (sequence, head): query rows x keys seen
+    double cost     # the same of this query block alone
+    int seq
+    int head
+    int qb          # query block of the sequence
+
+
+cdef int _vitem_cmp(const void *a, const void *b) noexcept nogil:
+    """(sequence, head) pairs costliest first, and within one the query
+    blocks costliest first: the team works through one head's keys and
+    values together (they stay in cache, as in a call per sequence), the
+    longest sequences start first and the cheapest blocks of the shortest
+    ones fill the gaps at the end."""
+    cdef const _VItem *x = <const _VItem *>a
+    cdef const _VItem *y = <const _VItem *>b
+    if x.gcost != y.gcost:
+        return -1 if x.gcost > y.gcost else 1
+    if x.seq != y.seq:
+        return -1 if x.seq < y.seq else 1
+    if x.head != y.head:
+        return -1 if x.head < y.head else 1
+    if x.cost != y.cost:
+        return -1 if x.cost > y.cost else 1
+    if x.qb != y.qb:
+        return -1 if x.qb < y.qb else 1
+    return 0
+
+
+cdef struct _VOps:
+    char *q
+    char *k
+    char *v
+    char *out
+    const int64_t *cuq
+    const int64_t *cuk
+    Py_ssize_t q_hs, k_hs, v_hs   # head strides (elements)
+    Py_ssize_t o_rs               # output row stride (elements): Hq * Dv
+    int Hq, group
+    const double *slopes          # ALiBi slope per (sequence, head), or NULL
+    int pack_k, pack_v            # copy K / V rows of one head into the thread's buffer
+    Py_ssize_t k_isz, v_isz       # their element sizes (bytes)
+    Py_ssize_t kv_vo              # bytes from the buffer's K rows to its V rows
+
+
+cdef struct _VCache:
+    char *kv          # this thread's dense copy of one (sequence, key head)'s K / V rows
+    Py_ssize_t seq    # which one it holds (-1: none)
+    Py_ssize_t hk
+
+
+cdef inline void _pack_rows(char *dst, const char *src, Py_ssize_t rows, Py_ssize_t rs,
+                            Py_ssize_t width) noexcept nogil:
+    """rows of width bytes, rs bytes apart at src, made dense at dst."""
+    cdef Py_ssize_t r
+    for r in range(rows):
+        memcpy(dst + r * width, src + r * rs, width)
+
+
+cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VItem *it,
+                              floating *buf, _VCache *kc) noexcept nogil:
+    """One (sequence, head, query block) of a packed batch; buf is the
+    calling thread's scratch.  The accumulator lives in the scratch and
+    the finish writes the rows straight into the strided output."""
+    cdef ac_params pb = p0[0]
+    cdef Py_ssize_t sq = it.seq, h = it.head
+    cdef Py_ssize_t q0 = ops.cuq[sq], k0 = ops.cuk[sq]
+    pb.N = <int>(ops.cuq[sq + 1] - q0)
+    pb.M = <int>(ops.cuk[sq + 1] - k0)
+    if ops.slopes != NULL:
+        pb.alibi = ops.slopes[sq * ops.Hq + h]
+    cdef Py_ssize_t hk = h // ops.group
+    cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv
+    cdef Py_ssize_t i0 = it.qb * Bq
+    cdef int nq = pb.Bq if pb.N - i0 > pb.Bq else <int>(pb.N - i0)
+    cdef Py_ssize_t qo = q0 * pb.q_rs + h * ops.q_hs
+    cdef Py_ssize_t ko = k0 * pb.k_rs + hk * ops.k_hs
+    cdef Py_ssize_t vo = k0 * pb.v_rs + hk * ops.v_hs
+    cdef const floating *q
+    cdef const floating *k
+    cdef const floating *v
+    if (ops.pack_k or ops.pack_v) and pb.M > 0:
+        # the rows of one head lie Hk * D elements apart in the packed
+        # layout: the thread copies them dense once per (sequence, key
+        # head), and its following blocks of that head read the copy
+        # (fewer pages and cache lines per key tile)
+        if kc.seq != sq or kc.hk != hk:
+            if ops.pack_k:
+                _pack_rows(kc.kv, ops.k + ko * ops.k_isz, pb.M, pb.k_rs * ops.k_isz,
+                           pb.D * ops.k_isz)
+            if ops.pack_v:
+                _pack_rows(kc.kv + ops.kv_vo, ops.v + vo * ops.v_isz, pb.M,
+                           pb.v_rs * ops.v_isz, pb.Dv * ops.v_isz)
+            kc.seq = sq
+            kc.hk = hk
+    # half operands: offsets in 16-bit elements (the kernel reads uint16_t)
+    if pb.qh:
+        q = <const floating *>((<const uint16_t *>ops.q) + qo)
+    else:
+        q = (<const floating *>ops.q) + qo
+    if pb.kh:
+        k = <const floating *>((<const uint16_t *>ops.k) + ko)
+    else:
+        k = (<const floating *>ops.k) + ko
+    if pb.vh:
+        v = <const floating *>((<const uint16_t *>ops.v) + vo)
+    else:
+        v = (<const floating *>ops.v) + vo
+    if ops.pack_k and pb.M > 0:
+        k = <const floating *>kc.kv
+        pb.k_rs = pb.D
+    if ops.pack_v and pb.M > 0:
+        v = <const floating *>(kc.kv + ops.kv_vo)
+        pb.v_rs = pb.Dv
+    cdef floating *S = buf
+    cdef floating *acc = S + pb.s_len
+    cdef floating *m = acc + Bq * Dv
+    cdef floating *l = m + Bq
+    cdef floating *alpha = l + Bq
+    cdef int *bad = <int *>(alpha + Bq)
+    cdef int processed = 0
+    if pb.M > 0:
+        processed = _range(&pb, q, k, v, NULL, NULL, NULL, NULL, i0, nq, 0, pb.M, S, acc, m,
+                           l, alpha, bad)
+    # no key at all: the finish writes zeros
+    _finish(nq, pb.Dv, processed, acc, l, bad,
+            (<floating *>ops.out) + (q0 + i0) * ops.o_rs + h * Dv, ops.o_rs, m, -INFINITY)
+
+
+cdef int _run_varlen(const ac_params *p, const _VOps *ops, const _VItem *items, Py_ssize_t W,
+                     Py_ssize_t kv_bytes, int nthreads, floating dummy) noexcept nogil:
+    """All items in one parallel region, dynamically scheduled in the
+    order given.  Each thread's scratch: the kernel's (as sdpa's), then
+    kv_bytes for its copy of one head's K / V rows, then that copy's tag.
+    0 on success, -1 when memory ran out."""
+    cdef Py_ssize_t Bq = p.Bq
+    cdef Py_ssize_t nbuf = p.s_len + Bq * p.Dv + 4 * Bq + Bq
+    cdef Py_ssize_t fbytes = (nbuf * sizeof(floating) + 63) // 64 * 64
+    cdef Py_ssize_t total = fbytes + (kv_bytes + 63) // 64 * 64 + sizeof(_VCache)
+    cdef void *raw = NULL
+    cdef floating *buf = NULL
+    cdef _VCache *kc = NULL
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef Py_ssize_t w
+    if nthreads <= 1:
+        raw = malloc(total + 64)
+        buf = <floating *>_align64(raw)
+        if buf == NULL:
+            return -1
+        kc = <_VCache *>((<char *>buf) + total - sizeof(_VCache))
+        kc.kv = (<char *>buf) + fbytes
+        kc.seq = -1
+        kc.hk = -1
+        ac_blas_hold()
+        for w in range(W):
+            _varlen_item(p, ops, items + w, buf, kc)
+        ac_blas_release()
+        free(raw)
+        return 0
+    with parallel(num_threads=nthreads):
+        # assigned in the parallel block, so private to each thread
+        raw = malloc(total + 64)
+        buf = <floating *>_align64(raw)
+        kc = NULL
+        if buf == NULL:
+            errp[0] = -1
+        else:
+            kc = <_VCache *>((<char *>buf) + total - sizeof(_VCache))
+            kc.kv = (<char *>buf) + fbytes
+            kc.seq = -1
+            kc.hk = -1
+        ac_blas_hold()
+        for w in prange(W, schedule='dynamic'):
+            if buf != NULL:
+                _varlen_item(p, ops, items + w, buf, kc)
+        ac_blas_release()
+        free(raw)
+    return err
+
+
+def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
+                int group, int D, int Dv, int causal, double scale, int Bq, int Bk,
+                int nthreads, int win_l=-1, int win_r=-1, double softcap=0.0,
+                int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None):
+    """Run the kernel on a packed variable-length batch (see attncore._varlen).
+
+    q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv): arrays of
+    the compute dtype (out's) or 16-bit (q_fmt / k_fmt / v_fmt: 1 bfloat16,
+    2 float16), last axis contiguous, strides non-negative multiples of the
+    item size, row stride (axis 0) at least the row length.  out: a
+    C-contiguous (total_q, Hq, Dv) float32 / float64 array.  cu_q, cu_k:
+    (B + 1,) offsets of the sequences (checked by the caller).  Key / value
+    head of query head h: h // group.  causal: kernel code (0 none, 2
+    lower-right, 3 no causal bound with a lower-right window).  Bq, Bk: tile
+    sizes (the largest sequence's).  alibi_slopes: None or a C-contiguous
+    float64 (B * Hq,) array, one slope per (sequence, head).
+
+    Work items are (sequence, head, query block), ordered by the estimated
+    cost of their (sequence, head) and then their own, and scheduled
+    dynamically in one parallel region: no padding is computed, long
+    sequences start early and short ones fill the gaps at the end.
+    """
+    cdef const double[::1] slopes_v
+    cdef _Buffers bufs
+    cdef Py_buffer *bq
+    cdef Py_buffer *bk
+    cdef Py_buffer *bv
+    cdef Py_buffer *bo
+    cdef ac_params p
+    cdef _VOps ops
+    cdef Py_ssize_t B = cu_q.shape[0] - 1, W = 0, w, w0, w1, s, h, qb, nqb, n, i0, nq, lo, hi
+    cdef double cost, gcost
+    cdef Py_ssize_t maxk, kv_bytes
+    cdef int Hq
+    cdef _VItem *items = NULL
+    cdef int err = 0
+    cdef bint is64
+    if B < 0 or cu_k.shape[0] != B + 1:
+        raise ValueError("cu_q and cu_k must hold B + 1 offsets each")
+    bufs.n = 0
+    try:
+        bq = _acquire(&bufs, q, PyBUF_RECORDS_RO)
+        bk = _acquire(&bufs, k, PyBUF_RECORDS_RO)
+        bv = _acquire(&bufs, v, PyBUF_RECORDS_RO)
+        bo = _acquire(&bufs, out, PyBUF_RECORDS)
+        if bq.ndim != 3 or bk.ndim != 3 or bv.ndim != 3 or bo.ndim != 3:
+            raise ValueError("q, k, v and out must be 3-D")
+        if bo.itemsize == 8:
+            is64 = True
+        elif bo.itemsize == 4:
+            is64 = False
+        else:
+            raise TypeError("kernel dtype must be float32 or float64")
+        if q_fmt not in (0, 1, 2) or k_fmt not in (0, 1, 2) or v_fmt not in (0, 1, 2):
+            raise ValueError("invalid operand formats")
+        if (bq.itemsize != (2 if q_fmt else bo.itemsize)
+                or bk.itemsize != (2 if k_fmt else bo.itemsize)
+                or bv.itemsize != (2 if v_fmt else bo.itemsize)):
+            raise TypeError("query, key, value and out must share one dtype")
+        Hq = <int>bq.shape[1]
+        if (bo.shape[1] != Hq or bo.shape[2] != Dv or bq.shape[2] != D or bk.shape[2] != D
+                or bv.shape[2] != Dv or group < 1 or bk.shape[1] * group != Hq
+                or bv.shape[1] != bk.shape[1] or bo.shape[0] != bq.shape[0]
+                or cu_q[B] != bq.shape[0] or cu_k[B] != bk.shape[0]
+                or bv.shape[0] != bk.shape[0]):
+            raise ValueError("operand shapes do not match")
+        if B == 0 or Hq == 0 or bq.shape[0] == 0 or Dv == 0:
+            return
+        p.N = 0
+        p.M = 0
+        _size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt)
+        p.q_rs = bq.strides[0] // bq.itemsize
+        p.k_rs = bk.strides[0] // bk.itemsize
+        p.v_rs = bv.strides[0] // bv.itemsize
+        p.mask_rs = 0
+        p.mask_cs = 0
+        p.mask_kind = 0
+        p.causal = causal
+        p.win_l = win_l
+        p.win_r = win_r
+        p.band = 1 if (causal == 1 or causal == 2 or win_l >= 0 or win_r >= 0) else 0
+        p.scale = scale
+        p.softcap = softcap
+        p.alibi_on = 0
+        p.alibi = 0.0
+        p.sink = -INFINITY
+        ops.slopes = NULL
+        if alibi_slopes is not None:
+            slopes_v = alibi_slopes
+            if slopes_v.shape[0] != B * Hq:
+                raise ValueError("alibi_slopes must hold one value per (sequence, head)")
+            p.alibi_on = 1
+            ops.slopes = &slopes_v[0]
+        ops.q = <char *>bq.buf
+        ops.k = <char *>bk.buf
+        ops.v = <char *>bv.buf
+        ops.out = <char *>bo.buf
+        ops.cuq = &cu_q[0]
+        ops.cuk = &cu_k[0]
+        ops.q_hs = bq.strides[1] // bq.itemsize
+        ops.k_hs = bk.strides[1] // bk.itemsize
+        ops.v_hs = bv.strides[1] // bv.itemsize
+        ops.o_rs = Hq * Dv
+        ops.Hq = Hq
+        ops.group = group
+        # K / V rows of one head closer than their length apart (the packed
+        # (total, Hk, D) layout with Hk > 1) are copied dense per head
+        ops.k_isz = bk.itemsize
+        ops.v_isz = bv.itemsize
+        ops.pack_k = 1 if (p.k_rs != D and bk.shape[0] > 1) else 0
+        ops.pack_v = 1 if (p.v_rs != Dv and bv.shape[0] > 1) else 0
+        maxk = 0
+        for s in range(B):
+            if cu_k[s + 1] - cu_k[s] > maxk:
+                maxk = cu_k[s + 1] - cu_k[s]
+        ops.kv_vo = (maxk * D * ops.k_isz + 63) // 64 * 64 if ops.pack_k else 0
+        kv_bytes = ops.kv_vo + (maxk * Dv * ops.v_isz if ops.pack_v else 0)
+        for s in range(B):
+            n = cu_q[s + 1] - cu_q[s]
+            if n < 0 or cu_k[s + 1] - cu_k[s] < 0:
+                raise ValueError("cu_q and cu_k must be non-decreasing")
+            W += (n + Bq - 1) // Bq * Hq
+        if W == 0:
+            return
+        items = <_VItem *>malloc(W * sizeof(_VItem))
+        if items == NULL:
+            raise MemoryError()
+        with nogil:
+            w = 0
+            for s in range(B):
+                p.N = <int>(cu_q[s + 1] - cu_q[s])
+                p.M = <int>(cu_k[s + 1] - cu_k[s])
+                nqb = (p.N + Bq - 1) // Bq
+                w0 = w
+                gcost = 0
+                for qb in range(nqb):
+                    i0 = qb * Bq
+                    nq = Bq if p.N - i0 > Bq else p.N - i0
+                    # the keys this block's rows see (the band's hull)
+                    lo = 0
+                    hi = p.M
+                    if p.band:
+                        hi = ac_causal_limit(&p, i0 + nq - 1)
+                        lo = ac_band_lo(&p, i0)
+                    if hi < lo:
+                        hi = lo
+                    cost = <double>nq * (hi - lo + 16)
+                    gcost += cost
+                    for h in range(Hq):
+                        items[w].cost = cost
+                        items[w].seq = <int>s
+                        items[w].head = <int>h
+                        items[w].qb = <int>qb
+                        w += 1
+                for w1 in range(w0, w):
+                    items[w1].gcost = gcost
+            qsort(items, W, sizeof(_VItem), _vitem_cmp)
+            p.N = 0
+            p.M = 0
+            if is64:
+                err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <double>0)
+            else:
+                err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <float>0)
+        if err:
+            raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+    finally:
+        _release_all(&bufs)
+        free(items)
 
 
 def exp_array(x):

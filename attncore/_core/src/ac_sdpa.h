@@ -35,7 +35,10 @@
 #include "ac_bf16dot.h"
 
 enum { AC_MASK_NONE = 0, AC_MASK_BOOL = 1, AC_MASK_ADD = 2 };
-enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2 };
+/* AC_ALIGN_LOWER_RIGHT: no causal bound, but the window aligned lower-right
+   (off = M - N), flash-attention's convention for its window (varlen) */
+enum { AC_CAUSAL_NONE = 0, AC_CAUSAL_UPPER_LEFT = 1, AC_CAUSAL_LOWER_RIGHT = 2,
+       AC_ALIGN_LOWER_RIGHT = 3 };
 
 typedef struct {
     int N, M, D, Dv;          /* query rows, key rows, qk dim, value dim     */
@@ -105,13 +108,15 @@ typedef struct {
 /* the alignment offset of the causal diagonal and of the window */
 static inline ptrdiff_t ac_band_off(const ac_params *p)
 {
-    return (p->causal == AC_CAUSAL_LOWER_RIGHT) ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
+    return (p->causal == AC_CAUSAL_LOWER_RIGHT || p->causal == AC_ALIGN_LOWER_RIGHT)
+        ? (ptrdiff_t)p->M - (ptrdiff_t)p->N : 0;
 }
 
 /* the right edge of the band, relative to the diagonal: -1 for none */
 static inline ptrdiff_t ac_band_right(const ac_params *p)
 {
-    ptrdiff_t e = p->causal ? 0 : -1;
+    ptrdiff_t e = (p->causal == AC_CAUSAL_UPPER_LEFT || p->causal == AC_CAUSAL_LOWER_RIGHT)
+        ? 0 : -1;
     if (p->win_r >= 0 && (e < 0 || p->win_r < e)) e = p->win_r;
     return e;
 }

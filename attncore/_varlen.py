@@ -1,0 +1,285 @@
+"""Packed variable-length batches: :func:`varlen_attention` (private module).
+
+flash-attention's ``flash_attn_varlen_func`` layout: the sequences of a
+batch are concatenated along the first axis, and ``cu_seqlens`` gives where
+each one starts.  The kernel runs one work item per (sequence, head, query
+block) in a single parallel region, costliest first, so no padding is
+computed and threads balance across sequences of very different lengths
+(``attncore._core._sdpa.sdpa_varlen``).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Tuple
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from ._core import _sdpa
+from ._dtypes import HALF_BF16, half_code, resolve, to_float
+from ._interop import foreign_arrays
+from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
+                       blas_parallel_threads, blas_small_products_ok, resolve_num_threads)
+from ._validation import (aligned, as_float_array, parse_bool, parse_scale, parse_softcap,
+                          parse_window, to_array)
+
+__all__ = ["varlen_attention"]
+
+_INT32_MAX = 2**31 - 1
+# query blocks of at most this many rows take the direct loops (see functional)
+_SMALL_ROWS = 4
+
+
+def _check_cu(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
+    """``cu`` as a C-contiguous int64 array of B + 1 offsets: integer dtype,
+    1-D, at least one entry, starting at 0, non-decreasing, ending at
+    ``total``."""
+    a = to_array(cu, name)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int32 (or int64) array of sequence offsets, got "
+                        f"dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (B + 1,), got shape {a.shape}")
+    if a.shape[0] < 1:
+        raise ValueError(f"{name} must hold B + 1 >= 1 offsets, got shape {a.shape}")
+    a = a.astype(np.int64)  # a copy: never the caller's memory
+    if a[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]}")
+    d = np.diff(a)
+    if (d < 0).any():
+        i = int(np.argmax(d < 0))
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {a[i]} > "
+                         f"{name}[{i + 1}] = {a[i + 1]}")
+    if a[-1] != total:
+        raise ValueError(f"{name} must end at the total length ({total_name}.shape[0] = "
+                         f"{total}), got {name}[-1] = {a[-1]}")
+    if d.size and d.max() > _INT32_MAX:
+        raise ValueError(f"{name}: sequence lengths must be below 2**31, got {d.max()}")
+    return a
+
+
+def _check_max(x: Any, name: str, actual: int) -> None:
+    """``max_seqlen_*``: None or an int >= the longest sequence (a hint;
+    the kernel uses the true lengths)."""
+    if x is None:
+        return
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be None or an int, got {type(x).__name__} {x!r}")
+    if int(x) < actual:
+        raise ValueError(f"{name} ({int(x)}) is smaller than the longest sequence ({actual})")
+
+
+def _kernel_layout(a: np.ndarray) -> np.ndarray:
+    """``a`` (total, H, D) itself when the kernel reads it in place (last
+    axis contiguous, strides non-negative multiples of the item size, rows
+    at least D apart), else a C-contiguous copy."""
+    a = aligned(a)
+    isz = a.itemsize
+    st = a.strides
+    total, _, D = a.shape
+    ok = all(s % isz == 0 and s >= 0 for s in st)
+    if ok and D > 1 and st[2] != isz:
+        ok = False
+    if ok and total > 1 and (st[0] < D * isz or st[0] // isz > _INT32_MAX):
+        ok = False
+    return a if ok else np.ascontiguousarray(a)
+
+
+def _slopes(alibi: Any, B: int, Hq: int) -> np.ndarray:
+    """ALiBi slopes (Hq,) or (B, Hq) as a flat float64 (B * Hq,) array."""
+    a = as_float_array(alibi, "alibi_slopes", allow_bf16=True)
+    if a.shape not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = "
+                         f"({B}, {Hq}), got {a.shape}")
+    f = np.ascontiguousarray(np.broadcast_to(a, (B, Hq)), dtype=np.float64).reshape(-1)
+    bad = ~np.isfinite(f)
+    if bad.any():
+        raise ValueError(f"alibi_slopes must be finite, got {f[bad][0]}")
+    return f
+
+
+def _threads_and_tiles(cdt, lq: np.ndarray, lk: np.ndarray, maxq: int, maxk: int, D: int,
+                       Dv: int, causal: int, Hq: int, nthreads: int):
+    """(Bq, Bk, threads) of one packed call: the tiles functional.plan
+    chooses for the longest sequence, the thread count capped by the real
+    work (no padding counted)."""
+    from .functional import plan
+    flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lk)) * (D + Dv)
+    if flops < SERIAL_FLOPS:
+        nthreads = 1
+    pl = plan(cdt, maxq, max(maxk, 1), D, Dv, causal, len(lq) * Hq, nthreads)
+    uses_blas = not pl.fused and maxq > _SMALL_ROWS
+    if uses_blas and nthreads > 1 and not blas_hold_supported():
+        if blas_small_products_ok():
+            pl = plan(cdt, maxq, max(maxk, 1), D, Dv, causal, len(lq) * Hq, nthreads,
+                      blas_mnk=OPENBLAS_SERIAL_MNK)
+        else:
+            nthreads = blas_parallel_threads(nthreads)
+    items = int(Hq * (-(-lq // pl.Bq)).sum())
+    return pl.Bq, pl.Bk, max(1, min(nthreads, items))
+
+
+@foreign_arrays(("q", "k", "v"), ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"),
+                half_native=True)
+def varlen_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    *,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    enable_gqa: bool = False,
+    num_threads: Optional[int] = None,
+) -> np.ndarray:
+    """Attention over a packed batch of sequences of different lengths.
+
+    The layout of flash-attention's ``flash_attn_varlen_func``: sequence
+    ``b`` has queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` and keys /
+    values ``k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``; each attends only
+    its own keys.  Nothing is padded: each (sequence, head, query block)
+    is one work item, and the items run costliest first on a dynamic
+    schedule, so threads stay busy however unequal the lengths are.
+
+    Parameters
+    ----------
+    q : array_like, shape (total_q, Hq, D)
+    k : array_like, shape (total_k, Hk, D)
+    v : array_like, shape (total_k, Hk, Dv)
+        bfloat16, float16, float32 or float64 (as
+        :func:`attncore.scaled_dot_product_attention`: 16-bit operands are
+        read in place and the output comes back in their dtype).  Any
+        strides; never modified.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (B + 1,)
+        Offsets of the sequences: start at 0, non-decreasing, end at
+        ``total_q`` / ``total_k``.  int32 as in flash-attention; any
+        integer dtype (int64 too) is accepted.  Empty sequences (equal
+        neighbouring offsets) are allowed.
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence, as flash-attention takes them.  Only checked
+        (a value below the true maximum raises ValueError); attncore reads
+        the lengths from the offsets.
+    is_causal : bool
+        Causal mask aligned lower-right per sequence (flash-attention's
+        convention): query ``i`` of a sequence with ``Nq`` queries and
+        ``Nk`` keys sees keys ``j <= i + Nk - Nq``.  With ``Nq > Nk`` the
+        first ``Nq - Nk`` rows see no key and come out 0.
+    scale : float, optional
+        Score scale, ``1 / sqrt(D)`` by default.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` (-1: no bound on that side):
+        query ``i`` sees keys ``i + Nk - Nq - left .. i + Nk - Nq + right``,
+        aligned lower-right per sequence with or without ``is_causal`` (as
+        flash-attention's ``window_size``).
+    softcap : float, optional
+        Caps the scaled scores, ``s -> softcap * tanh(s / softcap)``.
+    alibi_slopes : array_like, shape (Hq,) or (B, Hq), optional
+        ALiBi: the score of query ``i`` and key ``j`` gets
+        ``-slope * |i + Nk - Nq - j|`` (flash-attention's convention).
+    enable_gqa : bool
+        Allow ``Hk`` to divide ``Hq`` (grouped-query attention: query head
+        ``h`` reads key / value head ``h // (Hq // Hk)``).
+    num_threads : int, optional
+        As for :func:`attncore.scaled_dot_product_attention`.
+
+    Returns
+    -------
+    ndarray, shape (total_q, Hq, Dv)
+        In q's dtype by the rules of
+        :func:`attncore.scaled_dot_product_attention` (torch / JAX in, the
+        same type out).  Rows with no key to attend are 0.
+
+    Raises
+    ------
+    TypeError
+        Non-float operands, non-integer ``cu_seqlens_*``, bad argument types.
+    ValueError
+        Ranks or shapes that do not match, head counts that do not divide,
+        offsets that do not start at 0, decrease or do not end at the
+        total length.
+
+    Examples
+    --------
+    >>> import numpy as np, attncore
+    >>> rng = np.random.default_rng(0)
+    >>> lens = [3, 5]                                   # two sequences
+    >>> cu = np.array([0, 3, 8], dtype=np.int32)
+    >>> q = rng.standard_normal((8, 2, 16), dtype=np.float32)
+    >>> out = attncore.varlen_attention(q, q, q, cu, cu, is_causal=True)
+    >>> out.shape
+    (8, 2, 16)
+    """
+    is_causal = parse_bool(is_causal, "is_causal")
+    enable_gqa = parse_bool(enable_gqa, "enable_gqa")
+    win = parse_window(window)
+    cap = parse_softcap(softcap)
+    qa = as_float_array(q, "q", allow_bf16=True)
+    ka = as_float_array(k, "k", allow_bf16=True)
+    va = as_float_array(v, "v", allow_bf16=True)
+    for nm, a, shp in (("q", qa, "(total_q, Hq, D)"), ("k", ka, "(total_k, Hk, D)"),
+                       ("v", va, "(total_k, Hk, Dv)")):
+        if a.ndim != 3:
+            raise ValueError(f"{nm} must be 3-D {shp}, got shape {a.shape}")
+    total_q, Hq, D = qa.shape
+    total_k, Hk, Dk = ka.shape
+    Dv = va.shape[2]
+    if Dk != D:
+        raise ValueError(f"k last dimension must equal q's (D = {D}), got k shape {ka.shape} "
+                         f"and q shape {qa.shape}")
+    if va.shape[:2] != (total_k, Hk):
+        raise ValueError(f"v must match k in its first two axes (total_k, Hk) = "
+                         f"({total_k}, {Hk}), got v shape {va.shape}")
+    if D == 0:
+        raise ValueError(f"q last dimension (D) must be >= 1, got q shape {qa.shape}")
+    if Hk != Hq:
+        if not enable_gqa:
+            raise ValueError(f"k / v have {Hk} heads and q has {Hq}: pass enable_gqa=True for "
+                             f"grouped-query attention (Hk dividing Hq)")
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(f"with enable_gqa=True the k / v heads ({Hk}) must divide the q "
+                             f"heads ({Hq})")
+    group = Hq // Hk if Hk else 1
+    cq = _check_cu(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+    ck = _check_cu(cu_seqlens_k, "cu_seqlens_k", total_k, "k")
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both hold B + 1 offsets, got "
+                         f"{cq.shape[0]} and {ck.shape[0]}")
+    B = cq.shape[0] - 1
+    lq, lk = np.diff(cq), np.diff(ck)
+    maxq = int(lq.max()) if B else 0
+    maxk = int(lk.max()) if B else 0
+    _check_max(max_seqlen_q, "max_seqlen_q", maxq)
+    _check_max(max_seqlen_k, "max_seqlen_k", maxk)
+    sc = parse_scale(scale, D)
+    nthreads = resolve_num_threads(num_threads)
+    slopes = None if alibi_slopes is None else _slopes(alibi_slopes, B, Hq)
+    pol = resolve((qa.dtype, ka.dtype, va.dtype), ("q", "k", "v"))
+    cdt, rdt = pol.compute, pol.result
+    if max(D, Dv) > _INT32_MAX:
+        raise ValueError("head dimensions must be below 2**31")
+
+    out = np.zeros((total_q, Hq, Dv), dtype=cdt)
+    if total_q and Hq and Dv and total_k:
+        if cdt == np.float64:
+            # the float64 kernel takes 16-bit operands converted (a copy)
+            qa, ka, va = (a if not half_code(a.dtype) else to_float(a, cdt)
+                          for a in (qa, ka, va))
+        qf, kf, vf = half_code(qa.dtype), half_code(ka.dtype), half_code(va.dtype)
+        qa, ka, va = (_kernel_layout(a if (f or a.dtype == cdt) else a.astype(cdt))
+                      for a, f in ((qa, qf), (ka, kf), (va, vf)))
+        # causal: lower-right per sequence (2); a window alone: lower-right
+        # alignment without the causal bound (3)
+        causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
+        Bq, Bk, nthreads = _threads_and_tiles(cdt, lq, lk, maxq, maxk, D, Dv, causal, Hq,
+                                              nthreads)
+        qa, ka, va = (a.view(np.uint16) if f == HALF_BF16 else a
+                      for a, f in ((qa, qf), (ka, kf), (va, vf)))
+        _sdpa.sdpa_varlen(qa, ka, va, out, cq, ck, group, D, Dv, causal, sc, Bq, Bk,
+                          nthreads, win[0], win[1], cap, qf, kf, vf, slopes)
+    return out if rdt == cdt else out.astype(rdt)
