@@ -109,3 +109,15 @@ def test_one_home_for_the_kernel_path():
     finally:
         _kernels.set_kernel_path(None)
     assert _kernels.kernel_path() == best
+
+
+def test_constants_read_from_c():
+    # the planner's constants are the C kernels' (not a second copy)
+    from attncore import functional
+
+    assert functional._SMALL_ROWS == _sdpa.SMALL_ROWS == _sdpa.cpu_features()["small_rows"]
+    for path in PATHS[1:]:
+        with _kernels.forced_kernel_path(path):
+            assert _sdpa.cpu_features()["fused_panel_rows"] == _sdpa.PANEL_ROWS[path]
+            pl = functional.plan(np.float32, 1000, 1000, 64, 64, 0, 1, 1)
+            assert pl.fused and pl.Bq == 2 * _sdpa.PANEL_ROWS[path]

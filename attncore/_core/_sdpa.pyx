@@ -92,6 +92,7 @@ cdef extern from "ac_sdpa.h" nogil:
     void *ac_state_home()
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
+    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2
 
 
 ac_cpu_init()
@@ -101,6 +102,9 @@ _kernel_state = PyCapsule_New(ac_state_home(), "attncore._core._sdpa._kernel_sta
 
 
 _PATHS = ("portable", "avx2", "avx512")
+# constants of the C kernels that attncore.functional plans with
+SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loops
+PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
 
 
 def cpu_features():
@@ -108,7 +112,8 @@ def cpu_features():
     return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
-            "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0}
+            "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
+            "small_rows": AC_SMALL_ROWS}
 
 
 def kernel_path():
