@@ -22,7 +22,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join("attncore", "_core", "src")
-SDPA_HEADERS = ("ac_common.h", "ac_math.h", "ac_half.h", "ac_sdpa.h", "ac_sdpa_impl.h", "ac_small_x86.h",
+SDPA_HEADERS = ("ac_common.h", "ac_math.h", "ac_half.h", "ac_sdpa.h", "ac_sdpa_impl.h",
+                "ac_sdpa_variant.h", "ac_small_x86.h",
                 "ac_fused_x86.h", "ac_fused_impl.h", "ac_fused_undef.h")
 
 
@@ -145,7 +146,7 @@ def extensions():
             [os.path.join("attncore", "_core", "_additive.pyx")],
             include_dirs=[SRC],
             depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_math.h", "ac_additive.h",
-                                                    "ac_additive_impl.h")],
+                                                    "ac_additive_impl.h", "ac_additive_variant.h")],
         ),
         Extension(
             "attncore._core._rotary",

@@ -6,20 +6,21 @@ chosen at import for the best instruction set the CPU runs.
 ``'portable'``: BLAS products plus portable loops (also every float64 call).
 
 :func:`set_kernel_path` forces a path so that a machine with AVX-512 also
-tests the others.  It is process-wide state meant for test set-up and
-benchmarks, not for use while other threads run attncore.
+tests the others; the forced path also picks the compiled variant (baseline,
+AVX2 + FMA, AVX-512) of the vectorized loops that every path shares
+(float64 attention, the weights path, the additive kernel, rotary
+embeddings).  The state has one home, in the ``_sdpa`` extension, which
+every other extension reads.  It is process-wide state meant for test
+set-up and benchmarks, not for use while other threads run attncore.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
 
-from ._core import _linalg, _sdpa
+from ._core import _sdpa
 
 __all__ = ["kernel_path", "set_kernel_path", "available_kernel_paths", "forced_kernel_path"]
-
-_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
-
 
 def kernel_path() -> str:
     """The float32 path in use: 'avx512', 'avx2' or 'portable'."""
@@ -35,9 +36,7 @@ def set_kernel_path(path: str | None) -> str:
     """Force a path ('avx512', 'avx2', 'portable'; None = the best this CPU
     runs); returns the previous one.  ValueError for an unknown name or a
     path the CPU cannot run."""
-    prev = _sdpa.set_kernel_path(path)
-    _linalg.set_kernel_path(-1 if path is None else _CODES[path])
-    return prev
+    return _sdpa.set_kernel_path(path)
 
 
 @contextmanager

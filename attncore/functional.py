@@ -43,8 +43,9 @@ from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
 _INT32_MAX = 2**31 - 1
-# query blocks of at most this many rows take the direct loops (decoding)
-_SMALL_ROWS = 4
+# query blocks of at most this many rows take the direct loops (decoding);
+# the C kernels' constant
+_SMALL_ROWS = _sdpa.SMALL_ROWS
 
 
 
@@ -124,7 +125,7 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
              and N > _SMALL_ROWS)
     if fused:
-        panel = 32 if kernel_path == "avx512" else 16
+        panel = _sdpa.PANEL_ROWS[kernel_path]
         Bq = (4 if converted_kv else 2) * panel
         while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
             Bq //= 2

@@ -16,6 +16,7 @@ splits the work into (batch element, query block) items over an OpenMP
 No (T, S, A) temporary exists: scratch is one (Bq, S) weights block and S
 ints per thread.
 """
+from cpython.pycapsule cimport PyCapsule_Import
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free
 from libc.stdint cimport uint8_t
@@ -43,6 +44,11 @@ cdef extern from "ac_additive.h" nogil:
                                int factored, ac_dgemm_t gemm)
     float ac_tanhf(float x)
     double ac_tanh(double x)
+    void ac_state_attach(void *home)
+
+
+# the kernel-path state lives in _sdpa (ac_common.h)
+ac_state_attach(PyCapsule_Import("attncore._core._sdpa._kernel_state", 0))
 
 
 cdef struct _Ops:

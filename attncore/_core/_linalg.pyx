@@ -8,6 +8,7 @@ use it for their projections so that one call never has two thread pools
 (OpenBLAS' and OpenMP's) competing for the cores.
 """
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cpython.pycapsule cimport PyCapsule_Import
 from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
 
@@ -18,7 +19,7 @@ from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
 
 cdef extern from "ac_sdpa.h" nogil:
-    void ac_cpu_init()
+    void ac_state_attach(void *home)
     int ac_kernel_path
     int ac_set_kernel_path(int path)
     int ac_fused_panel_rows()
@@ -30,12 +31,14 @@ cdef extern from "ac_sdpa.h" nogil:
     void ac_half_rows_f32(int fmt, const uint16_t *x, Py_ssize_t rs, int n, int D, float *out,
                           Py_ssize_t ldo)
 
-ac_cpu_init()
+# the kernel-path state lives in _sdpa (ac_common.h)
+ac_state_attach(PyCapsule_Import("attncore._core._sdpa._kernel_state", 0))
 
 
 def set_kernel_path(int path):
     """Select the float32 path (0 portable / BLAS, 1 AVX2, 2 AVX-512, -1
-    the best); False if this CPU lacks it.  Private: attncore._kernels."""
+    the best); False if this CPU lacks it.  The same state as
+    _sdpa.set_kernel_path (one home, ac_common.h).  Private."""
     return ac_set_kernel_path(path) == 0
 
 

@@ -8,6 +8,7 @@ OpenMP team; each computes its cos / sin table once, in per-thread scratch,
 and applies it to every row of x sharing those positions.
 """
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cpython.pycapsule cimport PyCapsule_Import
 from cython.parallel cimport prange, parallel
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport malloc, free
@@ -35,6 +36,11 @@ cdef extern from "ac_rotary.h" nogil:
     void ac_rope_half_to_float_array(const uint16_t *h, float *f, int64_t n)
     void ac_rope_float_to_half_array(const float *f, uint16_t *h, int64_t n)
     void ac_rope_sincos_array(const double *a, double *s, double *c, int64_t n)
+    void ac_state_attach(void *home)
+
+
+# the kernel-path state lives in _sdpa (ac_common.h)
+ac_state_attach(PyCapsule_Import("attncore._core._sdpa._kernel_state", 0))
 
 
 cdef inline void _item(const ac_rope_params *p, int itemsize, int64_t it,

@@ -12,6 +12,7 @@ offsets (one per flattened batch element).  Offsets carry broadcasting
 operand is ever expanded or copied here.
 """
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cpython.pycapsule cimport PyCapsule_New
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free, qsort
 from libc.string cimport memcpy
@@ -93,12 +94,22 @@ cdef extern from "ac_sdpa.h" nogil:
     Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
+    void *ac_state_home()
+    unsigned ac_variants_ran(int reset)
+    int AC_K_COUNT, AC_VAR_BITS
+    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2
 
 
 ac_cpu_init()
+# the kernel-path state's one home: the other extensions point at it when
+# imported (ac_common.h), so set_kernel_path forces every kernel's path
+_kernel_state = PyCapsule_New(ac_state_home(), "attncore._core._sdpa._kernel_state", NULL)
 
 
 _PATHS = ("portable", "avx2", "avx512")
+# constants of the C kernels that attncore.functional plans with
+SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loops
+PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
 
 
 def cpu_features():
@@ -106,7 +117,8 @@ def cpu_features():
     return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
-            "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0}
+            "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
+            "small_rows": AC_SMALL_ROWS}
 
 
 # bfloat16 dot products: 1 vdpbf16ps where the CPU has AVX512_BF16, else 0;
@@ -150,8 +162,9 @@ def set_kernel_path(path):
     """Select the float32 kernel path (private; for tests and benchmarks).
 
     path: 'avx512', 'avx2', 'portable' or None (the best this CPU runs).
-    Process-wide: meant for test set-up, not for use while other threads
-    call attncore.  Raises ValueError for an unknown name or a path this
+    Process-wide (every extension reads this module's state, so the path of
+    every kernel, the dense layers' included, follows): meant for test
+    set-up, not for use while other threads call attncore.  Raises ValueError for an unknown name or a path this
     CPU cannot run.  Returns the previous path.
     """
     prev = _PATHS[ac_kernel_path]
@@ -164,6 +177,18 @@ def set_kernel_path(path):
         raise ValueError(f"this CPU cannot run the {path!r} kernel path "
                          f"(best available: {_PATHS[ac_best_path]!r})")
     return prev
+
+
+_KERNELS = ("sdpa", "weights", "exp", "additive", "rotary")
+
+
+def _variants_ran(bint reset=True):
+    """The compiled variants (ac_common.h) that ran since the last reset,
+    per kernel: {"sdpa": ("portable",), ...} (private; for the tests).
+    reset: clear the record afterwards."""
+    cdef unsigned bits = ac_variants_ran(reset)
+    return {name: tuple(p for v, p in enumerate(_PATHS) if bits >> (AC_VAR_BITS * i + v) & 1)
+            for i, name in enumerate(_KERNELS[:AC_K_COUNT])}
 
 
 def available_kernel_paths():

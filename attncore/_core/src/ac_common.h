@@ -1,12 +1,27 @@
 /*
  * ac_common.h -- declarations shared by the attncore C kernels.
  *
- * gemm pointer types matching scipy.linalg.cython_blas (the Cython drivers
- * pass sgemm / dgemm in, so nothing links a BLAS), and AC_CLONES, which
- * compiles a kernel for AVX-512 (x86-64-v4), AVX2+FMA (x86-64-v3) and the
- * baseline, picked once at load time by the dynamic linker (GCC >= 11 on
- * x86-64 Linux; elsewhere one baseline build).  Cloned kernels are noinline
- * so the vectorizer sees each loop in its clone's target.
+ * - gemm pointer types matching scipy.linalg.cython_blas (the Cython
+ *   drivers pass sgemm / dgemm in, so nothing links a BLAS);
+ * - the kernel-path state, with one home for the whole package;
+ * - the compiled variants of the loops that rely on the vectorizer.
+ *
+ * Kernel paths.  AC_PATH_AVX512 / AC_PATH_AVX2 / AC_PATH_PORTABLE: picked at
+ * import for the best instruction set the CPU runs, and forced by the tests
+ * (attncore._core._sdpa.set_kernel_path) so that one machine runs them all.
+ * The state lives in the _sdpa extension; every other extension includes
+ * this header too but points ac_state at _sdpa's copy when it is imported
+ * (ac_state_attach, through the capsule attncore._core._sdpa._kernel_state),
+ * so one call forces the path of every kernel.
+ *
+ * Compiled variants.  A kernel whose speed comes from auto-vectorized loops
+ * is compiled three times from one body: for the baseline (AC_TGT_PORTABLE,
+ * nothing beyond the build's flags), for AVX2 + FMA (AC_TGT_AVX2) and for
+ * AVX-512 (AC_TGT_AVX512), and a dispatcher calls the variant of the path
+ * in use (ac_variant), so the forced portable path runs the baseline code
+ * that CPUs without AVX2 run.  The variants are noinline so the vectorizer
+ * sees each loop in its variant's target.  Each dispatch records the
+ * variant in ac_state->ran (read by the tests through _sdpa._variants_ran).
  */
 #ifndef AC_COMMON_H
 #define AC_COMMON_H
@@ -18,11 +33,76 @@ typedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *,
                            double *, int *, double *, int *, double *,
                            double *, int *);
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    (__GNUC__ >= 11) && defined(__linux__) && !defined(AC_NO_CLONES)
-#define AC_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* kernel paths: the portable loops + BLAS, AVX2 + FMA, AVX-512 */
+enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2 };
+
+/* kernels whose variants ac_state->ran records (bits AC_VAR_BITS * kernel
+   + variant) */
+enum { AC_K_SDPA = 0, AC_K_WEIGHTS = 1, AC_K_EXP = 2, AC_K_ADDITIVE = 3, AC_K_ROTARY = 4,
+       AC_K_COUNT = 5 };
+#define AC_VAR_BITS 4
+
+typedef struct {
+    int best_path;   /* the best path this CPU runs                      */
+    int kernel_path; /* the one in use                                   */
+    int avx512_ok;   /* small-row AVX-512 loops on                       */
+    unsigned ran;    /* compiled variants dispatched since the last reset */
+} ac_state_t;
+
+#if defined(__GNUC__)
+#define AC_UNUSED __attribute__((unused))
 #else
-#define AC_CLONES
+#define AC_UNUSED
 #endif
+
+/* this extension's copy, and the one in use (the _sdpa extension's once
+   ac_state_attach has run) */
+static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u};
+static AC_UNUSED ac_state_t *ac_state = &ac_state_own;
+#define ac_best_path (ac_state->best_path)
+#define ac_kernel_path (ac_state->kernel_path)
+#define ac_avx512_ok (ac_state->avx512_ok)
+
+static AC_UNUSED void *ac_state_home(void) { return (void *)&ac_state_own; }
+static AC_UNUSED void ac_state_attach(void *home)
+{
+    if (home) ac_state = (ac_state_t *)home;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS) && \
+    !defined(AC_NO_CLONES)
+#define AC_HAVE_VARIANTS 1
+#define AC_TGT_PORTABLE __attribute__((noinline))
+#define AC_TGT_AVX2 __attribute__((noinline, target("avx2,fma,f16c")))
+#define AC_TGT_AVX512 \
+    __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#else
+#define AC_HAVE_VARIANTS 0
+#define AC_TGT_PORTABLE
+#endif
+
+/* the variant to run for kernel `kernel` (0 baseline, 1 AVX2, 2 AVX-512),
+   recorded in ac_state->ran */
+static inline int ac_variant(int kernel)
+{
+    const int v = AC_HAVE_VARIANTS ? ac_kernel_path : AC_PATH_PORTABLE;
+    const unsigned bit = 1u << (AC_VAR_BITS * kernel + v);
+#if defined(__GNUC__)
+    /* read first: the cache line is written once, not by every call */
+    if (!(__atomic_load_n(&ac_state->ran, __ATOMIC_RELAXED) & bit))
+        __atomic_fetch_or(&ac_state->ran, bit, __ATOMIC_RELAXED);
+#else
+    ac_state->ran |= bit;
+#endif
+    return v;
+}
+
+/* the variants ac_variant has recorded; reset: clear the record */
+static AC_UNUSED unsigned ac_variants_ran(int reset)
+{
+    const unsigned r = ac_state->ran;
+    if (reset) ac_state->ran = 0u;
+    return r;
+}
 
 #endif /* AC_COMMON_H */

@@ -70,7 +70,7 @@ static int ac_row_attends_f32(const ac_params *p, const uint8_t *mb, const float
 #define AC_TGT __attribute__((target("avx512f,avx2,fma")))
 #define VEC __m512
 #define AC_W 16
-#define AC_P 32
+#define AC_P AC_PANEL_ROWS_AVX512 /* 2 AC_W */
 #ifndef AC_KU512
 #define AC_KU512 8
 #endif
@@ -237,7 +237,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define AC_TGT __attribute__((target("avx2,fma")))
 #define VEC __m256
 #define AC_W 8
-#define AC_P 16
+#define AC_P AC_PANEL_ROWS_AVX2 /* 2 AC_W */
 #ifndef AC_KU256
 #define AC_KU256 6
 #endif
@@ -401,7 +401,7 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 /* query rows per panel of the path in use (the driver sizes blocks by it) */
 static int ac_fused_panel_rows(void)
 {
-    return ac_kernel_path == AC_PATH_AVX512 ? 32 : 16;
+    return ac_kernel_path == AC_PATH_AVX512 ? AC_PANEL_ROWS_AVX512 : AC_PANEL_ROWS_AVX2;
 }
 
 static int ac_fused_panel_call(const ac_params *p, const float *q, const float *k,
@@ -571,7 +571,7 @@ static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
 
 #else
 #define AC_HAVE_FUSED 0
-static int ac_fused_panel_rows(void) { return 16; }
+static int ac_fused_panel_rows(void) { return AC_PANEL_ROWS_AVX2; }
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
                               const float *ksc, const float *vsc,

@@ -17,24 +17,23 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "ac_common.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
 #define AC_HAVE_X86_SMALL 1
 #include <immintrin.h>
 
-/* kernel paths: the portable loops + BLAS, AVX2 + FMA, AVX-512 */
-enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2 };
-static int ac_best_path = AC_PATH_PORTABLE; /* the best this CPU runs     */
-static int ac_kernel_path = AC_PATH_PORTABLE; /* the one in use           */
-static int ac_avx512_ok = 0;                  /* small-row AVX-512 loops  */
-
+/* the kernel-path state (ac_best_path, ac_kernel_path, ac_avx512_ok) is
+   in ac_common.h: one home for every extension */
 static void ac_cpu_init(void)
 {
     __builtin_cpu_init();
     /* F16C (float16 operands) comes with every AVX2 + FMA core; it is
        required all the same */
     const int f16c = __builtin_cpu_supports("f16c");
+    /* the AVX-512 variants (AC_TGT_AVX512) may use F, BW, VL and DQ */
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
         ac_best_path = AC_PATH_AVX512;
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
@@ -273,10 +272,6 @@ static AC_AVX512 void ac_pv_small_q8_avx512(
 
 #else
 #define AC_HAVE_X86_SMALL 0
-enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2 };
-static const int ac_best_path = AC_PATH_PORTABLE;
-static const int ac_kernel_path = AC_PATH_PORTABLE;
-static const int ac_avx512_ok = 0;
 static void ac_cpu_init(void) {}
 static int ac_cpu_bf16_dot(void) { return 0; }
 static int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
