@@ -77,3 +77,58 @@ class SDPASpeedup:
         with blas_limit(n_threads(threads)):
             return speedup(lambda: numpy_attention(*args, **ref),
                            lambda: attncore.scaled_dot_product_attention(*args, **kwargs))
+
+
+# 16-bit inputs (read in place): name -> (B, H, N, M, D, causal)
+HALF_CASES = {
+    "decode 1x8x1x32768x64": (1, 8, 1, 32768, 64, False),
+    "prefill 1x8x1024x1024x64": (1, 8, 1024, 1024, 64, False),
+    "causal 1x8x2048x2048x128": (1, 8, 2048, 2048, 128, True),
+}
+
+
+def _half_inputs(case, dtype):
+    B, H, N, M, D, causal = HALF_CASES[case]
+    if dtype == "bfloat16":
+        import ml_dtypes  # an optional extra: the benchmark is skipped without it
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(np.float16)
+    return tuple(random(s, "float32", seed=i + 1).astype(dt)
+                 for i, s in enumerate(((B, H, N, D), (B, H, M, D), (B, H, M, D)))), causal
+
+
+class SDPAHalf:
+    """time_ / peakmem_ of bfloat16 / float16 calls (bfloat16 dot products
+    where the CPU has AVX512_BF16), and their speedup over the float32 call
+    of the same values in the same run."""
+
+    params = (list(HALF_CASES), ["bfloat16", "float16"], THREADS)
+    param_names = ["case", "dtype", "threads"]
+    timeout = TIMEOUT
+
+    def setup(self, case, dtype, threads):
+        try:
+            self.args, self.causal = memo(("half", case, dtype), lambda: _half_inputs(case, dtype))
+        except ImportError:
+            raise NotImplementedError("ml_dtypes is not installed") from None
+        self.nt = api_threads(threads)
+
+    def time_sdpa(self, case, dtype, threads):
+        attncore.scaled_dot_product_attention(*self.args, is_causal=self.causal,
+                                              num_threads=self.nt)
+
+    def peakmem_sdpa(self, case, dtype, threads):
+        attncore.scaled_dot_product_attention(*self.args, is_causal=self.causal,
+                                              num_threads=self.nt)
+
+    def track_speedup_vs_float32(self, case, dtype, threads):
+        f32 = tuple(a.astype(np.float32) for a in self.args)
+        return speedup(
+            lambda: attncore.scaled_dot_product_attention(*f32, is_causal=self.causal,
+                                                          num_threads=self.nt),
+            lambda: attncore.scaled_dot_product_attention(*self.args, is_causal=self.causal,
+                                                          num_threads=self.nt))
+
+    track_speedup_vs_float32.unit = "ratio"
