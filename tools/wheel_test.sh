@@ -143,6 +143,8 @@ for v in "${VERSIONS[@]}"; do
     "${PY[$v]}" -m venv "$venv"
     vpy="$venv/bin/python"
     "$vpy" -m pip install --quiet --upgrade pip 2> "$venv.log" || { cat "$venv.log"; exit 1; }
+    # no build tools: the venvs of Python < 3.12 come with setuptools
+    "$vpy" -m pip uninstall --quiet --yes setuptools wheel > /dev/null 2>&1 || true
     if [ "$v" = "$EXTRAS" ]; then
         req=("$whl[test]")
     else
