@@ -8,6 +8,25 @@ ATTNCORE_NO_OPENMP=1
 ATTNCORE_FAIL_NO_OPENMP=1
     Fail the build instead of falling back to a serial build when the
     compiler cannot compile and link an OpenMP program.
+
+Platforms
+---------
+GCC / Clang (Linux, macOS): OpenMP when the probe below compiles and links
+an OpenMP program with the build's flags.  Apple Clang has no OpenMP of its
+own: install libomp and point CPPFLAGS / LDFLAGS at it (the release wheels
+do so, see ``[tool.cibuildwheel.macos]`` in pyproject.toml), otherwise the
+build is serial.
+
+MSVC (Windows): a serial build, compiled as C11 (``/std:c11``: MSVC accepts
+the ``_Pragma`` operator the kernel headers use only in its C11 / C17
+modes).  MSVC's ``/openmp`` implements OpenMP 2.0, which rejects the
+kernels' ``#pragma omp simd`` loops (error C3001), and its
+``/openmp:experimental``, which accepts them, turns on ``/fp:fast`` inside
+them, which the masked softmax's -inf / NaN logic cannot tolerate.  So the
+Cython ``prange`` loops run on one thread there.  The fused x86 kernels are
+GCC / Clang code (function target attributes, ``__builtin_cpu_supports``),
+compiled only for ``__GNUC__`` on x86-64: an MSVC build runs the portable
+path (BLAS products + portable loops).
 """
 import os
 import shlex
@@ -102,10 +121,25 @@ def _no_openmp_message(fail):
 
 
 class BuildExt(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        # pip / `python -m build` pass no -j: compile the three extensions
+        # side by side (about half the wall time of a wheel build on two
+        # cores); an explicit -j N still wins
+        if not self.parallel:
+            self.parallel = min(len(self.extensions or ()) or 1, os.cpu_count() or 1)
+
     def build_extensions(self):
         use_omp = False
+        msvc = self.compiler.compiler_type == "msvc"
         if _flag("ATTNCORE_NO_OPENMP"):
             warnings.warn("ATTNCORE_NO_OPENMP is set: building attncore without OpenMP", stacklevel=2)
+        elif msvc:
+            msg = ("attncore: MSVC's OpenMP (2.0) rejects the kernels' `omp simd` loops: "
+                   "building serial kernels (one thread); see setup.py's docstring")
+            if _flag("ATTNCORE_FAIL_NO_OPENMP"):
+                raise RuntimeError(msg + " (and ATTNCORE_FAIL_NO_OPENMP is set: stopping the build)")
+            warnings.warn(msg, stacklevel=2)
         else:
             use_omp = _check_openmp(self.compiler)
             if not use_omp:
@@ -115,8 +149,8 @@ class BuildExt(build_ext):
                     raise RuntimeError(msg)
                 warnings.warn(msg, stacklevel=2)
         cflags, lflags = _openmp_flags(self.compiler) if use_omp else ([], [])
-        if self.compiler.compiler_type == "msvc":
-            base = ["/O2"]
+        if msvc:
+            base = ["/O2", "/std:c11"]
         else:
             # -ffast-math is deliberately absent: it breaks the -inf / NaN
             # logic of the masked softmax.  -fopenmp-simd keeps the

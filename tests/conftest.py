@@ -20,3 +20,13 @@ def path(request):
         pytest.skip(f"this CPU cannot run the {request.param} path")
     with _kernels.forced_kernel_path(request.param):
         yield request.param
+
+
+def pytest_report_header(config):
+    """Which attncore the run tests (the source tree or an installed wheel)."""
+    import attncore
+    from attncore._core import _sdpa
+
+    return (f"attncore {getattr(attncore, '__version__', '?')} from {os.path.dirname(attncore.__file__)} "
+            f"(float32 kernel paths {', '.join(_kernels.available_kernel_paths())}; "
+            f"OpenMP {'on' if _sdpa.openmp_enabled() else 'off'})")
