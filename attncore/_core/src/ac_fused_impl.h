@@ -33,11 +33,14 @@
 #define AC_FCAT(a, b, c) AC_FCAT3(a, b, c)
 #define AC_F(name) AC_FCAT(name, f32, AC_ISA)
 
-/* score micro-tile: KU keys x P query lanes, ST rows j (ld P) */
+/* score micro-tile: KU keys x P query lanes, ST rows j (ld P); b0 (or
+ * NULL): a value per key added to the finished scores (a per-key bias:
+ * one rounding, as adding it afterwards) */
 #define AC_DEF_QK(KU, NAME)                                                        \
 static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *QT, int D,        \
                                           const float *kr, ptrdiff_t k_rs,   \
-                                          float *ST, VEC *mx0, VEC *mx1)     \
+                                          float *ST, VEC *mx0, VEC *mx1,     \
+                                          const float *b0)                   \
 {                                                                            \
     VEC a0[KU], a1[KU];                                                      \
     _Pragma("GCC unroll 16")                                                 \
@@ -53,6 +56,14 @@ static AC_TGT AC_NOINLINE void AC_F(NAME)(const float *QT, int D,        \
             const VEC b = VSET1(kp[u][d]);                                   \
             a0[u] = VFMA(q0, b, a0[u]);                                      \
             a1[u] = VFMA(q1, b, a1[u]);                                      \
+        }                                                                    \
+    }                                                                        \
+    if (b0) {                                                                \
+        _Pragma("GCC unroll 16")                                             \
+        for (int u = 0; u < KU; u++) {                                       \
+            const VEC bu = VSET1(b0[u]);                                     \
+            a0[u] = VADD(a0[u], bu);                                         \
+            a1[u] = VADD(a1[u], bu);                                         \
         }                                                                    \
     }                                                                        \
     VEC m0 = *mx0, m1 = *mx1;                                                \
@@ -240,6 +251,17 @@ static AC_TGT int AC_F(ac_fused_panel)(
     }
     const ptrdiff_t off = ac_band_off(p);
     const ptrdiff_t right = ac_band_right(p);
+    /* ALiBi where every key a row sees lies at or before the row's ALiBi
+       diagonal (causal and windows ending there, no soft cap): with c the
+       panel's middle row, -slope |i + M - N - j| = slope (j - c - (M - N))
+       - slope (i - c), a per-key term the micro-kernel adds to its scores
+       (no pass over the tile) and a per-row constant that the softmax
+       ignores -- it is put back into the row's max (so the lse) at the end */
+    int alibi_lin = p->alibi_on && !capped && right >= 0 &&
+                    off + right <= (ptrdiff_t)p->M - p->N;
+#if AC_BF16_PANEL
+    if (bt) alibi_lin = 0;
+#endif
     int processed = 0;
     for (ptrdiff_t jb = kstart; jb < kend; jb += AC_BK) {
         int nk = (int)((kend - jb < AC_BK) ? (kend - jb) : AC_BK);
@@ -255,7 +277,8 @@ static AC_TGT int AC_F(ac_fused_panel)(
            before the last row's left edge? */
         const int diag = p->band && (j0 + nk > ac_causal_limit(p, i0) ||
                                      j0 < ac_band_lo(p, i0 + nr - 1));
-        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag && !capped && !p->alibi_on;
+        const int plain = (p->mask_kind == AC_MASK_NONE) && !diag && !capped &&
+                          (!p->alibi_on || alibi_lin);
 
         /* the key / value rows of this tile, in place or dequantized */
         const float *kr = KB, *vr = VB;
@@ -295,16 +318,25 @@ static AC_TGT int AC_F(ac_fused_panel)(
         } else
 #endif
         {
+            /* ALiBi as a per-key term of the scores (see alibi_lin) */
+            float bias[AC_BK];
+            const float *bl = NULL;
+            if (alibi_lin) {
+                const float s2 = (float)(p->alibi * 1.4426950408889634);
+                const ptrdiff_t base = j0 - (i0 + AC_P / 2) - ((ptrdiff_t)p->M - p->N);
+                for (int c = 0; c < nk; c++) bias[c] = s2 * (float)(base + c);
+                bl = bias;
+            }
             int j = 0;
             for (; j + AC_KU <= nk; j += AC_KU)
                 AC_F(ac_qkmain)(QT, D, kr + j * kr_rs, kr_rs,
-                                ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+                                ST + (ptrdiff_t)j * AC_P, &t0, &t1, bl ? bl + j : NULL);
             for (; j + 2 <= nk; j += 2)
                 AC_F(ac_qk2)(QT, D, kr + j * kr_rs, kr_rs,
-                             ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+                             ST + (ptrdiff_t)j * AC_P, &t0, &t1, bl ? bl + j : NULL);
             for (; j < nk; j++)
                 AC_F(ac_qk1)(QT, D, kr + j * kr_rs, kr_rs,
-                             ST + (ptrdiff_t)j * AC_P, &t0, &t1);
+                             ST + (ptrdiff_t)j * AC_P, &t0, &t1, bl ? bl + j : NULL);
         }
         int holes = 0; /* entries of the tile hidden by mask / causal */
         if (!plain) {
@@ -322,7 +354,7 @@ static AC_TGT int AC_F(ac_fused_panel)(
                 }
                 touched = 1;
             }
-            if (p->alibi_on) {
+            if (p->alibi_on && !alibi_lin) {
                 /* ALiBi, after the soft cap, before the mask: score -=
                    slope |i + M - N - j| (base-2 units) */
                 const VEC sl = VSET1((float)(-p->alibi * 1.4426950408889634));
@@ -528,6 +560,8 @@ static AC_TGT int AC_F(ac_fused_panel)(
            it again in natural units. */
         for (int r = 0; r < nr; r++) {
             m[r] = mm[r] * ln2;
+            if (alibi_lin && mm[r] > -INFINITY && mm[r] < INFINITY)
+                m[r] -= (float)(p->alibi * (r - AC_P / 2));  /* the row's ALiBi term */
             l[r] = ll[r];
             bad[r] = (!(ll[r] <= FLT_MAX) || mm[r] == INFINITY ||
                       (processed && mm[r] == -INFINITY &&
@@ -556,10 +590,10 @@ static AC_TGT void AC_F(ac_linear_panel)(const float *x, ptrdiff_t x_rs, int nr,
     for (; c < c1; c += AC_KU) {
         const int nc = (c1 - c < AC_KU) ? c1 - c : AC_KU;
         if (nc == AC_KU) {
-            AC_F(ac_qkmain)(XT, K, w + c * w_rs, w_rs, T, &t0, &t1);
+            AC_F(ac_qkmain)(XT, K, w + c * w_rs, w_rs, T, &t0, &t1, NULL);
         } else {
             for (int u = 0; u < nc; u++)
-                AC_F(ac_qk1)(XT, K, w + (c + u) * w_rs, w_rs, T + u * AC_P, &t0, &t1);
+                AC_F(ac_qk1)(XT, K, w + (c + u) * w_rs, w_rs, T + u * AC_P, &t0, &t1, NULL);
         }
         /* row by row: each row's nc values are adjacent (column by column,
            rows 4 KiB apart all fall in one L1 set) */
