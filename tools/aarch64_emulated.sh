@@ -10,9 +10,13 @@
 #   sudo tools/aarch64_emulated.sh tests/test_sdpa.py -k causal
 #
 # Needs root (debootstrap, chroot, mounts, binfmt_misc) on a Debian-like
-# host with apt.  Not part of CI: under emulation the first run takes about
-# an hour (root filesystem, wheels, build, suite; see
-# docs/guide/installation.rst), far from the CI budget.
+# host with apt.  Not part of CI: far too slow.  Measured on the 2-core
+# development machine (x86-64, shared, load average 3-9), first run: the
+# root filesystem 8 min, the aarch64 wheels (pip under emulation) 14 min, the
+# build 16 min, the suite about 2 h (qemu runs OpenBLAS' NEON kernels and
+# every test instruction by instruction).  A second run reuses the root
+# filesystem and the wheels.  A subset is quicker, e.g.
+#   tools/aarch64_emulated.sh tests/test_sdpa.py tests/test_kernel_paths.py
 #
 # Environment:
 #   ATTNCORE_ARM64_ROOT   the root filesystem (default /var/tmp/attncore-arm64);
