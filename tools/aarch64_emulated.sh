@@ -6,15 +6,17 @@
 # fenced off at compile time and that the portable path (BLAS products +
 # portable loops) computes correctly on ARM.
 #
-#   sudo tools/aarch64_emulated.sh                    # the whole suite
+#   sudo tools/aarch64_emulated.sh                    # the suite, less one test
 #   sudo tools/aarch64_emulated.sh tests/test_sdpa.py -k causal
 #
 # Needs root (debootstrap, chroot, mounts, binfmt_misc) on a Debian-like
 # host with apt.  Not part of CI: far too slow.  Measured on the 2-core
 # development machine (x86-64, shared, load average 3-9), first run: the
 # root filesystem 8 min, the aarch64 wheels (pip under emulation) 14 min, the
-# build 16 min, the suite about 2 h (qemu runs OpenBLAS' NEON kernels and
-# every test instruction by instruction).  A second run reuses the root
+# build 16 min; the suite: 1468 of ~2030 items (868 passed, 572 skipped,
+# none failed) in 75 min, then test_float32_large_accuracy ran for over 40
+# minutes (qemu runs OpenBLAS' NEON kernels instruction by instruction), so
+# the default leaves that one test out.  A second run reuses the root
 # filesystem and the wheels.  A subset is quicker, e.g.
 #   tools/aarch64_emulated.sh tests/test_sdpa.py tests/test_kernel_paths.py
 #
@@ -37,7 +39,10 @@ if [ "$(id -u)" != 0 ]; then
     exit 2
 fi
 if [ "$#" -eq 0 ]; then
-    set -- tests
+    # the whole suite but test_float32_large_accuracy, whose float64 NumPy
+    # reference at N = M = 4096 alone ran for over 40 minutes under emulation
+    # (11 s natively); name it (or `tests`) to run it
+    set -- tests --deselect tests/test_sdpa.py::test_float32_large_accuracy
 fi
 
 # --------------------------------------------------------------- host tools
