@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import numpy as np
@@ -44,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
-from timing import cpu_model, interleaved_medians  # noqa: E402
+from timing import cpu_model, interleaved_medians, lscpu_model  # noqa: E402
 
 try:
     import torch
@@ -157,17 +156,6 @@ def run_case(case, threads, repeats):
             "ms": {key: 1e3 * t for key, t in med.items()}, "other": other,
             "other_over_attncore": med[other] / med["attncore"], "bar": BARS[kind],
             "max_abs_diff": err}
-
-
-def lscpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return ""
-    for line in out.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return ""
 
 
 def header():

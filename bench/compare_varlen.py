@@ -28,19 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
-from timing import cpu_model, interleaved_medians  # noqa: E402
+from timing import cpu_model, interleaved_medians, lscpu_model  # noqa: E402
 
 BARS = {"padded": 1.5, "loop": 1.1}
 
@@ -87,32 +84,6 @@ def setup(nseq=16, lo=64, hi=2048, H=8, D=64, seed=0):
     return {"varlen": varlen, "padded": padded, "loop": loop}, lens, err
 
 
-def cpu_medians(fns, threads, repeats, number=1):
-    """Median process CPU seconds per call, interleaved like the wall times."""
-    with threadpool_limits(limits=threads):
-        for fn in fns.values():
-            fn()
-        samples = {key: [] for key in fns}
-        for _ in range(repeats):
-            for key, fn in fns.items():
-                t0 = time.process_time()
-                for _ in range(number):
-                    fn()
-                samples[key].append((time.process_time() - t0) / number)
-    return {key: statistics.median(s) for key, s in samples.items()}
-
-
-def lscpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return ""
-    for line in out.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -129,7 +100,8 @@ def main(argv=None):
     rows = []
     for threads in args.threads:
         wall = interleaved_medians(fns, threads, args.repeats, sample_seconds=0.2)
-        cpu = cpu_medians(fns, threads, args.repeats)
+        cpu = interleaved_medians(fns, threads, args.repeats, sample_seconds=0.2,
+                                  clock=time.process_time)
         row = {"threads": threads, "wall_ms": {k: 1e3 * t for k, t in wall.items()},
                "cpu_ms": {k: 1e3 * t for k, t in cpu.items()}}
         for other, bar in BARS.items():

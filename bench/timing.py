@@ -17,16 +17,21 @@ import time
 from threadpoolctl import threadpool_limits
 
 
-def seconds_per_call(fn, number=1):
+def seconds_per_call(fn, number=1, clock=time.perf_counter):
     """Mean seconds per call over ``number`` back-to-back calls."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(number):
         fn()
-    return (time.perf_counter() - t0) / number
+    return (clock() - t0) / number
 
 
-def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.12, torch=None):
-    """Median seconds per call for each callable in ``fns`` (a dict)."""
+def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.12, torch=None,
+                        clock=time.perf_counter):
+    """Median seconds per call for each callable in ``fns`` (a dict).
+
+    ``clock=time.process_time`` measures the process's CPU seconds (all
+    threads, spin-waiting included) instead of wall time: steadier on a
+    shared machine."""
     if torch is not None:
         torch.set_num_threads(threads)
     with threadpool_limits(limits=threads):
@@ -40,7 +45,7 @@ def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.
                 if threads > 1 and settle:
                     time.sleep(settle)
                     seconds_per_call(fn, numbers[key])  # untimed: wake threads, warm caches
-                samples[key].append(seconds_per_call(fn, numbers[key]))
+                samples[key].append(seconds_per_call(fn, numbers[key], clock))
     return {key: statistics.median(s) for key, s in samples.items()}
 
 
@@ -62,3 +67,17 @@ def cpu_model():
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']} model {fields['model']})"
     return name
+
+
+def lscpu_model():
+    """lscpu's "Model name" (Linux), or an empty string."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return ""
+    for line in out.splitlines():
+        if line.startswith("Model name"):
+            return line.split(":", 1)[1].strip()
+    return ""

@@ -309,22 +309,28 @@ cdef inline void _lse_rows(int nq, int processed, const floating *m, const float
             lse[r] = m[r] + log(l[r])
 
 
+cdef inline const ac_params *_batch_params(const ac_params *p0, _Ops *ops, Py_ssize_t b,
+                                           ac_params *pb) noexcept nogil:
+    """The params of batch element b: p0 itself, or (with ALiBi slopes or
+    sinks) a private copy pb holding that element's slope / sink."""
+    if ops.slopes == NULL and ops.sinks == NULL:
+        return p0
+    pb[0] = p0[0]
+    if ops.slopes != NULL:
+        pb.alibi = ops.slopes[b]
+    if ops.sinks != NULL:
+        pb.sink = ops.sinks[b]
+    return pb
+
+
 cdef inline void _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
                              Py_ssize_t w, Py_ssize_t nqb, int nsplit,
                              Py_ssize_t chunk, floating *part, int *pbad) noexcept nogil:
     """One work item of the flash path; buf is the calling thread's scratch."""
     cdef Py_ssize_t per_b = nqb * nsplit
     cdef Py_ssize_t b = w // per_b
-    # this batch element's ALiBi slope / sink in a private copy of the params
     cdef ac_params pb
-    cdef const ac_params *p = p0
-    if ops.slopes != NULL or ops.sinks != NULL:
-        pb = p0[0]
-        if ops.slopes != NULL:
-            pb.alibi = ops.slopes[b]
-        if ops.sinks != NULL:
-            pb.sink = ops.sinks[b]
-        p = &pb
+    cdef const ac_params *p = _batch_params(p0, ops, b, &pb)
     cdef Py_ssize_t rem = w - b * per_b
     cdef Py_ssize_t qb = rem // nsplit
     cdef Py_ssize_t s = rem - qb * nsplit
@@ -487,14 +493,7 @@ cdef inline void _weights_item(const ac_params *p0, _Ops *ops, Py_ssize_t w, Py_
     """One query block of the weights-returning path."""
     cdef Py_ssize_t b = w // nqb
     cdef ac_params pb
-    cdef const ac_params *p = p0
-    if ops.slopes != NULL or ops.sinks != NULL:
-        pb = p0[0]
-        if ops.slopes != NULL:
-            pb.alibi = ops.slopes[b]
-        if ops.sinks != NULL:
-            pb.sink = ops.sinks[b]
-        p = &pb
+    cdef const ac_params *p = _batch_params(p0, ops, b, &pb)
     cdef Py_ssize_t qb = w - b * nqb
     cdef Py_ssize_t i0 = qb * p.Bq
     cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
