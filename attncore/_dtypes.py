@@ -30,7 +30,9 @@ Products (``precision=``)
     AVX512_BF16, float32 products otherwise.  ``"float32"``: float32
     products.  ``"bfloat16"``: bfloat16 products where the CPU has
     AVX512_BF16, float32 products elsewhere (the accuracy is then that of
-    float32).  float64 inputs take no reduced precision.
+    float32).  ``"int8"``: Q.K^T of int8 rows (smoothed keys, per-token
+    scales; attncore._int8), P.V as without it.  float64 inputs take no
+    reduced precision.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ __all__ = ["PRECISIONS", "Policy", "resolve", "is_bf16", "half_code", "bfloat16_
            "dtype_name", "parse_precision", "to_float"]
 
 #: the values ``precision=`` takes
-PRECISIONS = (None, "float32", "bfloat16")
+PRECISIONS = (None, "float32", "bfloat16", "int8")
 
 # the kernel's operand formats (ac_half.h: AC_H_NONE / AC_H_BF16 / AC_H_F16)
 HALF_NONE, HALF_BF16, HALF_F16 = 0, 1, 2
@@ -103,7 +105,7 @@ class Policy(NamedTuple):
     compute: np.dtype    #: accumulation / kernel dtype (float32 or float64)
     result: np.dtype     #: the output's dtype
     lse: np.dtype        #: the log-sum-exp's dtype
-    products: str        #: "float64", "float32" or "bfloat16"
+    products: str        #: "float64", "float32", "bfloat16" or "int8" (Q.K^T)
 
 
 def parse_precision(precision: Any, name: str = "precision") -> Optional[str]:
@@ -111,10 +113,11 @@ def parse_precision(precision: Any, name: str = "precision") -> Optional[str]:
     if precision is None:
         return None
     if not isinstance(precision, str):
-        raise TypeError(f"{name} must be None, 'float32' or 'bfloat16', got "
+        raise TypeError(f"{name} must be None, 'float32', 'bfloat16' or 'int8', got "
                         f"{type(precision).__name__} {precision!r}")
     if precision not in PRECISIONS:
-        raise ValueError(f"{name} must be None, 'float32' or 'bfloat16', got {precision!r}")
+        raise ValueError(f"{name} must be None, 'float32', 'bfloat16' or 'int8', got "
+                         f"{precision!r}")
     return precision
 
 
@@ -145,6 +148,8 @@ def resolve(dtypes: Sequence[np.dtype], names: Sequence[str] = (),
                          f"float64 inputs are computed in float64 (pass precision=None)")
     if comp == _F64:
         products = "float64"
+    elif prec == "int8":
+        products = "int8"
     elif prec == "bfloat16" or (prec is None and is_bf16(res) and same):
         products = "bfloat16" if bf16_products else "float32"
     else:

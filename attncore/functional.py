@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple, Sequence, overload
 import numpy as np
 from numpy.typing import ArrayLike
 
+from . import _int8
 from ._core import _sdpa
 from ._quant import dequantize, split_quantized
 from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
@@ -546,8 +547,34 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
             m = np.ascontiguousarray(m)
 
     bf16dot = pol.products == "bfloat16"
-    pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
-              converted_kv=bool(kf or vf or ks is not None or vs is not None or bf16dot))
+    qk8 = 0
+    q_scales = q_mu = None
+    if pol.products == "int8":
+        # int8 Q.K^T (attncore._int8): the operands quantized once per call
+        qk8 = _sdpa.int8_mode()
+        if qk8 in (1, 2) and (_sdpa.kernel_path() != "avx512" or D < 2):
+            qk8 = 3
+        i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
+                            k if ks is not None else None,
+                            None if ks is None else ks[..., 0], bshape, group, nthreads,
+                            pairs=qk8 != 3 and N > _SMALL_ROWS)
+        if return_weights or softcap > 0 or sk is not None:
+            # the scores' level matters (the weights' path, a soft cap, a
+            # sink): float rows whose products are the int8 ones, q . mu
+            # included as one more channel (a copy of Q and K)
+            q, k = _int8.dequantized(i8, bshape, D)
+            qf = kf = qk8 = 0
+            ks = None
+            D = D + 1
+        else:
+            q, k, ks = i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs
+            q_scales, q_mu = i8.q_scales, i8.q_mu
+            kf = qf = 0
+    # (int8 Q.K^T reads its int8 keys in place: only the values convert)
+    conv = bool(vf or vs is not None or bf16dot) if qk8 else \
+        bool(kf or vf or ks is not None or vs is not None or bf16dot)
+    pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights, converted_kv=conv,
+              kernel_path="portable" if qk8 == 3 else None)
     # the fused kernel and the direct loops of a few rows call no BLAS
     uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
     nthreads = pl.nthreads
@@ -569,7 +596,10 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
                ks, vs, qf, kf, vf, slopes, sk,
-               _sdpa.bf16_mode() if (bf16dot and pl.fused) else 0)
+               _sdpa.bf16_mode() if (bf16dot and pl.fused) else 0, q_scales, qk8)
+    if lse is not None and q_mu is not None:
+        # the per-row term q . mu the smoothing took out of the scores
+        lse += np.float32(sc) * q_mu
 
     out = out.reshape(out_shape)
     if rdt != cdt:

@@ -7,6 +7,7 @@
     python bench/compare.py --variants      # sliding window, softcap, int8 K/V
     python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
     python bench/compare.py --dtype bfloat16 float16   # 16-bit inputs: bench/compare_dtype.py
+    python bench/compare.py --precision int8           # int8 Q.K^T: bench/compare_int8.py
 
 Each case runs attncore, torch SDPA, ONNX Runtime's contrib
 ``com.microsoft.MultiHeadAttention`` ("ort mha") and standard ``Attention``
@@ -307,14 +308,25 @@ def main(argv=None):
                     help="also time Python threads calling at num_threads=1 at once")
     ap.add_argument("--variants", action="store_true",
                     help="also time sliding windows, soft-capping and int8 keys / values")
-    ap.add_argument("--dtype", nargs="+", default=None, choices=["bfloat16", "float16"],
+    ap.add_argument("--dtype", nargs="+", default=None, choices=["bfloat16", "float16", "float32"],
                     help="run bench/compare_dtype.py: the 16-bit cases against attncore's "
                          "float32 call and torch on the same dtype")
     ap.add_argument("--path", default=None, choices=["portable", "avx2", "avx512"],
                     help="with --dtype: force this kernel path")
+    ap.add_argument("--precision", default=None, choices=["int8"],
+                    help="run bench/compare_int8.py: precision='int8' against float32 and "
+                         "bfloat16 products (with --dtype float32 / bfloat16 inputs)")
     ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
                     help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
+    if args.precision == "int8":
+        import compare_int8
+
+        return compare_int8.main(
+            ["--threads", *map(str, args.threads), "--repeats", str(args.repeats)]
+            + (["--dtype", *args.dtype] if args.dtype else []))
+    if args.dtype and "float32" in args.dtype:
+        ap.error("--dtype float32 goes with --precision int8 (16-bit runs: bfloat16 / float16)")
     if args.dtype:
         import compare_dtype
 

@@ -12,52 +12,8 @@ import pytest
 
 import attncore
 from attncore._core import _sdpa
+from reference import sdpa_ref
 
-
-def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, window=None, softcap=None,
-             return_lse=False, return_weights=False, scale=None):
-    """Plain float64 attention with the documented semantics: causal
-    alignment, window band, soft cap (before the mask), mask, empty rows 0."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    N, D = q.shape[-2:]
-    M = k.shape[-2]
-    s = q @ np.swapaxes(k, -1, -2) * (1 / np.sqrt(D) if scale is None else scale)
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    off = M - N if is_causal == "lower_right" else 0
-    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
-    ok = np.ones((N, M), bool)
-    if is_causal:
-        ok &= j <= i + off
-    if window is not None:
-        lo, hi = window
-        if lo >= 0:
-            ok &= j >= i + off - lo
-        if hi >= 0:
-            ok &= j <= i + off + hi
-    if attn_mask is not None:
-        m = np.asarray(attn_mask)
-        if m.dtype == bool:
-            ok = ok & m
-        else:
-            ok = ok & (m != -np.inf)
-            s = s + np.where(m == -np.inf, 0, m)
-    ok = np.broadcast_to(ok, np.broadcast_shapes(ok.shape, s.shape))
-    s = np.where(ok, np.broadcast_to(s, ok.shape), -np.inf)
-    any_ = ok.any(-1, keepdims=True)
-    mx = np.where(any_, s.max(-1, keepdims=True), 0)
-    e = np.where(ok, np.exp(s - mx), 0)
-    tot = e.sum(-1, keepdims=True)
-    w = np.where(any_, e / np.where(any_, tot, 1), 0)
-    out = w @ v
-    res = [out]
-    if return_weights:
-        res.append(w)
-    if return_lse:
-        with np.errstate(divide="ignore"):
-            res.append(np.where(any_[..., 0], mx[..., 0] + np.log(np.where(any_, tot, 1)[..., 0]),
-                                -np.inf))
-    return res[0] if len(res) == 1 else tuple(res)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -247,7 +203,7 @@ def test_precision_argument():
     r = sdpa_ref(*_f64(q, k, v))
     for p in (None, "float32", "bfloat16"):
         np.testing.assert_allclose(sd(q, k, v, precision=p), r, atol=2e-2 if p == "bfloat16" else 2e-6)
-    with pytest.raises(ValueError, match="precision must be None, 'float32' or 'bfloat16', got 'fp8'"):
+    with pytest.raises(ValueError, match="precision must be None, 'float32', 'bfloat16' or 'int8', got 'fp8'"):
         sd(q, k, v, precision="fp8")
     with pytest.raises(TypeError, match="precision must be None"):
         sd(q, k, v, precision=16)

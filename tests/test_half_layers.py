@@ -164,5 +164,5 @@ def test_mha_alibi_and_precision():
     np.testing.assert_allclose(np.concatenate(steps, 1), out, atol=2e-5)
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(num_heads,\) = \(4,\)"):
         mha.alibi_slopes = [1.0, 2.0]
-    with pytest.raises(ValueError, match="precision must be None, 'float32' or 'bfloat16'"):
+    with pytest.raises(ValueError, match="precision must be None, 'float32', 'bfloat16' or 'int8'"):
         mha.precision = "int4"

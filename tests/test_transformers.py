@@ -87,6 +87,33 @@ def test_llama_logits_match_sdpa_and_eager(llamas):
     torch.testing.assert_close(logits["attncore"], logits["sdpa"], rtol=1e-4, atol=1e-4)
 
 
+def test_register_precision(llamas):
+    """register(name, precision=...) sets the precision of that name's
+    calls; register(name) again restores the default."""
+    ids, mask = _left_padded_batch()
+    valid = mask.bool()
+    m = LlamaForCausalLM._from_config(_llama_config(), attn_implementation="sdpa").eval()
+    m.load_state_dict(llamas["sdpa"].state_dict())
+    try:
+        with torch.inference_mode():
+            ref = m(ids, attention_mask=mask).logits[valid]
+            act.register("attncore_prec", precision="int8")
+            m.set_attn_implementation("attncore_prec")
+            out8 = m(ids, attention_mask=mask).logits[valid]
+            out8b = m(ids[:1]).logits                       # the lean path's calls too
+            act.register("attncore_prec")
+            out = m(ids, attention_mask=mask).logits[valid]
+            outb = m(ids[:1]).logits
+    finally:
+        act.register("attncore_prec")
+    d8 = (out8 - ref).abs().max().item()
+    assert 0 < d8 < 0.05                  # int8 Q.K^T: near, not equal
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert (out8b - outb).abs().max().item() > 0
+    with pytest.raises(ValueError, match="int8"):
+        act.register("attncore_prec", precision="int4")
+
+
 def test_llama_greedy_generation_is_identical(llamas):
     ids, mask = _left_padded_batch(1)
     out = {}

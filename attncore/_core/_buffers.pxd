@@ -13,7 +13,7 @@
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release
 
 cdef enum:
-    _MAX_BUFFERS = 9   # the most any entry point takes (sdpa: q, k, v, out, mask, weights, lse, 2 scales)
+    _MAX_BUFFERS = 10  # the most any entry point takes (sdpa: q, k, v, out, mask, weights, lse, 3 scales)
 
 
 cdef struct _Buffers:

@@ -11,12 +11,12 @@ offsets (one per flattened batch element).  Offsets carry broadcasting
 (stride 0), grouped-query head mapping and arbitrary batch strides, so no
 operand is ever expanded or copied here.
 """
-from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS
+from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS, PyBuffer_IsContiguous
 from cpython.pycapsule cimport PyCapsule_New
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free, qsort
 from libc.string cimport memcpy
-from libc.stdint cimport uint8_t, uint16_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int8_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -50,6 +50,8 @@ cdef extern from "ac_sdpa.h" nogil:
         double alibi, sink
         int bf16dot
         Py_ssize_t bf_off
+        int qk8
+        const float *qsc
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -91,6 +93,13 @@ cdef extern from "ac_sdpa.h" nogil:
     int ac_set_kernel_path(int path)
     int ac_fused_panel_rows()
     int ac_cpu_bf16_dot()
+    int ac_cpu_vnni()
+    void ac_i8_quantize_rows(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
+                             const float *sub, const float *w, const float *dv,
+                             int8_t *out, Py_ssize_t ld, float *scales, float *dots,
+                             float *ksum, float *ybuf)
+    void ac_i8_col_stats(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
+                         float *mean, float *amax, float *ybuf, double *acc)
     Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
@@ -117,6 +126,7 @@ def cpu_features():
     return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
+            "int8_dot": bool(ac_cpu_vnni()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
             "small_rows": AC_SMALL_ROWS}
 
@@ -151,6 +161,165 @@ def set_bf16_mode(mode):
         raise ValueError(f"bf16 mode must be 'native', 'emulate', 'off' or None and runnable "
                          f"on this CPU, got {mode!r}")
     return prev
+
+
+# int8 Q.K^T (precision="int8"): 1 vpdpbusd where the CPU has AVX512_VNNI,
+# else 3 (products of the dequantized rows, exact to float rounding);
+# set_int8_mode("emulate") runs the vpdpbusd kernels with the instruction
+# spelled in AVX-512BW (tests of the path on any AVX-512 CPU)
+_int8_mode = 1 if ac_cpu_vnni() else 3
+
+
+def int8_mode():
+    """1: vpdpbusd; 2: emulated in AVX-512BW (tests); 3: float products of
+    the dequantized int8 rows."""
+    return _int8_mode
+
+
+def set_int8_mode(mode):
+    """Private, process-wide (tests and benchmarks): 'native' (needs
+    AVX512_VNNI), 'emulate' (needs AVX-512), 'dequantize', or None (the
+    default of this CPU).  Returns the previous mode's name."""
+    global _int8_mode
+    names = (None, "native", "emulate", "dequantize")
+    prev = names[_int8_mode]
+    if mode is None:
+        _int8_mode = 1 if ac_cpu_vnni() else 3
+    elif mode == "native" and ac_cpu_vnni():
+        _int8_mode = 1
+    elif mode == "emulate" and ac_best_path == 2:
+        _int8_mode = 2
+    elif mode == "dequantize":
+        _int8_mode = 3
+    else:
+        raise ValueError(f"int8 mode must be 'native', 'emulate', 'dequantize' or None and "
+                         f"runnable on this CPU, got {mode!r}")
+    return prev
+
+
+def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads):
+    """Rows of the 3-D array x (nh, R, D; float32, or 16-bit bits as
+    uint16 with fmt 1 bfloat16 / 2 float16; last axis contiguous) quantized
+    per row for precision="int8" (ac_i8_quantize_rows): out (nh, R, ld)
+    C-contiguous int8, scales (nh, R) float32; sub / dv None or (nh, D)
+    float32 C-contiguous, w (nh, D) float32 C-contiguous; dots / ksum None
+    or (nh, R) float32 C-contiguous."""
+    cdef _Buffers bufs
+    cdef Py_buffer *bx
+    cdef Py_buffer *bo
+    cdef const float[:, ::1] wv = w
+    cdef const float[:, ::1] subv
+    cdef const float[:, ::1] dvv
+    cdef float[:, ::1] scv = scales
+    cdef float[:, ::1] dotsv
+    cdef float[:, ::1] ksv
+    cdef const float *psub = NULL
+    cdef const float *pdv = NULL
+    cdef float *pdots = NULL
+    cdef float *pks = NULL
+    cdef Py_ssize_t nh, R, D, ld, h, xs_h, xs_r
+    cdef float *yb
+    cdef char *xb
+    cdef int8_t *ob
+    bufs.n = 0
+    try:
+        bx = _acquire(&bufs, x, PyBUF_RECORDS_RO)
+        bo = _acquire(&bufs, out, PyBUF_RECORDS)
+        if bx.ndim != 3 or bo.ndim != 3 or bo.itemsize != 1:
+            raise ValueError("int8_quantize: x and out must be 3-D, out int8")
+        nh, R, D = bx.shape[0], bx.shape[1], bx.shape[2]
+        ld = bo.shape[2]
+        if (bx.itemsize != (2 if fmt else 4) or (D > 1 and bx.strides[2] != bx.itemsize)
+                or bo.shape[0] != nh or bo.shape[1] != R or ld < D
+                or bo.strides[2] != 1 or bo.strides[1] != ld or bo.strides[0] != R * ld
+                or bx.strides[0] % bx.itemsize or bx.strides[1] % bx.itemsize
+                or wv.shape[0] != nh or wv.shape[1] != D
+                or scv.shape[0] != nh or scv.shape[1] != R):
+            raise ValueError("int8_quantize: inconsistent operands")
+        if sub is not None:
+            subv = sub
+            if subv.shape[0] != nh or subv.shape[1] != D:
+                raise ValueError("int8_quantize: sub must be (nh, D)")
+            psub = &subv[0, 0]
+        if dv is not None:
+            dvv = dv
+            dotsv = dots
+            if dvv.shape[0] != nh or dvv.shape[1] != D or dotsv.shape[0] != nh or dotsv.shape[1] != R:
+                raise ValueError("int8_quantize: dv must be (nh, D), dots (nh, R)")
+            pdv = &dvv[0, 0]
+            pdots = &dotsv[0, 0]
+        if ksum is not None:
+            ksv = ksum
+            if ksv.shape[0] != nh or ksv.shape[1] != R:
+                raise ValueError("int8_quantize: ksum must be (nh, R)")
+            pks = &ksv[0, 0]
+        if nh == 0 or R == 0 or D == 0:
+            return
+        xs_h = bx.strides[0] // bx.itemsize
+        xs_r = bx.strides[1] // bx.itemsize
+        xb = <char *>bx.buf
+        ob = <int8_t *>bo.buf
+        with nogil, parallel(num_threads=nthreads if nthreads > 1 else 1):
+            yb = <float *>malloc(D * sizeof(float))
+            if yb != NULL:
+                for h in prange(nh, schedule='static'):
+                    ac_i8_quantize_rows(xb + h * xs_h * bx.itemsize, fmt, xs_r, R, <int>D,
+                                        psub + h * D if psub != NULL else NULL,
+                                        &wv[0, 0] + h * D,
+                                        pdv + h * D if pdv != NULL else NULL,
+                                        ob + h * R * ld, ld, &scv[0, 0] + h * R,
+                                        pdots + h * R if pdots != NULL else NULL,
+                                        pks + h * R if pks != NULL else NULL, yb)
+            free(yb)
+    finally:
+        _release_all(&bufs)
+
+
+def int8_col_stats(x, int fmt, mean, amax, int nthreads):
+    """Per head h of the 3-D array x (as int8_quantize): mean (None or
+    (nh, D) float32) receives the column means, amax (nh, D) float32 the
+    largest |x - mean| (|x| without mean) per column."""
+    cdef _Buffers bufs
+    cdef Py_buffer *bx
+    cdef float[:, ::1] amv = amax
+    cdef float[:, ::1] mv
+    cdef float *pm = NULL
+    cdef Py_ssize_t nh, R, D, h, xs_h, xs_r
+    cdef float *yb
+    cdef double *ab
+    cdef char *xb
+    bufs.n = 0
+    try:
+        bx = _acquire(&bufs, x, PyBUF_RECORDS_RO)
+        if bx.ndim != 3:
+            raise ValueError("int8_col_stats: x must be 3-D")
+        nh, R, D = bx.shape[0], bx.shape[1], bx.shape[2]
+        if (bx.itemsize != (2 if fmt else 4) or (D > 1 and bx.strides[2] != bx.itemsize)
+                or bx.strides[0] % bx.itemsize or bx.strides[1] % bx.itemsize
+                or amv.shape[0] != nh or amv.shape[1] != D):
+            raise ValueError("int8_col_stats: inconsistent operands")
+        if mean is not None:
+            mv = mean
+            if mv.shape[0] != nh or mv.shape[1] != D:
+                raise ValueError("int8_col_stats: mean must be (nh, D)")
+            pm = &mv[0, 0]
+        if nh == 0 or D == 0:
+            return
+        xs_h = bx.strides[0] // bx.itemsize
+        xs_r = bx.strides[1] // bx.itemsize
+        xb = <char *>bx.buf
+        with nogil, parallel(num_threads=nthreads if nthreads > 1 else 1):
+            yb = <float *>malloc(D * sizeof(float))
+            ab = <double *>malloc(D * sizeof(double))
+            if yb != NULL and ab != NULL:
+                for h in prange(nh, schedule='static'):
+                    ac_i8_col_stats(xb + h * xs_h * bx.itemsize, fmt, xs_r, R, <int>D,
+                                    pm + h * D if pm != NULL else NULL,
+                                    &amv[0, 0] + h * D, yb, ab)
+            free(yb)
+            free(ab)
+    finally:
+        _release_all(&bufs)
 
 
 def kernel_path():
@@ -287,6 +456,7 @@ cdef struct _Ops:
     const Py_ssize_t *vso
     const double *slopes   # ALiBi slope of each batch element, or NULL
     const double *sinks    # sink logit of each batch element, or NULL
+    const float *qsc       # int8 query rows' scales (nb, N), or NULL
 
 
 cdef inline void _lse_rows(int nq, int processed, const floating *m, const floating *l,
@@ -313,9 +483,11 @@ cdef inline const ac_params *_batch_params(const ac_params *p0, _Ops *ops, Py_ss
                                            ac_params *pb) noexcept nogil:
     """The params of batch element b: p0 itself, or (with ALiBi slopes or
     sinks) a private copy pb holding that element's slope / sink."""
-    if ops.slopes == NULL and ops.sinks == NULL:
+    if ops.slopes == NULL and ops.sinks == NULL and ops.qsc == NULL:
         return p0
     pb[0] = p0[0]
+    if ops.qsc != NULL:
+        pb.qsc = ops.qsc + b * p0.N
     if ops.slopes != NULL:
         pb.alibi = ops.slopes[b]
     if ops.sinks != NULL:
@@ -345,6 +517,8 @@ cdef inline void _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
     # offsets in 16-bit elements (the kernel reads them as uint16_t)
     if p.qh:
         q = <const floating *>((<const uint16_t *>ops.q) + ops.qo[b])
+    elif p.qk8:
+        q = <const floating *>(ops.q + ops.qo[b])
     else:
         q = (<const floating *>ops.q) + ops.qo[b]
     if p.kq8:
@@ -582,7 +756,7 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
 
 cdef void _size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, bint is64, bint have_ks,
                         bint have_vs, int q_fmt, int k_fmt, int v_fmt,
-                        int bf16dot=0) noexcept nogil:
+                        int bf16dot=0, int qk8=0) noexcept nogil:
     """Tile sizes and the layout of each thread's score scratch (s_len,
     dq_off, qb_off, bf_off, mp_off) for these operand formats; bf16dot:
     the fused kernel's bfloat16 dot products (1 / 2) or none (0)."""
@@ -610,7 +784,9 @@ cdef void _size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, bint is64, 
         dq_rows = Bk if Bk > 128 else 128
         p.dq_off = p.s_len
         p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
-    if q_fmt:
+    p.qk8 = qk8
+    p.qsc = NULL
+    if q_fmt or qk8:
         # the converted query block (or fused panel: 32 rows at most)
         p.qb_off = p.s_len
         p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
@@ -634,7 +810,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
          int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
          int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None,
          int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, sinks=None,
-         int bf16dot=0):
+         int bf16dot=0, q_scales=None, int qk8=0):
     """Run the kernel on prepared operands (see attncore.functional).
 
     q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
@@ -660,6 +836,12 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     bf16dot: bfloat16 dot products in the fused AVX-512 kernel (float32
     compute dtype): 1 vdpbf16ps (the CPU must have AVX512_BF16), 2 the same
     arithmetic in AVX-512F (tests), 0 float32 products.
+    qk8: int8 Q.K^T (float32 compute dtype; see attncore._int8): q is then
+    int8 bshape + (N, ld) C-contiguous, ld a multiple of 4 >= D, zero padded;
+    q_scales its rows' scales, (nb, N) float32 C-contiguous; the keys are
+    int8 rows likewise padded with k_scales (..., M, 2) = per key (scale,
+    128 sum k8) ((..., M, 1), the scales, for qk8 3 or N <= SMALL_ROWS).  1 vpdpbusd (the CPU must have AVX512_VNNI), 2 the same in
+    AVX-512BW (tests), 3 products of the dequantized rows.
     """
     cdef const double[::1] slopes_v
     cdef const double[::1] sinks_v
@@ -673,6 +855,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     cdef Py_buffer *bl = NULL
     cdef Py_buffer *bks = NULL
     cdef Py_buffer *bvs = NULL
+    cdef Py_buffer *bqs = NULL
     cdef bint have_m, have_w, have_ks, have_vs
     cdef ac_params p
     cdef _Ops ops
@@ -715,6 +898,19 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
                 or (weights is not None and (q_fmt or k_fmt or v_fmt))
                 or (k_scales is not None and k_fmt) or (v_scales is not None and v_fmt)):
             raise ValueError("invalid operand formats")
+        if qk8:
+            if (qk8 not in (1, 2, 3) or (qk8 == 1 and not ac_cpu_vnni())
+                    or (qk8 == 2 and ac_best_path != 2) or is64 or q_fmt or k_fmt
+                    or weights is not None or k_scales is None or q_scales is None):
+                raise ValueError("invalid qk8")
+            bqs = _acquire(&bufs, q_scales, PyBUF_RECORDS_RO)
+            if (bq.itemsize != 1 or bq.len != nb * N * bq.shape[bq.ndim - 1]
+                    or bq.shape[bq.ndim - 1] % 4 or bq.shape[bq.ndim - 1] < D
+                    or not PyBuffer_IsContiguous(bq, b'C')
+                    or bqs.itemsize != 4 or bqs.len != nb * N * 4
+                    or not PyBuffer_IsContiguous(bqs, b'C')):
+                raise ValueError("qk8: q must be int8 bshape + (N, ld) C-contiguous, q_scales "
+                                 "(nb, N) float32")
         if k_scales is not None:
             bks = _acquire(&bufs, k_scales, PyBUF_RECORDS_RO)
         if v_scales is not None:
@@ -723,7 +919,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         have_w = bw != NULL
         have_ks = bks != NULL
         have_vs = bvs != NULL
-        if (bq.itemsize != (2 if q_fmt else bo.itemsize)
+        if (bq.itemsize != (2 if q_fmt else 1 if qk8 else bo.itemsize)
                 or bk.itemsize != (1 if have_ks else 2 if k_fmt else bo.itemsize)
                 or bv.itemsize != (1 if have_vs else 2 if v_fmt else bo.itemsize)
                 or (have_w and bw.itemsize != bo.itemsize)
@@ -747,16 +943,26 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
             raise ValueError("invalid bf16dot")
         _size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt,
-                      0 if is64 else bf16dot)
+                      0 if is64 else bf16dot, qk8)
         if have_ks:
             _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
             p.ks_rs = _row_stride(bks)
+
         if have_vs:
             _fill_offsets(bvs, nd, shp, group, offs + 5 * nb)
             p.vs_rs = _row_stride(bvs)
         p.q_rs = _row_stride(bq)
         p.k_rs = _row_stride(bk)
         p.v_rs = _row_stride(bv)
+        # (the fused kernel's int8 products read per key (scale, 128 sum k8);
+        # the direct loops of a few rows only the scale)
+        if qk8 and ((N > AC_SMALL_ROWS and qk8 != 3
+                     and (bks.shape[bks.ndim - 1] != 2 or (M > 1 and p.ks_rs != 2)))
+                    or bks.strides[bks.ndim - 1] != 4 or bk.shape[bk.ndim - 1] % 4
+                    or bk.shape[bk.ndim - 1] < D or p.k_rs % 4
+                    or (<size_t>bk.buf) % 4):
+            raise ValueError("qk8: keys must be int8 rows of a multiple of 4 bytes, k_scales "
+                             "(..., M, 2) float32 pairs")
         p.mask_rs = 0
         p.mask_cs = 0
         if have_m:
@@ -777,6 +983,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         p.sink = -INFINITY
         ops.slopes = NULL
         ops.sinks = NULL
+        ops.qsc = <const float *>bqs.buf if bqs != NULL else NULL
         if alibi_slopes is not None:
             slopes_v = alibi_slopes
             if slopes_v.shape[0] != nb:

@@ -33,7 +33,7 @@ import warnings
 
 import numpy as np
 
-from .._dtypes import bfloat16_available, bfloat16_dtype
+from .._dtypes import bfloat16_available, bfloat16_dtype, parse_precision
 from .._interop import numpy_to_torch, torch_to_numpy
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
@@ -45,12 +45,13 @@ __all__ = ["register", "attention_forward", "attention_mask"]
 _RESERVED = ("sdpa", "flex_attention", "flash", "paged", "eager")
 
 
-def register(name: str = "attncore") -> str:
+def register(name: str = "attncore", precision: str | None = None) -> str:
     """Register attncore with transformers under ``name``.
 
     After this, ``attn_implementation=name`` works in ``from_pretrained``,
     ``from_config`` and ``model.set_attn_implementation(name)``.  Calling it
-    again is harmless.
+    again is harmless; it sets the precision of that name's calls (again
+    with no ``precision``: the default).
 
     Parameters
     ----------
@@ -58,6 +59,12 @@ def register(name: str = "attncore") -> str:
         The implementation name.  Names containing ``"sdpa"``,
         ``"flash"``, ``"flex_attention"``, ``"paged"`` or ``"eager"`` are
         refused: transformers attaches its own behaviour to them.
+    precision : {None, 'float32', 'bfloat16', 'int8'}, optional
+        The dot products' precision of every attention call of models using
+        ``name`` (``precision=`` of
+        :func:`attncore.scaled_dot_product_attention`): ``"int8"`` runs
+        Q.K^T on int8 rows, ``"bfloat16"`` bf16 products in a float32
+        model.  ``None`` (the default): the tensors' own.
 
     Returns
     -------
@@ -71,6 +78,7 @@ def register(name: str = "attncore") -> str:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
+    prec = parse_precision(precision)
     low = name.lower()
     for r in _RESERVED:
         if r in low:
@@ -84,7 +92,14 @@ def register(name: str = "attncore") -> str:
         raise ImportError(
             "attncore.integrations.transformers needs transformers >= 5 and torch; install them "
             "with `pip install 'attncore[transformers]'`") from exc
-    AttentionInterface.register(name, attention_forward)
+    if prec is None:
+        AttentionInterface.register(name, attention_forward)
+    else:
+        def with_precision(module, query, key, value, attention_mask, **kwargs):
+            return attention_forward(module, query, key, value, attention_mask,
+                                     attncore_precision=prec, **kwargs)
+        with_precision.__doc__ = attention_forward.__doc__
+        AttentionInterface.register(name, with_precision)
     AttentionMaskInterface.register(name, attention_mask)
     return name
 
@@ -231,7 +246,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         ``position_bias`` (added to the scores), ``output_attentions``
         (return the weights; also taken from ``module.config``),
         ``s_aux`` (gpt-oss' attention sinks, one logit per head: their exp
-        joins each row's softmax denominator, in the kernel).
+        joins each row's softmax denominator, in the kernel),
+        ``attncore_precision`` (``precision=`` of the kernel call; what
+        :func:`register` sets).
 
     Returns
     -------
@@ -258,8 +275,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if need_weights is None:
         need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
     s_aux = kwargs.get("s_aux")
+    precision = kwargs.get("attncore_precision")
     if (attention_mask is None and not need_weights and kwargs.get("position_bias") is None
-            and s_aux is None
+            and s_aux is None and precision is None
             and query.device.type == "cpu" and key.device == query.device
             and value.device == query.device and key.dtype is query.dtype
             and value.dtype is query.dtype
@@ -318,7 +336,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
         enable_gqa=True, return_weights=bool(need_weights), window=win,
         softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads(),
-        sinks=None if s_aux is None else _as_numpy(s_aux, "s_aux"))
+        sinks=None if s_aux is None else _as_numpy(s_aux, "s_aux"), precision=precision)
     out, w = res if need_weights else (res, None)
 
     o = numpy_to_torch(out)

@@ -196,6 +196,10 @@ static AC_TGT int AC_F(ac_fused_panel)(
 {
 #if !AC_BF16_PANEL
     (void)bt;
+    const int i8 = 0;
+#else
+    /* int8 Q.K^T (ac_int8dot.h): int8 query / key rows */
+    const int i8 = p->qk8 == 1 || p->qk8 == 2;
 #endif
     /* int8 / half keys and values: each tile is converted into these
        buffers */
@@ -224,7 +228,10 @@ static AC_TGT int AC_F(ac_fused_panel)(
             qrs = D;
         }
 #if AC_BF16_PANEL
-        if (bt) /* bfloat16 pairs, unscaled (the scale goes on the scores) */
+        if (i8) /* offset bytes and the rows' scales (times qs) */
+            ac_i8_pack_panel((const int8_t *)(const void *)q + i0 * p->q_rs, p->q_rs,
+                             p->qsc + i0, nr, D, qs, (uint32_t *)(void *)QT);
+        else if (bt) /* bfloat16 pairs, unscaled (the scale goes on the scores) */
             ac_pack_pairs_panel(qrow, qrs, nr, D, AC_P, (uint32_t *)(void *)QT);
         else
 #endif
@@ -260,7 +267,7 @@ static AC_TGT int AC_F(ac_fused_panel)(
     int alibi_lin = p->alibi_on && !capped && right >= 0 &&
                     off + right <= (ptrdiff_t)p->M - p->N;
 #if AC_BF16_PANEL
-    if (bt) alibi_lin = 0;
+    if (bt || i8) alibi_lin = 0;
 #endif
     int processed = 0;
     for (ptrdiff_t jb = kstart; jb < kend; jb += AC_BK) {
@@ -285,6 +292,8 @@ static AC_TGT int AC_F(ac_fused_panel)(
         ptrdiff_t kr_rs = D, vr_rs = Dv;
         if (kc) {
             kr = kc + (j0 - ks) * D;
+        } else if (i8) {
+            /* int8 keys are read as they are (the scores below) */
         } else if (p->kq8) {
             AC_DEQUANT(float, (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
                        ksc + j0 * p->ks_rs, p->ks_rs, nk, D, KB);
@@ -311,7 +320,11 @@ static AC_TGT int AC_F(ac_fused_panel)(
         /* ---- scores ---- */
         VEC t0 = VSET1(ninf), t1 = VSET1(ninf);
 #if AC_BF16_PANEL
-        if (bt) {
+        if (i8) {
+            ac_i8_scores(p->qk8, (const uint32_t *)(const void *)QT, (D + 3) / 4,
+                         (const int8_t *)(const void *)k + j0 * p->k_rs, p->k_rs,
+                         ksc + j0 * p->ks_rs, nk, ST, &t0, &t1);
+        } else if (bt) {
             const int Dh = (D + 1) / 2;
             ac_bf16_scores(bt->mode, (const uint32_t *)(const void *)QT, Dh,
                            bt->k16 + (j0 - ks) * Dh, nk, qs, ST, &t0, &t1);

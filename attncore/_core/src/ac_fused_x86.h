@@ -447,7 +447,9 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     int processed = 0;
     /* bfloat16 dot products: the AVX-512 panels, chunks shared by a block */
     const int bfm = p->bf16dot && ac_kernel_path == AC_PATH_AVX512;
-    const int kconv = p->kq8 || p->kh, vconv = p->vq8 || p->vh;
+    /* int8 Q.K^T reads its int8 keys in place */
+    const int i8 = p->qk8 == 1 || p->qk8 == 2;
+    const int kconv = (p->kq8 && !i8) || p->kh, vconv = p->vq8 || p->vh;
     const int convert = kconv || vconv || bfm;
     if (!convert || nq <= P) {
         float state[64];
@@ -486,7 +488,9 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
         const ptrdiff_t c1 = (ken - c0 < AC_BK) ? ken : c0 + AC_BK;
         const int nk = (int)(c1 - c0);
         if (nk > 0) {
-            if (p->kq8)
+            if (i8)
+                ;
+            else if (p->kq8)
                 AC_DEQUANT(float, (const int8_t *)(const void *)k + c0 * p->k_rs, p->k_rs,
                            ksc + c0 * p->ks_rs, p->ks_rs, nk, D, KC);
             else if (p->kh)
@@ -503,7 +507,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
                 const float *ksrc = kconv ? KC : k + c0 * p->k_rs;
                 const float *vsrc = vconv ? VC : v + c0 * p->v_rs;
                 const ptrdiff_t krs = kconv ? D : p->k_rs, vrs = vconv ? Dv : p->v_rs;
-                ac_pack_pairs_rows(ksrc, krs, nk, D, K16, (D + 1) / 2);
+                if (!i8) ac_pack_pairs_rows(ksrc, krs, nk, D, K16, (D + 1) / 2);
                 ac_pack_pairs_keys(vsrc, vrs, nk, Dv, VI);
                 bt.vfin = !ac_rows_nonfinite_f32(vsrc, nk, Dv, vrs);
             }

@@ -33,6 +33,7 @@
 #include "ac_small_x86.h"
 #include "ac_half.h"
 #include "ac_bf16dot.h"
+#include "ac_int8dot.h"
 
 enum { AC_MASK_NONE = 0, AC_MASK_BOOL = 1, AC_MASK_ADD = 2 };
 /* AC_ALIGN_LOWER_RIGHT: no causal bound, but the window aligned lower-right
@@ -86,6 +87,14 @@ typedef struct {
                                  AVX-512F (tests), 0 float32 products      */
     ptrdiff_t bf_off;         /* offset in the score scratch of the packed
                                  bfloat16 chunk (ac_bf16dot.h)            */
+    int qk8;                  /* precision="int8": the q pointer points at
+                                 int8 query rows (scales in qsc), the keys
+                                 are int8 (kq8, ks_rs = 2: per key its
+                                 scale and 128 sum k8); 1 vpdpbusd, 2 its
+                                 AVX-512BW spelling (tests), 3 products of
+                                 the dequantized rows (other paths)        */
+    const float *qsc;         /* the query rows' scales of this batch
+                                 element (qk8)                             */
     ptrdiff_t mp_off;         /* offset in the score scratch of the fused
                                  kernel's per-panel state when a block's
                                  panels share converted key / value tiles:

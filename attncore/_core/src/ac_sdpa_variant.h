@@ -25,7 +25,8 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
 #if AC_IS_F32
     /* the fused kernel (no BLAS, nothing of K / V packed) where the CPU
        has one; a handful of rows stay with the direct loops below */
-    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS) {
+    if (ac_kernel_path != AC_PATH_PORTABLE && nq > AC_SMALL_ROWS &&
+        (!p->qk8 || (p->qk8 <= 2 && ac_kernel_path == AC_PATH_AVX512))) {
         int any = ac_fused_range_f32(p, q, k, v, ksc, vsc, mb, mf, i0, nq, ks, ke, S,
                                      acc, m, l, bad);
         /* rows whose scores left the range of the fused kernel's base-2
@@ -56,6 +57,18 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
         AC_T *QB = S + p->qb_off;
         AC_HALF_ROWS(p->qh, (const uint16_t *)(const void *)q + i0 * p->q_rs, p->q_rs, nq,
                      p->D, QB, p->D);
+        qb = QB;
+        qb_rs = p->D;
+    } else if (p->qk8) {
+        /* int8 queries (precision="int8"): the block's rows dequantized;
+           with the keys' the products are those of the int8 rows, to
+           float rounding */
+        AC_T *QB = S + p->qb_off;
+        for (int r = 0; r < nq; r++) {
+            const int8_t *xr = (const int8_t *)(const void *)q + (i0 + r) * p->q_rs;
+            const AC_T s_ = (AC_T)p->qsc[i0 + r];
+            for (int d = 0; d < p->D; d++) QB[(ptrdiff_t)r * p->D + d] = s_ * (AC_T)xr[d];
+        }
         qb = QB;
         qb_rs = p->D;
     }
@@ -117,7 +130,12 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
         }
         if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (k_direct && p->kq8)
+            if (k_direct && (p->qk8 == 1 || p->qk8 == 2))
+                (p->qk8 == 1 ? ac_i8_scores_small : ac_i8_scores_small_emu)(
+                    nq, nk, p->D, (float)p->scale, (const int8_t *)(const void *)q + i0 * p->q_rs,
+                    p->q_rs, p->qsc + i0, (const int8_t *)(const void *)k + j0 * p->k_rs,
+                    p->k_rs, ksc + j0 * p->ks_rs, p->ks_rs, S, ldS);
+            else if (k_direct && p->kq8)
                 ac_scores_small_q8_avx512(nq, nk, p->D, (AC_T)p->scale, qb, qb_rs,
                                           (const int8_t *)(const void *)k + j0 * p->k_rs,
                                           p->k_rs, ksc + j0 * p->ks_rs, p->ks_rs, S, ldS);

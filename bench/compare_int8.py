@@ -1,0 +1,122 @@
+"""``precision="int8"`` (int8 Q.K^T) against float32 products, bfloat16
+products and torch (``python bench/compare.py --precision int8``).
+
+    python bench/compare_int8.py --threads 1 2 --repeats 7
+    python bench/compare_int8.py --dtype bfloat16        # bf16 inputs
+
+Every row is timed side by side in one process (``timing.interleaved_medians``:
+medians of interleaved repeats, the same thread count on every side):
+
+* ``int8``: ``precision="int8"`` (quantizing Q and K included),
+* ``f32``: the same call with float32 products (``precision=None`` for
+  float32 inputs; for ``--dtype bfloat16``, ``precision="float32"``),
+* ``bf16``: ``precision="bfloat16"`` (bfloat16 products where the CPU has
+  AVX512_BF16; float32 products elsewhere),
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on the
+  same tensors,
+
+then ``f32/int8`` and ``bf16/int8`` (> 1: int8 is faster) and the issue's
+bars.  The int8-cache decode row compares ``precision="int8"`` on an int8
+KV cache (``quantize_kv`` keys and values) with the same call without it
+(today's int8-cache decode: keys widened to float).  The header names the
+CPU model and its int8 / bf16 dot-product flags.  A benchmark, never a
+test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
+command that runs this script.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import attncore  # noqa: E402
+from compare_dtype import header  # noqa: E402
+from timing import interleaved_medians  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # a benchmark extra
+    torch = None
+
+# name, B, H, N, M, D, causal, bar vs float32 products, bar vs bf16 products
+CASES = [
+    ("prefill 1x8x1024x64", 1, 8, 1024, 1024, 64, False, 1.7, None),
+    ("prefill 1x8x1024x128", 1, 8, 1024, 1024, 128, False, 2.0, 1.2),
+    ("causal 1x8x2048x128", 1, 8, 2048, 2048, 128, True, 2.0, 1.2),
+]
+CACHE_CASE = ("int8-cache decode 1x8x1x32768x64", 1, 8, 1, 32768, 64, 1.2)
+
+
+def _inputs(B, H, N, M, D, dt, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s, dtype=np.float32).astype(dt)
+            for s in ((B, H, N, D), (B, H, M, D), (B, H, M, D))]
+
+
+def run(dtype_name, threads, repeats):
+    if dtype_name == "bfloat16":
+        import ml_dtypes
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(np.float32)
+    sd = attncore.scaled_dot_product_attention
+    rows = []
+    fmt = "{:<34} {:>3} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5} {:>8} {:>5}"
+    print(fmt.format(f"{dtype_name} case", "thr", "int8", "f32", "bf16", "torch", "f32/i8", "bar",
+                     "bf16/i8", "bar"))
+    for name, B, H, N, M, D, causal, bar32, barbf in CASES:
+        ops = _inputs(B, H, N, M, D, dt)
+        base = dict(is_causal=causal, num_threads=threads)
+        fns = {p_: (lambda o=ops, b=base, p=p_: sd(*o, precision=p, **b))
+               for p_ in ("int8", "float32", "bfloat16")}
+        fns["f32"], fns["bf16"] = fns.pop("float32"), fns.pop("bfloat16")
+        q, k, v = ops
+        if torch is not None:
+            tt = [torch.from_numpy(a.astype(np.float32)) for a in (q, k, v)]
+            if dtype_name == "bfloat16":
+                tt = [t.to(torch.bfloat16) for t in tt]
+            fns["torch"] = lambda t=tt, c=causal: torch.nn.functional.scaled_dot_product_attention(
+                *t, is_causal=c)
+        ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats, torch=torch).items()}
+        r32, rbf = ms["f32"] / ms["int8"], ms["bf16"] / ms["int8"]
+        print(fmt.format(name, threads, f"{ms['int8']:.2f}", f"{ms['f32']:.2f}", f"{ms['bf16']:.2f}",
+                         f"{ms['torch']:.2f}" if "torch" in ms else "-", f"{r32:.2f}",
+                         f"{bar32:.1f}", f"{rbf:.2f}", f"{barbf:.1f}" if barbf else "-"), flush=True)
+        rows.append({"case": name, "dtype": dtype_name, "threads": threads, "ms": ms,
+                     "f32_over_int8": r32, "bf16_over_int8": rbf})
+    # an int8 KV cache: int8 keys fed to the integer dot products vs widened
+    name, B, H, N, M, D, bar = CACHE_CASE
+    q, k, v = _inputs(B, H, N, M, D, np.float32)
+    k8, v8 = attncore.quantize_kv(k), attncore.quantize_kv(v)
+    fns = {"int8": lambda: sd(q, k8, v8, precision="int8", num_threads=threads),
+           "today": lambda: sd(q, k8, v8, num_threads=threads)}
+    ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats, torch=torch).items()}
+    r = ms["today"] / ms["int8"]
+    print(f"{name:<34} {threads:>3} int8 Q.K^T {ms['int8']:.2f} ms, without {ms['today']:.2f} ms: "
+          f"{r:.2f}x (bar {bar:.1f})", flush=True)
+    rows.append({"case": name, "threads": threads, "ms": ms, "today_over_int8": r})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    feats = attncore._core._sdpa.cpu_features()
+    print(header() + f"\nint8 dot products (AVX512_VNNI): {'yes' if feats['int8_dot'] else 'no'}")
+    rows = []
+    for d in args.dtype:
+        for t in args.threads:
+            rows += run(d, t, args.repeats)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

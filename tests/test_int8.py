@@ -1,0 +1,292 @@
+"""precision="int8": Q.K^T of int8 rows (issue: int8 Q.K^T on the integer
+dot-product unit, smoothed keys, accuracy-gated).
+
+Results are compared with the float64 reference of the same inputs (the
+accuracy bars of the issue), and with a plain NumPy model of the
+documented method (smoothing, channel balancing, per-token symmetric
+scales: attncore._int8) computed in float64 -- the kernel's int32 sums
+are exact, so the two agree to float rounding.  Every int8 path runs:
+vpdpbusd where the CPU has AVX512_VNNI, its AVX-512BW spelling on any
+AVX-512 CPU, and the dequantized rows of the other paths.
+"""
+import numpy as np
+import pytest
+
+import attncore
+from attncore._core import _sdpa
+from reference import sdpa_ref
+
+sd = attncore.scaled_dot_product_attention
+PATHS = list(_sdpa.available_kernel_paths())
+I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
+    (["emulate"] if "avx512" in PATHS else []) + ["dequantize"]
+
+
+@pytest.fixture(params=I8_MODES)
+def i8mode(request):
+    prev = _sdpa.set_int8_mode(request.param)
+    try:
+        yield request.param
+    finally:
+        _sdpa.set_int8_mode(prev)
+
+
+def _cos_err(a, b):
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    return 1 - a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+
+
+def _rand(shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _offset_keys(shape, seed=1):
+    """Keys as real models' look: per-channel offsets (std 10) and 4
+    outlier channels (x20)."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal(shape) + rng.standard_normal(shape[:-2] + (1, shape[-1])) * 10
+    k[..., :4] *= 20
+    return k.astype(np.float32)
+
+
+def _q8(x):
+    """Symmetric per-row int8, round half to even, in float64."""
+    a = np.abs(x).max(-1, keepdims=True)
+    s = np.where(a > 0, a / 127, 1.0)
+    return np.clip(np.round(x / s), -127, 127) * s
+
+
+def method_model(q, k, v, group=1, **kw):
+    """The documented method in plain float64 NumPy: keys minus their mean
+    over the keys, channel c balanced by s_c = sqrt(max|k_c - mu_c| /
+    max|q_c|) (queries of the key head's group), per-token int8, then the
+    float64 reference attention of the quantized rows (+ q . mu, which only
+    the lse and soft cap see)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    mu = k.mean(-2, keepdims=True)
+    ks = k - mu
+    ak = np.abs(ks).max(-2, keepdims=True)
+    aq = np.abs(q).max(-2, keepdims=True)
+    if group > 1:
+        sh = aq.shape
+        aq = aq.reshape(sh[:-3] + (sh[-3] // group, group) + sh[-2:]).max(-3)
+    s = np.sqrt(np.where((ak > 0) & (aq > 0), ak / np.where(aq > 0, aq, 1), 1.0))
+    kq = _q8(ks / s)
+    sq = np.repeat(s, group, axis=-3)
+    muq = np.repeat(mu, group, axis=-3)
+    qq = _q8(q * sq)
+    # [q8, q . mu] . [k8, 1]: the smoothed scores plus the row term
+    qe = np.concatenate([qq, (q * muq).sum(-1, keepdims=True)], -1)
+    ke = np.concatenate([kq, np.ones(kq.shape[:-1] + (1,))], -1)
+    ke, ve = np.repeat(ke, group, axis=-3), np.repeat(v, group, axis=-3)
+    return sdpa_ref(qe, ke, ve, scale=1 / np.sqrt(q.shape[-1]), **kw)
+
+
+# ---------------------------------------------------------------------------
+# accuracy bars (float64 reference of the same inputs)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("D", [64, 128])
+def test_normal_inputs_bar(i8mode, D):
+    q, k, v = (_rand((1, 8, 1024, D), s) for s in range(3))
+    out = sd(q, k, v, precision="int8")
+    err = _cos_err(out, sdpa_ref(q, k, v))
+    assert err <= 1e-4, err
+    # and it is int8: float32 products are ~1e-13 off
+    assert err > 1e-7
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_offset_outlier_keys_bar(i8mode, D):
+    q, v = _rand((1, 4, 512, D), 0), _rand((1, 4, 512, D), 2)
+    k = _offset_keys((1, 4, 512, D))
+    err = _cos_err(sd(q, k, v, precision="int8"), sdpa_ref(q, k, v))
+    assert err <= 5e-4, err
+
+
+def test_causal_long_rows(i8mode):
+    q, k, v = (_rand((1, 1, 8192, 64), s) for s in range(3))
+    q = q[:, :, -256:]
+    out = sd(q, k, v, is_causal="lower_right", precision="int8")
+    assert _cos_err(out, sdpa_ref(q, k, v, is_causal="lower_right")) <= 1e-4
+
+
+def test_matches_the_method(i8mode, path):
+    """The kernel computes the documented method (a float64 NumPy model of
+    it), whichever path and int8 mode runs."""
+    q, v = _rand((2, 4, 200, 48), 0), _rand((2, 2, 300, 48), 2)
+    k = _offset_keys((2, 2, 300, 48))
+    out = sd(q, k, v, precision="int8", enable_gqa=True)
+    ref = method_model(q, k, v, group=2)
+    assert _cos_err(out, ref) < 2e-6
+    # (float32 vs float64 arithmetic before rounding to int8 may put an
+    # entry a step apart: a few outputs move by a step's worth)
+    np.testing.assert_allclose(out, ref, atol=0.05)
+    assert np.mean(np.abs(out - ref) > 1e-3) < 0.01
+
+
+def test_vnni_and_emulation_agree():
+    """vpdpbusd and its AVX-512BW spelling sum the same integers: the same
+    bits."""
+    if "avx512" not in PATHS or not _sdpa.cpu_features()["int8_dot"]:
+        pytest.skip("needs AVX512_VNNI")
+    q, k, v = (_rand((1, 4, 300, 72), s) for s in range(3))
+    outs = []
+    for mode in ("native", "emulate"):
+        prev = _sdpa.set_int8_mode(mode)
+        try:
+            outs.append(sd(q, k, v, is_causal=True, precision="int8"))
+        finally:
+            _sdpa.set_int8_mode(prev)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------------------
+# combinations
+# ---------------------------------------------------------------------------
+CASES = {
+    "bool_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "causal": dict(is_causal=True),
+    "lower_right": dict(is_causal="lower_right"),
+    "window": dict(is_causal=True, window=(40, 0)),
+    "softcap": dict(softcap=5.0),
+    "lse": dict(return_lse=True),
+    "weights": dict(return_weights=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_combinations(i8mode, path, case):
+    kw = dict(CASES[case])
+    N, M, D = 150, 230, 40
+    q, v = _rand((2, 3, N, D), 0), _rand((2, 3, M, D), 2)
+    k = _offset_keys((2, 3, M, D))
+    mask = kw.pop("mask", None)
+    if mask == "bool":
+        mask = np.random.default_rng(5).random((N, M)) > 0.3
+    elif mask == "float":
+        mask = np.random.default_rng(5).standard_normal((N, M)).astype(np.float32)
+        mask[:, ::7] = -np.inf
+    want_w = kw.pop("return_weights", False)
+    want_lse = kw.pop("return_lse", False)
+    res = sd(q, k, v, attn_mask=mask, precision="int8", return_weights=want_w,
+             return_lse=want_lse, **kw)
+    ref = sdpa_ref(q, k, v, attn_mask=mask, return_lse=want_lse, return_weights=want_w, **kw)
+    meth = method_model(q, k, v, attn_mask=mask, return_lse=want_lse,
+                        return_weights=want_w, **kw)
+    if want_w or want_lse:
+        out, extra = res
+        ref, rextra = ref
+        meth, mextra = meth
+        # the weights / the lse: those of the int8 scores (the method), near
+        # the exact ones
+        np.testing.assert_allclose(extra, mextra, atol=2e-4, rtol=1e-4)
+        # (offset keys: scores in the hundreds)
+        np.testing.assert_allclose(extra, rextra, rtol=5e-3, atol=0.25 if want_lse else 0.05)
+    else:
+        out = res
+    assert _cos_err(out, meth) < 2e-6
+    assert _cos_err(out, ref) < 5e-4
+
+
+def test_sinks_and_alibi(i8mode):
+    q, k, v = (_rand((1, 4, 100, 32), s) for s in range(3))
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    for kw in (dict(sinks=sinks), dict(alibi_slopes=slopes, is_causal=True)):
+        f = attncore.functional.scaled_dot_product_attention
+        o8 = f(q, k, v, precision="int8", **kw)
+        o32 = f(q, k, v, **kw)
+        assert _cos_err(o8, o32) < 1e-4
+
+
+def test_gqa_and_key_splits(i8mode):
+    # a few query rows, many keys, two threads: the keys are split
+    q = _rand((1, 4, 40, 64), 0)
+    k, v = _offset_keys((1, 2, 5000, 64)), _rand((1, 2, 5000, 64), 2)
+    out = sd(q, k, v, enable_gqa=True, precision="int8", num_threads=2)
+    assert _cos_err(out, method_model(q, k, v, group=2)) < 2e-6
+
+
+@pytest.mark.parametrize("D", [1, 2, 3, 5, 130])
+def test_odd_head_sizes(i8mode, D):
+    q, k, v = (_rand((1, 2, 70, D), s) for s in range(3))
+    out = sd(q, k, v, precision="int8", is_causal=True)
+    assert _cos_err(out, method_model(q, k, v, is_causal=True)) < 2e-6
+
+
+def test_half_inputs(i8mode):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dt in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+        q, k, v = (_rand((1, 4, 200, 64), s).astype(dt) for s in range(3))
+        out = sd(q, k, v, precision="int8", is_causal=True)
+        assert out.dtype == dt
+        ref = sdpa_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                       is_causal=True)
+        assert _cos_err(out.astype(np.float64), ref) < 1e-4
+
+
+def test_int8_kv_cache_keys(i8mode):
+    """int8 keys from quantize_kv are used as they are (no smoothing)."""
+    q, k, v = (_rand((1, 4, 100, 62), s) for s in range(3))
+    k8 = attncore.quantize_kv(k)
+    out = sd(q, k8, v, precision="int8")
+    kd = k8[0] * k8[1][..., None].astype(np.float64)
+    # the method without smoothing / balancing on the dequantized keys
+    ref = sdpa_ref(_q8(q.astype(np.float64)), kd, v)
+    assert _cos_err(out, ref) < 2e-6
+    # decoding: one row
+    out1 = sd(q[:, :, -1:], k8, v, precision="int8")
+    assert _cos_err(out1, sdpa_ref(_q8(q[:, :, -1:].astype(np.float64)), kd, v)) < 2e-6
+
+
+def test_int8_values_with_int8_products(i8mode):
+    q, k, v = (_rand((1, 2, 120, 32), s) for s in range(3))
+    v8 = attncore.quantize_kv(v)
+    out = sd(q, k, v8, precision="int8")
+    vd = v8[0] * v8[1][..., None].astype(np.float64)
+    assert _cos_err(out, method_model(q, k, vd)) < 2e-6
+
+
+# ---------------------------------------------------------------------------
+# non-finite values, inputs untouched, errors
+# ---------------------------------------------------------------------------
+def test_nan_rows_and_masked_keys(i8mode):
+    q, k, v = (_rand((1, 1, 64, 16), s) for s in range(3))
+    q[0, 0, 3, 2] = np.nan
+    k[0, 0, 10, 0] = np.inf            # a key only rows < 10 do not see
+    out = sd(q, k, v, precision="int8", is_causal=True)
+    assert np.isnan(out[0, 0, 3]).all()
+    assert np.isfinite(out[0, 0, :3]).all()
+    assert np.isnan(out[0, 0, 10:]).all()
+    assert np.isfinite(out[0, 0, 4:10]).all()
+
+
+def test_inputs_not_modified(i8mode):
+    q, k, v = (_rand((1, 2, 80, 24), s) for s in range(3))
+    copies = [x.copy() for x in (q, k, v)]
+    sd(q, k, v, precision="int8", is_causal=True)
+    for a, b in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_precision():
+    q = _rand((1, 1, 4, 8))
+    with pytest.raises(ValueError, match="precision='int8' is for float32"):
+        sd(q.astype(np.float64), q, q, precision="int8")
+    with pytest.raises(ValueError, match="'int8', got 'int4'"):
+        sd(q, q, q, precision="int4")
+    with pytest.raises(TypeError, match="precision must be"):
+        sd(q, q, q, precision=8)
+
+
+def test_layer_precision():
+    rng = np.random.default_rng(0)
+    mha = attncore.MultiHeadAttention(64, 4, precision="int8", rng=rng)
+    x = _rand((2, 90, 64))
+    out8 = mha(x, x, x, is_causal=True)[0]
+    mha.precision = None
+    out32 = mha(x, x, x, is_causal=True)[0]
+    assert _cos_err(out8, out32) < 1e-4
+    assert _cos_err(out8, out32) > 1e-9
