@@ -55,6 +55,7 @@ def config_dict() -> dict:
     from ._core import _sdpa
 
     info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
+    info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
     return info
 
 
@@ -73,6 +74,10 @@ def show_config() -> None:
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
           + ("bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and precision='bfloat16'"
              if info["bf16_dot"] else "float32 products (no AVX512_BF16 on this CPU)"))
+    print(f"{'precision=int8':>16}: "
+          + ("Q.K^T on vpdpbusd (AVX512_VNNI)" if info["int8_dot"] and
+             info["kernel_path"] == "avx512" else
+             "Q.K^T as float products of the dequantized int8 rows (no AVX512_VNNI path)"))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

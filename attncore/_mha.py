@@ -409,7 +409,7 @@ class MultiHeadAttention:
     alibi_slopes : array_like, optional
         ALiBi slopes, one per query head (BLOOM, MPT), applied in the
         kernel on every call (:attr:`alibi_slopes`).
-    precision : {None, 'float32', 'bfloat16'}, optional
+    precision : {None, 'float32', 'bfloat16', 'int8'}, optional
         The dot products' precision of the attention
         (:attr:`precision`; as in the core).
 

@@ -308,7 +308,7 @@ def scaled_dot_product_attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     num_threads: int | None = None,
-    precision: Literal["float32", "bfloat16"] | None = None,
+    precision: Literal["float32", "bfloat16", "int8"] | None = None,
     split_every: int | None = None,
 ) -> Any:
     """Scaled dot-product attention on dask arrays, key chunks merged exactly.
@@ -370,7 +370,7 @@ def scaled_dot_product_attention(
         scheduler every task would use all cores: pass 1 there), ``-1`` all
         cores, ``k >= 1`` k threads.  Keep ``workers x threads per worker x
         num_threads`` at or below the cores.
-    precision : {None, 'float32', 'bfloat16'}, optional
+    precision : {None, 'float32', 'bfloat16', 'int8'}, optional
         The dot products' precision, as the core (each block is computed
         in the compute dtype).
     split_every : int, optional

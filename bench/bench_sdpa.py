@@ -132,3 +132,39 @@ class SDPAHalf:
                                                           num_threads=self.nt))
 
     track_speedup_vs_float32.unit = "ratio"
+
+
+INT8_CASES = {
+    "prefill 1x8x1024x1024x64": (1, 8, 1024, 1024, 64, False),
+    "prefill 1x8x1024x1024x128": (1, 8, 1024, 1024, 128, False),
+    "causal 1x8x2048x2048x128": (1, 8, 2048, 2048, 128, True),
+}
+
+
+class SDPAInt8:
+    """time_ of precision="int8" (int8 Q.K^T; quantizing included) on
+    float32 inputs, and its speedup over float32 products in the same
+    run."""
+
+    params = (list(INT8_CASES), THREADS)
+    param_names = ["case", "threads"]
+    timeout = TIMEOUT
+
+    def setup(self, case, threads):
+        B, H, N, M, D, self.causal = INT8_CASES[case]
+        self.args = memo(("int8", case), lambda: tuple(
+            random(s, "float32", seed=i + 1)
+            for i, s in enumerate(((B, H, N, D), (B, H, M, D), (B, H, M, D)))))
+        self.nt = api_threads(threads)
+
+    def _call(self, precision):
+        return attncore.scaled_dot_product_attention(*self.args, is_causal=self.causal,
+                                                     num_threads=self.nt, precision=precision)
+
+    def time_sdpa_int8(self, case, threads):
+        self._call("int8")
+
+    def track_speedup_vs_float32(self, case, threads):
+        return speedup(lambda: self._call(None), lambda: self._call("int8"))
+
+    track_speedup_vs_float32.unit = "ratio"

@@ -37,7 +37,9 @@ The header names the CPU and its int8 dot-product flag.  Deterministic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import os
 import sys
 
@@ -166,19 +168,17 @@ def smollm_rows(torch, max_tokens=1024):
     hf_logging.disable_progress_bar()
     d = spec.submodule_search_locations[0]    # not imported (its package needs `llm`)
     f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    with contextlib.redirect_stderr(io.StringIO()):    # the GGUF conversion's progress bar
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     ids = tok(_real_text(), return_tensors="pt").input_ids[:, :max_tokens]
     act.register("attncore_int8", precision="int8")
     act.register("attncore")
 
-    def logp(impl, dtype=torch.float32):
+    def logp(impl):
         model.set_attn_implementation(impl)
-        m = model.to(dtype)
         with torch.inference_mode():
-            out = m(ids).logits.float().log_softmax(-1)
-        model.to(torch.float32)
-        return out[0]
+            return model(ids).logits.float().log_softmax(-1)[0]
 
     ref = logp("sdpa")
 
@@ -187,8 +187,9 @@ def smollm_rows(torch, max_tokens=1024):
 
     res = {"tokens": ids.shape[1],
            "int8 Q.K^T (attncore, float32 model)": kl(logp("attncore_int8")),
-           "bfloat16 model (sdpa)": kl(logp("sdpa", torch.bfloat16)),
            "float32, attncore (no int8)": kl(logp("attncore"))}
+    model.to(torch.bfloat16)     # last: the weights are rounded for good
+    res["bfloat16 model (sdpa)"] = kl(logp("sdpa"))
     return res
 
 

@@ -5,7 +5,7 @@
 # not touched.
 #
 #   tools/sanitize.sh                       # property tests (CI profile), test_sdpa, test_kernel_paths,
-#                                           # 16-bit, ALiBi / sinks, varlen, forced paths
+#                                           # 16-bit, int8 Q.K^T, ALiBi / sinks, varlen, forced paths
 #   tools/sanitize.sh tests                 # the whole suite
 #   tools/sanitize.sh tests/test_mha.py -k cache
 #
@@ -20,7 +20,8 @@ CC_BIN="${CC:-gcc}"
 
 if [ "$#" -eq 0 ]; then
     set -- tests/test_properties.py tests/test_sdpa.py tests/test_kernel_paths.py \
-        tests/test_half.py tests/test_alibi_sinks.py tests/test_varlen.py tests/test_forced_paths.py
+        tests/test_half.py tests/test_int8.py tests/test_alibi_sinks.py tests/test_varlen.py \
+        tests/test_forced_paths.py
 fi
 
 if [ -n "${ATTNCORE_SANITIZE_DIR:-}" ]; then
