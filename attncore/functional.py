@@ -554,7 +554,9 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
 
-    bf16dot = pol.products == "bfloat16"
+    # bfloat16 products; with int8 Q.K^T, P.V as bfloat16 pairs where the
+    # CPU has them
+    bf16dot = pol.products == "bfloat16" or (pol.products == "int8" and _sdpa.bf16_mode() != 0)
     qk8 = 0
     q_scales = q_mu = None
     if pol.products == "int8":

@@ -141,6 +141,27 @@ def test_vnni_and_emulation_agree():
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_bf16_pv_with_int8_scores():
+    """Where the CPU has bfloat16 dot products, P.V runs as bfloat16 pairs
+    under int8 Q.K^T (here: both instructions spelled in AVX-512)."""
+    if "avx512" not in PATHS:
+        pytest.skip("needs AVX-512")
+    q, v = _rand((1, 4, 300, 64), 0), _rand((1, 4, 400, 64), 2)
+    k = _offset_keys((1, 4, 400, 64))
+    prev8, prevb = _sdpa.set_int8_mode("emulate"), _sdpa.set_bf16_mode("emulate")
+    try:
+        out = sd(q, k, v, is_causal="lower_right", precision="int8")
+        _sdpa.set_bf16_mode("off")
+        out32 = sd(q, k, v, is_causal="lower_right", precision="int8")
+    finally:
+        _sdpa.set_int8_mode(prev8)
+        _sdpa.set_bf16_mode(prevb)
+    ref = sdpa_ref(q, k, v, is_causal="lower_right")
+    assert _cos_err(out, ref) <= 5e-4
+    # bf16 probabilities and values: a visible, small difference
+    assert 1e-8 < _cos_err(out, out32) < 2e-5
+
+
 # ---------------------------------------------------------------------------
 # combinations
 # ---------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def int8_col_stats(x, int fmt, mean, amax, int nthreads):
         xb = <char *>bx.buf
         with nogil, parallel(num_threads=nthreads if nthreads > 1 else 1):
             yb = <float *>malloc(D * sizeof(float))
-            ab = <double *>malloc(D * sizeof(double))
+            ab = <double *>malloc(3 * D * sizeof(double))
             if yb != NULL and ab != NULL:
                 for h in prange(nh, schedule='static'):
                     ac_i8_col_stats(xb + h * xs_h * bx.itemsize, fmt, xs_r, R, <int>D,

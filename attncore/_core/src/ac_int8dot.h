@@ -98,32 +98,22 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
 
 /*
  * Column statistics of rows r < n of x (as ac_i8_quantize_rows): when mean
- * is not NULL, mean[d] = the column means (accumulated in double), then
- * amax[d] = max_r |x[r][d] - c[d]| with c the means just computed (or 0
- * when mean is NULL).  Non-finite entries make amax inf / NaN.  ybuf: D
- * floats; acc: D doubles.
+ * is not NULL, mean[d] = the column means (accumulated in double) and
+ * amax[d] = max_r |x[r][d] - mean[d]| (from the column's largest and
+ * smallest entries: one pass); without mean, amax[d] = max_r |x[r][d]|.
+ * Non-finite entries make amax (and the mean) inf / NaN.  ybuf: D floats;
+ * acc: 3 D doubles.
  */
 #define AC_DEF_I8_STATS(NAME, TGT)                                                         \
 static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,          \
                      float *mean, float *amax, float *ybuf, double *acc)                  \
 {                                                                                          \
+    float *mx = (float *)(void *)(acc + D), *mn = mx + D;                                  \
     for (int d = 0; d < D; d++) {                                                          \
         acc[d] = 0.0;                                                                      \
         amax[d] = 0.0f;                                                                    \
-    }                                                                                      \
-    if (mean) {                                                                            \
-        for (ptrdiff_t r = 0; r < n; r++) {                                                \
-            const float *y;                                                                \
-            if (fmt) {                                                                     \
-                ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D); \
-                y = ybuf;                                                                  \
-            } else {                                                                       \
-                y = (const float *)x + r * x_rs;                                           \
-            }                                                                              \
-            _Pragma("omp simd")                                                            \
-            for (int d = 0; d < D; d++) acc[d] += (double)y[d];                            \
-        }                                                                                  \
-        for (int d = 0; d < D; d++) mean[d] = n > 0 ? (float)(acc[d] / (double)n) : 0.0f;  \
+        mx[d] = -INFINITY;                                                                 \
+        mn[d] = INFINITY;                                                                  \
     }                                                                                      \
     for (ptrdiff_t r = 0; r < n; r++) {                                                    \
         const float *y;                                                                    \
@@ -133,11 +123,29 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
         } else {                                                                           \
             y = (const float *)x + r * x_rs;                                               \
         }                                                                                  \
-        _Pragma("omp simd")                                                                \
+        if (mean) {                                                                        \
+            _Pragma("omp simd")                                                            \
+            for (int d = 0; d < D; d++) {                                                  \
+                acc[d] += (double)y[d];                                                    \
+                mx[d] = y[d] > mx[d] ? y[d] : mx[d];                                       \
+                mn[d] = y[d] < mn[d] ? y[d] : mn[d];                                       \
+            }                                                                              \
+        } else {                                                                           \
+            _Pragma("omp simd")                                                            \
+            for (int d = 0; d < D; d++) {                                                  \
+                const float a = fabsf(y[d]);                                               \
+                /* NaN sticks (a comparison alone would drop it) */                        \
+                amax[d] = (a > amax[d] || a != a) ? a : amax[d];                           \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    if (mean) {                                                                            \
         for (int d = 0; d < D; d++) {                                                      \
-            const float a = fabsf(mean ? y[d] - mean[d] : y[d]);                           \
-            /* NaN sticks (a comparison alone would drop it) */                            \
-            amax[d] = (a > amax[d] || a != a) ? a : amax[d];                               \
+            const float m = n > 0 ? (float)(acc[d] / (double)n) : 0.0f;                    \
+            mean[d] = m;                                                                   \
+            /* NaN (in the sum, so in m) propagates through the differences */             \
+            const float hi = mx[d] - m, lo = m - mn[d];                                    \
+            amax[d] = n > 0 ? (hi > lo ? hi : lo) : 0.0f;                                  \
         }                                                                                  \
     }                                                                                      \
 }
