@@ -223,9 +223,18 @@ def test_sinks_and_alibi(i8mode):
 
 
 def test_gqa_and_key_splits(i8mode):
-    # a few query rows, many keys, two threads: the keys are split
+    # one block of a few query rows, many keys, two threads: the keys are
+    # split in two (attncore.functional.plan) and the parts merged
+    assert attncore.functional.plan(np.float32, 20, 5000, 64, 64, 0, 1, 2).nsplit == 2
+    q = _rand((1, 1, 20, 64), 0)
+    k, v = _offset_keys((1, 1, 5000, 64)), _rand((1, 1, 5000, 64), 2)
+    out, lse = sd(q, k, v, precision="int8", num_threads=2, return_lse=True)
+    ref, rlse = method_model(q, k, v, return_lse=True)
+    assert _cos_err(out, ref) < 2e-6
+    np.testing.assert_allclose(lse, rlse, rtol=1e-4, atol=1e-3)
+    # grouped-query heads
     q = _rand((1, 4, 40, 64), 0)
-    k, v = _offset_keys((1, 2, 5000, 64)), _rand((1, 2, 5000, 64), 2)
+    k, v = _offset_keys((1, 2, 500, 64)), _rand((1, 2, 500, 64), 2)
     out = sd(q, k, v, enable_gqa=True, precision="int8", num_threads=2)
     assert _cos_err(out, method_model(q, k, v, group=2)) < 2e-6
 
@@ -311,3 +320,21 @@ def test_layer_precision():
     out32 = mha(x, x, x, is_causal=True)[0]
     assert _cos_err(out8, out32) < 1e-4
     assert _cos_err(out8, out32) > 1e-9
+
+
+def test_layer_int8_cache_decoding():
+    """Decoding steps of a layer with an int8 cache and precision="int8":
+    the cache's int8 keys feed the integer dot products."""
+    mha = attncore.MultiHeadAttention(64, 4, rng=1)
+    x = _rand((1, 40, 64), 3)
+    outs = {}
+    for prec in (None, "int8"):
+        mha.precision = prec
+        cache = mha.new_cache(1, 64, dtype="int8")
+        mha(x[:, :32], cache=cache, is_causal="lower_right")
+        outs[prec] = np.concatenate(
+            [mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")[0] for t in range(32, 40)],
+            axis=1)
+    err = _cos_err(outs["int8"], outs[None])
+    assert 0 < err < 1e-4
+

@@ -958,7 +958,8 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         # the direct loops of a few rows only the scale)
         if qk8 and ((N > AC_SMALL_ROWS and qk8 != 3
                      and (bks.shape[bks.ndim - 1] != 2 or (M > 1 and p.ks_rs != 2)))
-                    or bks.strides[bks.ndim - 1] != 4 or bk.shape[bk.ndim - 1] % 4
+                    or (bks.shape[bks.ndim - 1] == 2 and bks.strides[bks.ndim - 1] != 4)
+                    or bks.shape[bks.ndim - 1] > 2 or bk.shape[bk.ndim - 1] % 4
                     or bk.shape[bk.ndim - 1] < D or p.k_rs % 4
                     or (<size_t>bk.buf) % 4):
             raise ValueError("qk8: keys must be int8 rows of a multiple of 4 bytes, k_scales "
