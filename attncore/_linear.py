@@ -32,12 +32,16 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 
 def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
-           num_threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+           num_threads: int | None = None, out: np.ndarray | None = None,
+           precision: str | None = None) -> np.ndarray:
     """``x2d @ w.T (+ b)`` as a new C-contiguous (R, C) array.
 
     x2d (R, K) and w (C, K) must share a float32 / float64 dtype (b too),
     or w is bfloat16 / float16 with float32 x2d (and b): then w is read in
-    place, 64 of its rows converted to float32 at a time.
+    place, 64 of its rows converted to float32 at a time -- or, for
+    bfloat16 w on a CPU with AVX512_BF16 (unless ``precision`` is
+    "float32"), multiplied as bfloat16 pairs against the rows of x2d
+    rounded to bfloat16 (float32 accumulation).
     """
     x2d = _rows(x2d)
     w = _rows(w)
@@ -56,5 +60,7 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
         # the BLAS path: only where the BLAS can be held to one thread per
         # thread does it run on several (see attncore._threads)
         nthreads = blas_parallel_threads(nthreads)
-    _linalg.linear(x2d, w.view(np.uint16) if fmt == HALF_BF16 else w, b, out, nthreads, fmt)
+    bf16dot = _sdpa.bf16_mode() if (fmt == HALF_BF16 and precision != "float32") else 0
+    _linalg.linear(x2d, w.view(np.uint16) if fmt == HALF_BF16 else w, b, out, nthreads, fmt,
+                   bf16dot)
     return out

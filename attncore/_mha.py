@@ -411,7 +411,9 @@ class MultiHeadAttention:
         kernel on every call (:attr:`alibi_slopes`).
     precision : {None, 'float32', 'bfloat16', 'int8'}, optional
         The dot products' precision of the attention
-        (:attr:`precision`; as in the core).
+        (:attr:`precision`; as in the core).  With bfloat16 weights on a
+        CPU with AVX512_BF16 the projections use bfloat16 products unless
+        it is ``'float32'``.
 
     Attributes
     ----------
@@ -1216,10 +1218,11 @@ class MultiHeadAttention:
                              f"{np.shape(key)} and value shape {np.shape(value)}")
         return k, v
 
-    @staticmethod
-    def _project(x2d, w, b, nt):
-        # on attncore's threads with single-threaded BLAS blocks (see _linear)
-        return linear(x2d, w, b, num_threads=nt)
+    def _project(self, x2d, w, b, nt):
+        # on attncore's threads with single-threaded BLAS blocks (see _linear);
+        # bfloat16 weights: bfloat16 products where the CPU has them, unless
+        # precision="float32"
+        return linear(x2d, w, b, num_threads=nt, precision=self._precision)
 
     def _project_self(self, x2d, nt):
         """(B*L, Nq+Nk+Nv): Q, K and V of one input, one gemm where the weights allow."""

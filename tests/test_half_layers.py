@@ -7,6 +7,7 @@ import pytest
 
 import attncore
 from attncore import _kernels
+from attncore._core import _sdpa
 from attncore._linear import linear
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -33,7 +34,9 @@ def test_linear_with_half_weights(path, dt, R, C, K):
     w0 = w.copy()
     r = x.astype(np.float64) @ w.astype(np.float64).T + b
     for nt in (1, 2):
-        out = linear(x, w, b, num_threads=nt)
+        # float32 products (a CPU with AVX512_BF16 takes bf16 products by
+        # default: test_linear_bf16_products)
+        out = linear(x, w, b, num_threads=nt, precision="float32")
         assert out.dtype == np.float32
         np.testing.assert_allclose(out, r, rtol=0, atol=2e-5 * np.abs(r).max())
     assert np.array_equal(w.view(np.uint16), w0.view(np.uint16))
@@ -51,6 +54,9 @@ def _layers(dt, E=64, H=4, Hkv=2, seed=0):
     ws = {k: v.astype(np.float32).astype(dt) if k.endswith("weight") else v.astype(np.float32)
           for k, v in ws.items()}
     half = attncore.MultiHeadAttention.from_arrays(**ws, num_heads=H, num_kv_heads=Hkv)
+    # float32 products (bf16 ones, the default on AVX512_BF16, are held to
+    # torch's bf16 error in test_bf16_from_torch_matches_torch_bf16)
+    half.precision = "float32"
     ref = attncore.MultiHeadAttention.from_arrays(
         **{k: v.astype(np.float64) for k, v in ws.items()}, num_heads=H, num_kv_heads=Hkv)
     return half, ref
@@ -98,7 +104,45 @@ def test_half_cache_decoding_reorder_crop(dt):
     np.testing.assert_allclose(np.concatenate(steps, 1).astype(np.float64), full, atol=2e-2 * np.abs(full).max())
 
 
-def test_bf16_from_torch_matches_torch_bf16():
+@pytest.fixture
+def bf16_products():
+    """bfloat16 products of the dense layers on (the AVX-512F spelling of
+    vdpbf16ps where the CPU lacks AVX512_BF16)."""
+    if "avx512" not in _kernels.available_kernel_paths():
+        pytest.skip("needs AVX-512")
+    native = _sdpa.cpu_features()["bf16_dot"]
+    prev = _sdpa.set_bf16_mode("native" if native else "emulate")
+    try:
+        yield
+    finally:
+        _sdpa.set_bf16_mode(prev)
+
+
+@pytest.mark.parametrize("R,C,K", [(9, 100, 64), (70, 200, 96), (300, 257, 512), (40, 64, 37)])
+def test_linear_bf16_products(bf16_products, R, C, K):
+    """bfloat16 weights on a CPU with bf16 products: the rows of x are
+    rounded to bfloat16 and the products summed in float32 (odd K: float32
+    products); precision="float32" keeps float32 products."""
+    rng = np.random.default_rng(R + C + K)
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(BF16)
+    b = rng.standard_normal(C).astype(np.float32)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T + b
+    rounded = x.astype(BF16).astype(np.float64) @ w.astype(np.float64).T + b
+    for nt in (1, 2):
+        out = linear(x, w, b, num_threads=nt)
+        want = exact if K % 2 else rounded
+        np.testing.assert_allclose(out, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    if K % 2 == 0:
+        assert np.abs(out - exact).max() > 1e-3 * np.abs(exact).max()
+    out32 = linear(x, w, b, precision="float32")
+    np.testing.assert_allclose(out32, exact, rtol=0, atol=2e-5 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("products", ["float32", "bf16"])
+def test_bf16_from_torch_matches_torch_bf16(request, products):
+    if products == "bf16":
+        request.getfixturevalue("bf16_products")
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     tm = torch.nn.MultiheadAttention(64, 4, batch_first=True).to(torch.bfloat16).eval()

@@ -13,7 +13,7 @@ from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
 
 from libc.stdlib cimport malloc, free
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 
 from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
@@ -30,6 +30,11 @@ cdef extern from "ac_sdpa.h" nogil:
                            int c0, int c1, int K, float *scratch)
     void ac_half_rows_f32(int fmt, const uint16_t *x, Py_ssize_t rs, int n, int D, float *out,
                           Py_ssize_t ldo)
+    int ac_cpu_bf16_dot()
+    void ac_bf16_linear_panel(int mode, const float *x, Py_ssize_t x_rs, int nr,
+                              const uint16_t *w, Py_ssize_t w_rs, const float *bias,
+                              float *out, Py_ssize_t o_rs, int c0, int c1, int K,
+                              uint32_t *QT2, float *T)
 
 # the kernel-path state lives in _sdpa (ac_common.h)
 ac_state_attach(PyCapsule_Import("attncore._core._sdpa._kernel_state", 0))
@@ -181,11 +186,24 @@ cdef enum:
 
 cdef void _half_block(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_t w_rs,
                       int fmt, const float *bias, float *out, Py_ssize_t o_rs, int R,
-                      int c0, int c1, int K, float *buf, float *scratch) noexcept nogil:
+                      int c0, int c1, int K, float *buf, float *scratch,
+                      int bf16dot) noexcept nogil:
     """out[:, c0:c1] = x @ w[c0:c1].T (+ bias) for bfloat16 / float16 w:
     _HCHUNK rows of w at a time are converted to float32 (buf) and serve
-    every row of x (fused kernel, or a single-threaded gemm)."""
-    cdef int cc = c0, n
+    every row of x (fused kernel, or a single-threaded gemm).  bf16dot (1
+    vdpbf16ps, 2 its AVX-512F spelling): bfloat16 w read in place as pairs
+    against panels of 32 rows of x rounded to bfloat16 (buf: the packed
+    panel and an 8 x 32 tile)."""
+    cdef int cc = c0, n, p0
+    if bf16dot:
+        p0 = 0
+        while p0 < R:
+            n = min(32, R - p0)
+            ac_bf16_linear_panel(bf16dot, x + p0 * x_rs, x_rs, n, w, w_rs, bias,
+                                 out + p0 * o_rs, o_rs, c0, c1, K, <uint32_t *>buf,
+                                 buf + (K // 2) * 32)
+            p0 += 32
+        return
     while cc < c1:
         n = min(<int>_HCHUNK, c1 - cc)
         ac_half_rows_f32(fmt, w + cc * w_rs, w_rs, n, K, buf, K)
@@ -200,7 +218,7 @@ cdef void _half_block(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssi
 
 cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_t w_rs,
                    int fmt, const float *bias, float *out, Py_ssize_t o_rs, int R, int C,
-                   int K, int nthreads) noexcept nogil:
+                   int K, int nthreads, int bf16dot) noexcept nogil:
     """float32 x with half weights read in place: column blocks over the
     team.  0 on success, -1 when scratch memory ran out."""
     cdef Py_ssize_t nbuf = _HCHUNK * K + AC_LINEAR_SCRATCH(K) + 16
@@ -217,7 +235,7 @@ cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_
             return -1
         ac_blas_hold()
         _half_block(x, x_rs, w, w_rs, fmt, bias, out, o_rs, R, 0, C, K, buf,
-                    buf + _HCHUNK * K)
+                    buf + _HCHUNK * K, bf16dot)
         ac_blas_release()
         free(buf)
         return 0
@@ -229,7 +247,7 @@ cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_
         for t in prange(nblk, schedule='static'):
             if buf != NULL:
                 _half_block(x, x_rs, w, w_rs, fmt, bias, out, o_rs, R, t * step,
-                            min(C, (t + 1) * step), K, buf, buf + _HCHUNK * K)
+                            min(C, (t + 1) * step), K, buf, buf + _HCHUNK * K, bf16dot)
         ac_blas_release()
         free(buf)
     return err
@@ -249,12 +267,15 @@ def set_blas_local(tuple addresses):
     set_blas_local_fns(addresses)
 
 
-def linear(x, w, bias, out, int nthreads, int w_fmt=0):
+def linear(x, w, bias, out, int nthreads, int w_fmt=0, int bf16dot=0):
     """out[...] = x @ w.T (+ bias), on ``nthreads`` OpenMP threads.
 
     w_fmt: 0 when w has x's dtype; 1 (bfloat16) / 2 (float16) for 16-bit
     weights read in place with float32 x, bias and out (passed as uint16 /
-    float16 arrays).
+    float16 arrays).  bf16dot (bfloat16 w, the AVX-512 path, more than
+    AC_LINEAR_SMALL rows, K and w's row stride even; else ignored):
+    bfloat16 products, 1 vdpbf16ps (the CPU must have AVX512_BF16), 2 the
+    same arithmetic in AVX-512F (tests).
 
     x: (R, K), w: (C, K), out: (R, C), all of one dtype (float32 / float64)
     with contiguous rows; bias: None or a contiguous (C,) array.  The caller
@@ -296,11 +317,16 @@ def linear(x, w, bias, out, int nthreads, int w_fmt=0):
             raise ValueError("linear: rows must be contiguous")
         if R == 0 or C == 0:
             return
+        if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
+            raise ValueError("linear: invalid bf16dot")
+        if (w_fmt != 1 or ac_kernel_path != 2 or R <= AC_LINEAR_SMALL or K % 2
+                or _rs(bw, K) % 2):
+            bf16dot = 0
         if w_fmt:
             with nogil:
                 err = _run_half(<const float *>bx.buf, _rs(bx, K), <const uint16_t *>bw.buf,
                                 _rs(bw, K), w_fmt, <const float *>bb.buf if have_b else NULL,
-                                <float *>bo.buf, _rs(bo, C), R, C, K, nthreads)
+                                <float *>bo.buf, _rs(bo, C), R, C, K, nthreads, bf16dot)
             if err:
                 raise MemoryError("attncore: could not allocate the kernel's scratch memory")
         elif bx.itemsize == 4 and ac_kernel_path != 0:
