@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._convert import keras_arrays, to_numpy, torch_arrays
-from ._dtypes import bfloat16_dtype, half_code, parse_precision
+from ._dtypes import bfloat16_dtype, half_code, is_bf16, parse_precision
 from ._interop import foreign_arrays
 from ._linear import linear
 from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
@@ -413,7 +413,8 @@ class MultiHeadAttention:
         The dot products' precision of the attention
         (:attr:`precision`; as in the core).  With bfloat16 weights on a
         CPU with AVX512_BF16 the projections use bfloat16 products unless
-        it is ``'float32'``.
+        it is ``'float32'``, and ``None`` gives the attention bfloat16
+        products too (float32 where the CPU lacks them).
 
     Attributes
     ----------
@@ -1160,6 +1161,14 @@ class MultiHeadAttention:
         k4, v4 = cache.view(S)
         return q4, k4, v4
 
+    def _attn_precision(self):
+        """The attention's precision: the layer's, and for a bfloat16 layer
+        without one, bfloat16 products (float32 where the CPU lacks them),
+        as a bfloat16 model computes."""
+        if self._precision is None and is_bf16(np.dtype(self.dtype)):
+            return "bfloat16"
+        return self._precision
+
     def _attend(self, q4, k4, v4, mask, is_causal, need_weights, average_attn_weights,
                 B, L, batched, nt):
         """Attention of the projected heads, then the output projection."""
@@ -1168,7 +1177,7 @@ class MultiHeadAttention:
             q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != H, return_weights=need_weights,
             window=self.window, num_threads=nt, alibi_slopes=self._alibi,
-            precision=self._precision)
+            precision=self._attn_precision())
         if need_weights:
             o, w = res
             if w.shape[:2] != (B, H):
