@@ -62,7 +62,7 @@ class Int8Operands(NamedTuple):
     q_scales: np.ndarray      #: float32 (nb, N)
     q_mu: Optional[np.ndarray]  #: float32 (nb, N): q . mu (None: no smoothing)
     k8: np.ndarray            #: int8 (..., M, ld) key rows (the keys' own batch shape)
-    k_pairs: np.ndarray       #: float32 (..., M, 2): per key (scale, 128 sum k8)
+    k_pairs: np.ndarray       #: float32 (..., M, 2): per key (scale, 128 sum k8 as int32 bits)
 
 
 def _ld(D: int) -> int:
@@ -154,7 +154,7 @@ def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
                 mu = np.zeros_like(mu)
         k_out = np.empty((nkh, M, ld), np.int8)
         sk = np.empty((nkh, M), _F32)
-        ksum = np.empty((nkh, M), _F32)
+        ksum = np.empty((nkh, M), np.int32)
         _sdpa.int8_quantize(kh, kf, mu, np.ascontiguousarray(1.0 / s, dtype=_F32), None,
                             k_out, sk, None, ksum, nt)
         w_q = _per_query_head(s, tuple(bshape), group, kown)
@@ -163,7 +163,7 @@ def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
         sq = np.empty((nb, N), _F32)
         qmu = np.empty((nb, N), _F32)
         _sdpa.int8_quantize(qh, qf, None, w_q, mu_q, q_out, sq, qmu, None, nt)
-        kpairs = np.stack([sk, ksum], axis=-1).reshape(kown + (M, 2))
+        kpairs = np.stack([sk, ksum.view(_F32)], axis=-1).reshape(kown + (M, 2))
         return Int8Operands(q_out, sq, qmu, k_out.reshape(kown + (M, ld)), kpairs)
     # int8 keys as given: no smoothing, no balancing (their quantization
     # is done); rows padded to a multiple of 4 bytes where they are not
@@ -177,8 +177,8 @@ def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
         k8 = kp8
     sc = np.asarray(k8_scales, dtype=_F32)
     if pairs:
-        ksum = 128.0 * k8[..., :D].sum(axis=-1, dtype=np.int64).astype(_F32)
-        kpr = np.stack([np.broadcast_to(sc, ksum.shape), ksum], axis=-1)
+        ksum = (128 * k8[..., :D].sum(axis=-1, dtype=np.int64)).astype(np.int32)
+        kpr = np.stack([np.broadcast_to(sc, ksum.shape), ksum.view(_F32)], axis=-1)
     else:
         kpr = sc[..., None]
         if any(x % 4 or x < 0 for x in kpr.strides) or not kpr.flags.aligned:

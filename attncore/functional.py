@@ -562,11 +562,13 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if pol.products == "int8":
         # int8 Q.K^T (attncore._int8): the operands quantized once per call
         qk8 = _sdpa.int8_mode()
-        if qk8 in (1, 2) and (_sdpa.kernel_path() != "avx512" or D < 2):
+        # (int32 sums of D products of up to 255 x 127: exact below 66313)
+        if qk8 in (1, 2) and (_sdpa.kernel_path() != "avx512" or D < 2 or D > 65536):
             qk8 = 3
         i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
                             k if ks is not None else None,
-                            None if ks is None else ks[..., 0], bshape, group, nthreads,
+                            None if ks is None else ks[..., 0], bshape, group,
+                            nthreads if 2.0 * nb * N * M * (D + Dv) >= SERIAL_FLOPS else 1,
                             pairs=qk8 != 3 and N > _SMALL_ROWS)
         if return_weights or softcap > 0 or sk is not None:
             # the scores' level matters (the weights' path, a soft cap, a

@@ -239,7 +239,7 @@ def test_gqa_and_key_splits(i8mode):
     assert _cos_err(out, method_model(q, k, v, group=2)) < 2e-6
 
 
-@pytest.mark.parametrize("D", [1, 2, 3, 5, 130])
+@pytest.mark.parametrize("D", [1, 2, 3, 5, 130, 1100])
 def test_odd_head_sizes(i8mode, D):
     q, k, v = (_rand((1, 2, 70, D), s) for s in range(3))
     out = sd(q, k, v, precision="int8", is_causal=True)

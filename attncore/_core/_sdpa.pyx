@@ -16,7 +16,7 @@ from cpython.pycapsule cimport PyCapsule_New
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free, qsort
 from libc.string cimport memcpy
-from libc.stdint cimport uint8_t, uint16_t, int8_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -97,7 +97,7 @@ cdef extern from "ac_sdpa.h" nogil:
     void ac_i8_quantize_rows(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
                              const float *sub, const float *w, const float *dv,
                              int8_t *out, Py_ssize_t ld, float *scales, float *dots,
-                             float *ksum, float *ybuf)
+                             int32_t *ksum, float *ybuf)
     void ac_i8_col_stats(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
                          float *mean, float *amax, float *ybuf, double *acc)
     Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
@@ -202,8 +202,9 @@ def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads)
     uint16 with fmt 1 bfloat16 / 2 float16; last axis contiguous) quantized
     per row for precision="int8" (ac_i8_quantize_rows): out (nh, R, ld)
     C-contiguous int8, scales (nh, R) float32; sub / dv None or (nh, D)
-    float32 C-contiguous, w (nh, D) float32 C-contiguous; dots / ksum None
-    or (nh, R) float32 C-contiguous."""
+    float32 C-contiguous, w (nh, D) float32 C-contiguous; dots None or
+    (nh, R) float32 C-contiguous; ksum None or (nh, R) int32 C-contiguous
+    (128 times each row's sum of int8 values)."""
     cdef _Buffers bufs
     cdef Py_buffer *bx
     cdef Py_buffer *bo
@@ -212,11 +213,11 @@ def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads)
     cdef const float[:, ::1] dvv
     cdef float[:, ::1] scv = scales
     cdef float[:, ::1] dotsv
-    cdef float[:, ::1] ksv
+    cdef int32_t[:, ::1] ksv
     cdef const float *psub = NULL
     cdef const float *pdv = NULL
     cdef float *pdots = NULL
-    cdef float *pks = NULL
+    cdef int32_t *pks = NULL
     cdef Py_ssize_t nh, R, D, ld, h, xs_h, xs_r
     cdef float *yb
     cdef char *xb
@@ -840,8 +841,9 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     int8 bshape + (N, ld) C-contiguous, ld a multiple of 4 >= D, zero padded;
     q_scales its rows' scales, (nb, N) float32 C-contiguous; the keys are
     int8 rows likewise padded with k_scales (..., M, 2) = per key (scale,
-    128 sum k8) ((..., M, 1), the scales, for qk8 3 or N <= SMALL_ROWS).  1 vpdpbusd (the CPU must have AVX512_VNNI), 2 the same in
-    AVX-512BW (tests), 3 products of the dequantized rows.
+    128 sum k8 as the bits of an int32) ((..., M, 1), the scales alone, for
+    qk8 3 or N <= SMALL_ROWS).  1 vpdpbusd (the CPU must have AVX512_VNNI),
+    2 the same in AVX-512BW (tests), 3 products of the dequantized rows.
     """
     cdef const double[::1] slopes_v
     cdef const double[::1] sinks_v

@@ -9,7 +9,8 @@
  *   queries: int8 rows (row length a multiple of 4, zero padded) and one
  *            float scale per row (symmetric, per token);
  *   keys:    int8 rows likewise, with per key the pair (scale,
- *            128 * sum_d k8[d]) (ac_params.kq8 with ks_rs = 2).
+ *            128 * sum_d k8[d]) (ac_params.kq8 with ks_rs = 2; the second
+ *            an int32 stored in the float's bits).
  * vpdpbusd multiplies an unsigned byte by a signed one.  The query panel
  * is packed with its bytes offset by 128 (q8 + 128 in [1, 255]) and the
  * keys are the signed operand, broadcast 4 bytes at a time from their
@@ -40,14 +41,14 @@
  * into out (row length ld bytes, zero padded beyond D), scales[r] =
  * scale (0 for a row of zeros, NaN for a row with inf / NaN), and, when
  * dots is not NULL, dots[r] = sum_d x[d] dv[d] and, when ksum is not
- * NULL, ksum[r] = 128 sum_d q8[d].  ybuf: D floats.
+ * NULL, ksum[r] = 128 sum_d q8[d] (an int32).  ybuf: D floats.
  * Rounding to nearest even by adding and subtracting 1.5 * 2^23 (|y /
  * scale| <= 127): the loops vectorize, without a libm call.
  */
 #define AC_DEF_I8_QUANT(NAME, TGT)                                                         \
 static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,          \
                      const float *sub, const float *w, const float *dv, int8_t *out,      \
-                     ptrdiff_t ld, float *scales, float *dots, float *ksum, float *ybuf)  \
+                     ptrdiff_t ld, float *scales, float *dots, int32_t *ksum, float *ybuf) \
 {                                                                                          \
     const float magic = 12582912.0f;                                                       \
     for (ptrdiff_t r = 0; r < n; r++) {                                                    \
@@ -92,7 +93,7 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
             for (ptrdiff_t d = D; d < ld; d++) o[d] = 0;                                   \
             scales[r] = amax / 127.0f;                                                     \
         }                                                                                  \
-        if (ksum) ksum[r] = 128.0f * (float)sum;                                           \
+        if (ksum) ksum[r] = 128 * sum;                                                     \
     }                                                                                      \
 }
 
@@ -157,7 +158,7 @@ AC_DEF_I8_STATS(ac_i8_col_stats_c, )
 static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void ac_i8_quantize_rows_avx512(
     const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D, const float *sub,
     const float *w, const float *dv, int8_t *out, ptrdiff_t ld, float *scales, float *dots,
-    float *ksum, float *ybuf)
+    int32_t *ksum, float *ybuf)
 {
     const __m512 absm = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (ptrdiff_t r = 0; r < n; r++) {
@@ -202,7 +203,7 @@ static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) vo
             for (ptrdiff_t d = D; d < ld; d++) o[d] = 0;
             scales[r] = amax / 127.0f;
         }
-        if (ksum) ksum[r] = 128.0f * (float)sum;
+        if (ksum) ksum[r] = 128 * sum;
     }
 }
 AC_DEF_I8_STATS(ac_i8_col_stats_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))))
@@ -211,7 +212,7 @@ AC_DEF_I8_STATS(ac_i8_col_stats_avx512, __attribute__((target("avx512f,avx512bw,
 static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
                                 const float *sub, const float *w, const float *dv,
                                 int8_t *out, ptrdiff_t ld, float *scales, float *dots,
-                                float *ksum, float *ybuf)
+                                int32_t *ksum, float *ybuf)
 {
 #if AC_HAVE_X86_SMALL
     if (ac_kernel_path == AC_PATH_AVX512) {
@@ -301,7 +302,9 @@ static TGT __attribute__((noinline)) void NAME(const uint32_t *QT4, int Dq,     
     __m512i a0[KU], a1[KU];                                                                \
     _Pragma("GCC unroll 8")                                                                \
     for (int u = 0; u < KU; u++) {                                                        \
-        a0[u] = _mm512_set1_epi32(-(int)kp[2 * u + 1]);                                    \
+        int32_t c_;                                                                        \
+        memcpy(&c_, kp + 2 * u + 1, 4);                                                    \
+        a0[u] = _mm512_set1_epi32(-c_);                                                    \
         a1[u] = a0[u];                                                                     \
     }                                                                                      \
     for (int t = 0; t < Dq; t++) {                                                         \
