@@ -145,9 +145,10 @@ def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
             s = np.sqrt(ak / aq)
         ok = np.isfinite(s) & (ak > 0) & (aq > 0)
         s = np.where(ok, np.clip(s, 2.0 ** -16, 2.0 ** 16), 1.0).astype(_F32)
-        # the key means / scales of non-finite columns: 0 / 1 (the rows'
-        # own scales carry the inf / NaN into the scores)
-        mu = np.where(np.isfinite(mu), mu, 0).astype(_F32)
+        # the key means / scales of non-finite columns -- inf / NaN entries,
+        # or keys so large that k - mu overflows -- are 0 / 1 (the rows' own
+        # scales carry an inf / NaN into the scores)
+        mu = np.where(np.isfinite(mu) & np.isfinite(ak), mu, 0).astype(_F32)
         if _SMOOTHING != "full":
             s = np.ones_like(s)
             if _SMOOTHING == "off":

@@ -293,6 +293,23 @@ def test_nan_rows_and_masked_keys(i8mode):
     assert np.isfinite(out[0, 0, 4:10]).all()
 
 
+def test_tiny_and_huge_rows(i8mode):
+    """Rows far below float32's normal range (their scale would overflow
+    127 / max) and huge keys, with an int8 cache (no balancing)."""
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((1, 2, 40, 16)) * 1e-39).astype(np.float32)
+    k = (rng.standard_normal((1, 2, 40, 16)) * 5e37).astype(np.float32)
+    assert np.isfinite(k).all()
+    v = _rand((1, 2, 40, 16), 2)
+    k8 = attncore.quantize_kv(k)
+    kd = k8[0] * k8[1][..., None].astype(np.float64)
+    out = sd(q, k8, v, precision="int8")
+    ref = sdpa_ref(_q8(q.astype(np.float64)), kd, v)
+    np.testing.assert_allclose(out, ref, atol=1e-4)
+    out = sd(q, k, v, precision="int8")
+    assert _cos_err(out, sdpa_ref(q, k, v)) < 1e-3
+
+
 def test_inputs_not_modified(i8mode):
     q, k, v = (_rand((1, 2, 80, 24), s) for s in range(3))
     copies = [x.copy() for x in (q, k, v)]

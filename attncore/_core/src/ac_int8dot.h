@@ -81,10 +81,13 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
             memset(o, 0, (size_t)ld);                                                      \
             scales[r] = nonfinite ? NAN : 0.0f;                                            \
         } else {                                                                           \
-            const float inv = 127.0f / amax;                                               \
+            /* a row below 2^-64 is first scaled up by 2^64 (exactly): 127 /     \
+               amax would overflow */                                                      \
+            const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;                             \
+            const float inv = 127.0f / (amax * up);                                        \
             _Pragma("omp simd reduction(+:sum)")                                           \
             for (int d = 0; d < D; d++) {                                                  \
-                float t = (ybuf[d] * inv + magic) - magic;                                 \
+                float t = ((ybuf[d] * up) * inv + magic) - magic;                          \
                 t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);                     \
                 const int it = (int)t;                                                     \
                 o[d] = (int8_t)it;                                                         \
@@ -190,11 +193,15 @@ static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) vo
             memset(o, 0, (size_t)ld);
             scales[r] = nf ? NAN : 0.0f;
         } else {
-            const __m512 inv = _mm512_set1_ps(127.0f / amax);
+            /* a row below 2^-64 is first scaled up by 2^64 (exactly): 127 /
+               amax would overflow */
+            const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;
+            const __m512 inv = _mm512_set1_ps(127.0f / (amax * up)), vup = _mm512_set1_ps(up);
             __m512i vs = _mm512_setzero_si512();
             for (int d = 0; d < D; d += 16) {
                 const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1u);
-                __m512i it = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, ybuf + d), inv));
+                __m512i it = _mm512_cvtps_epi32(_mm512_mul_ps(
+                    _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ybuf + d), vup), inv));
                 it = _mm512_max_epi32(_mm512_min_epi32(it, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
                 vs = _mm512_add_epi32(vs, it);
                 _mm_mask_storeu_epi8(o + d, m, _mm512_cvtepi32_epi8(it));
