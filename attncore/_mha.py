@@ -485,6 +485,7 @@ class MultiHeadAttention:
         self._setup(num_heads, num_kv_heads, qw, kw, vw, ow, *biases, dtype=dt)
         self.rotary = rotary
         self.alibi_slopes = alibi_slopes
+        self.precision = precision        # again: checked against the dtype
 
     @property
     def rotary(self) -> dict | None:
@@ -536,13 +537,17 @@ class MultiHeadAttention:
 
     @property
     def precision(self) -> str | None:
-        """The dot products' precision of every call (None, 'float32' or
-        'bfloat16'; see :func:`attncore.scaled_dot_product_attention`)."""
+        """The dot products' precision of every call (None, 'float32',
+        'bfloat16' or 'int8'; see :func:`attncore.scaled_dot_product_attention`)."""
         return self._precision
 
     @precision.setter
     def precision(self, value: str | None) -> None:
-        self._precision = parse_precision(value)
+        prec = parse_precision(value)
+        if prec is not None and getattr(self, "_cdt", None) == np.float64:
+            raise ValueError(f"precision={prec!r} is for float32, float16 and bfloat16 layers; "
+                             f"this layer computes in float64 (pass precision=None)")
+        self._precision = prec
 
     @property
     def num_threads(self) -> int | None:

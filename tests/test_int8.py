@@ -59,18 +59,20 @@ def _q8(x):
 
 def method_model(q, k, v, group=1, **kw):
     """The documented method in plain float64 NumPy: keys minus their mean
-    over the keys, channel c balanced by s_c = sqrt(max|k_c - mu_c| /
-    max|q_c|) (queries of the key head's group), per-token int8, then the
-    float64 reference attention of the quantized rows (+ q . mu, which only
-    the lse and soft cap see)."""
+    over the keys, channel c balanced by s_c = sqrt(a(k_c - mu_c) / a(q_c))
+    with a(x) = min(max|x|, 16 mean|x|) (queries of the key head's group),
+    per-token int8, then the float64 reference attention of the quantized
+    rows (+ q . mu, which only the lse and soft cap see)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     mu = k.mean(-2, keepdims=True)
     ks = k - mu
-    ak = np.abs(ks).max(-2, keepdims=True)
-    aq = np.abs(q).max(-2, keepdims=True)
+    ak = np.minimum(np.abs(ks).max(-2, keepdims=True), 16 * np.abs(ks).mean(-2, keepdims=True))
     if group > 1:
-        sh = aq.shape
-        aq = aq.reshape(sh[:-3] + (sh[-3] // group, group) + sh[-2:]).max(-3)
+        sh = q.shape
+        qg = np.abs(q).reshape(sh[:-3] + (sh[-3] // group, group) + sh[-2:])
+        aq = np.minimum(qg.max((-3, -2))[..., None, :], 16 * qg.mean((-3, -2))[..., None, :])
+    else:
+        aq = np.minimum(np.abs(q).max(-2, keepdims=True), 16 * np.abs(q).mean(-2, keepdims=True))
     s = np.sqrt(np.where((ak > 0) & (aq > 0), ak / np.where(aq > 0, aq, 1), 1.0))
     kq = _q8(ks / s)
     sq = np.repeat(s, group, axis=-3)
@@ -204,7 +206,7 @@ def test_combinations(i8mode, path, case):
         # the exact ones
         np.testing.assert_allclose(extra, mextra, atol=2e-4, rtol=1e-4)
         # (offset keys: scores in the hundreds)
-        np.testing.assert_allclose(extra, rextra, rtol=5e-3, atol=0.25 if want_lse else 0.05)
+        np.testing.assert_allclose(extra, rextra, rtol=5e-3, atol=0.25 if want_lse else 0.1)
     else:
         out = res
     assert _cos_err(out, meth) < 2e-6
@@ -310,6 +312,22 @@ def test_tiny_and_huge_rows(i8mode):
     assert _cos_err(out, sdpa_ref(q, k, v)) < 1e-3
 
 
+def test_one_outlier_query_leaves_other_rows_alone(i8mode):
+    """An inf (that row: NaN) or a large value in one query row must not
+    degrade the other rows, heads or batch elements sharing the keys."""
+    q = _rand((4, 2, 64, 64), 0)
+    k, v = _rand((1, 2, 256, 64), 1), _rand((1, 2, 256, 64), 2)
+    ref = sdpa_ref(q, k, v)
+    for bad in (np.inf, 1e3):
+        q2 = q.copy()
+        q2[0, 0, 0, 5] = bad
+        out = sd(q2, k, v, precision="int8")
+        if bad == np.inf:
+            assert np.isnan(out[0, 0, 0]).all()
+        assert _cos_err(out[1:], ref[1:]) < 1e-4
+        assert _cos_err(out[0, :, 1:], ref[0, :, 1:]) < 1e-4
+
+
 def test_inputs_not_modified(i8mode):
     q, k, v = (_rand((1, 2, 80, 24), s) for s in range(3))
     copies = [x.copy() for x in (q, k, v)]
@@ -326,6 +344,15 @@ def test_bad_precision():
         sd(q, q, q, precision="int4")
     with pytest.raises(TypeError, match="precision must be"):
         sd(q, q, q, precision=8)
+
+
+def test_layer_precision_float64_is_refused():
+    with pytest.raises(ValueError, match="float64"):
+        attncore.MultiHeadAttention(16, 2, dtype="float64", precision="int8")
+    mha = attncore.MultiHeadAttention(16, 2, dtype="float64")
+    with pytest.raises(ValueError, match="float64"):
+        mha.precision = "int8"
+    assert mha.precision is None
 
 
 def test_layer_precision():

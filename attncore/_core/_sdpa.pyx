@@ -99,7 +99,7 @@ cdef extern from "ac_sdpa.h" nogil:
                              int8_t *out, Py_ssize_t ld, float *scales, float *dots,
                              int32_t *ksum, float *ybuf)
     void ac_i8_col_stats(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
-                         float *mean, float *amax, float *ybuf, double *acc)
+                         float *mean, float *mabs, float *amax, float *ybuf, double *acc)
     Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
@@ -276,12 +276,14 @@ def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads)
         _release_all(&bufs)
 
 
-def int8_col_stats(x, int fmt, mean, amax, int nthreads):
-    """Per head h of the 3-D array x (as int8_quantize): mean (None or
-    (nh, D) float32) receives the column means, amax (nh, D) float32 the
-    largest |x - mean| (|x| without mean) per column."""
+def int8_col_stats(x, int fmt, mean, mabs, amax, int nthreads):
+    """Per head h of the 3-D array x (as int8_quantize), over the finite
+    entries of each column: mean (None or (nh, D) float32) receives the
+    column means and mabs (nh, D) float32 the mean |x - mean| (with mean
+    None: the mean |x|); amax (nh, D) float32 the largest finite |x|."""
     cdef _Buffers bufs
     cdef Py_buffer *bx
+    cdef float[:, ::1] mav = mabs
     cdef float[:, ::1] amv = amax
     cdef float[:, ::1] mv
     cdef float *pm = NULL
@@ -297,7 +299,8 @@ def int8_col_stats(x, int fmt, mean, amax, int nthreads):
         nh, R, D = bx.shape[0], bx.shape[1], bx.shape[2]
         if (bx.itemsize != (2 if fmt else 4) or (D > 1 and bx.strides[2] != bx.itemsize)
                 or bx.strides[0] % bx.itemsize or bx.strides[1] % bx.itemsize
-                or amv.shape[0] != nh or amv.shape[1] != D):
+                or amv.shape[0] != nh or amv.shape[1] != D
+                or mav.shape[0] != nh or mav.shape[1] != D):
             raise ValueError("int8_col_stats: inconsistent operands")
         if mean is not None:
             mv = mean
@@ -316,7 +319,7 @@ def int8_col_stats(x, int fmt, mean, amax, int nthreads):
                 for h in prange(nh, schedule='static'):
                     ac_i8_col_stats(xb + h * xs_h * bx.itemsize, fmt, xs_r, R, <int>D,
                                     pm + h * D if pm != NULL else NULL,
-                                    &amv[0, 0] + h * D, yb, ab)
+                                    &mav[0, 0] + h * D, &amv[0, 0] + h * D, yb, ab)
             free(yb)
             free(ab)
     finally:

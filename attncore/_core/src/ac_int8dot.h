@@ -101,57 +101,65 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
 }
 
 /*
- * Column statistics of rows r < n of x (as ac_i8_quantize_rows): when mean
- * is not NULL, mean[d] = the column means (accumulated in double) and
- * amax[d] = max_r |x[r][d] - mean[d]| (from the column's largest and
- * smallest entries: one pass); without mean, amax[d] = max_r |x[r][d]|.
- * Non-finite entries make amax (and the mean) inf / NaN.  ybuf: D floats;
- * acc: 3 D doubles.
+ * Column statistics of rows r < n of x (as ac_i8_quantize_rows), over the
+ * finite entries of each column only:
+ *   mean not NULL: mean[d] = the column's mean (0 without a finite entry),
+ *                  mabs[d] = the mean of |x - mean[d]|, amax[d] = the
+ *                  largest |x - mean[d]|;
+ *   mean NULL:     mabs[d] = the mean of |x|, amax[d] = the largest |x|.
+ * (A mean absolute value, not a maximum: one outlier entry moves it by its
+ * share only.)  Sums in double.  ybuf: D floats; acc: 3 D doubles.
  */
 #define AC_DEF_I8_STATS(NAME, TGT)                                                         \
 static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,          \
-                     float *mean, float *amax, float *ybuf, double *acc)                  \
+                     float *mean, float *mabs, float *amax, float *ybuf, double *acc)      \
 {                                                                                          \
-    float *mx = (float *)(void *)(acc + D), *mn = mx + D;                                  \
+    double *cnt = acc + D, *dev = acc + 2 * D;                                             \
     for (int d = 0; d < D; d++) {                                                          \
         acc[d] = 0.0;                                                                      \
+        cnt[d] = 0.0;                                                                      \
+        dev[d] = 0.0;                                                                      \
         amax[d] = 0.0f;                                                                    \
-        mx[d] = -INFINITY;                                                                 \
-        mn[d] = INFINITY;                                                                  \
     }                                                                                      \
-    for (ptrdiff_t r = 0; r < n; r++) {                                                    \
-        const float *y;                                                                    \
-        if (fmt) {                                                                         \
-            ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D);    \
-            y = ybuf;                                                                      \
-        } else {                                                                           \
-            y = (const float *)x + r * x_rs;                                               \
-        }                                                                                  \
-        if (mean) {                                                                        \
-            _Pragma("omp simd")                                                            \
-            for (int d = 0; d < D; d++) {                                                  \
-                acc[d] += (double)y[d];                                                    \
-                mx[d] = y[d] > mx[d] ? y[d] : mx[d];                                       \
-                mn[d] = y[d] < mn[d] ? y[d] : mn[d];                                       \
+    for (int pass = 0; pass < (mean ? 2 : 1); pass++) {                                    \
+        for (ptrdiff_t r = 0; r < n; r++) {                                                \
+            const float *y;                                                                \
+            if (fmt) {                                                                     \
+                ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D); \
+                y = ybuf;                                                                  \
+            } else {                                                                       \
+                y = (const float *)x + r * x_rs;                                           \
             }                                                                              \
-        } else {                                                                           \
-            _Pragma("omp simd")                                                            \
+            if (pass == 0) {                                                               \
+                _Pragma("omp simd")                                                        \
+                for (int d = 0; d < D; d++) {                                              \
+                    const float a = fabsf(y[d]);                                           \
+                    const int ok = a <= 3.4028234663852886e38f;                            \
+                    acc[d] += ok ? (double)y[d] : 0.0;                                     \
+                    dev[d] += ok ? (double)a : 0.0;                                        \
+                    cnt[d] += ok ? 1.0 : 0.0;                                              \
+                    amax[d] = (ok && a > amax[d]) ? a : amax[d];                           \
+                }                                                                          \
+            } else {                                                                       \
+                _Pragma("omp simd")                                                        \
+                for (int d = 0; d < D; d++) {                                              \
+                    const double t = (double)y[d] - (double)mean[d];                       \
+                    const int ok = fabsf(y[d]) <= 3.4028234663852886e38f;                  \
+                    const double at = t < 0 ? -t : t;                                      \
+                    dev[d] += ok ? at : 0.0;                                               \
+                    amax[d] = (ok && at > amax[d]) ? (float)at : amax[d];                  \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        if (pass == 0 && mean) {                                                           \
             for (int d = 0; d < D; d++) {                                                  \
-                const float a = fabsf(y[d]);                                               \
-                /* NaN sticks (a comparison alone would drop it) */                        \
-                amax[d] = (a > amax[d] || a != a) ? a : amax[d];                           \
+                mean[d] = cnt[d] > 0 ? (float)(acc[d] / cnt[d]) : 0.0f;                    \
+                dev[d] = 0.0;                                                              \
+                amax[d] = 0.0f;                                                            \
             }                                                                              \
         }                                                                                  \
     }                                                                                      \
-    if (mean) {                                                                            \
-        for (int d = 0; d < D; d++) {                                                      \
-            const float m = n > 0 ? (float)(acc[d] / (double)n) : 0.0f;                    \
-            mean[d] = m;                                                                   \
-            /* NaN (in the sum, so in m) propagates through the differences */             \
-            const float hi = mx[d] - m, lo = m - mn[d];                                    \
-            amax[d] = n > 0 ? (hi > lo ? hi : lo) : 0.0f;                                  \
-        }                                                                                  \
-    }                                                                                      \
+    for (int d = 0; d < D; d++) mabs[d] = cnt[d] > 0 ? (float)(dev[d] / cnt[d]) : 0.0f;    \
 }
 
 AC_DEF_I8_QUANT(ac_i8_quantize_rows_c, )
@@ -232,15 +240,15 @@ static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_
 }
 
 static void ac_i8_col_stats(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
-                            float *mean, float *amax, float *ybuf, double *acc)
+                            float *mean, float *mabs, float *amax, float *ybuf, double *acc)
 {
 #if AC_HAVE_X86_SMALL
     if (ac_kernel_path == AC_PATH_AVX512) {
-        ac_i8_col_stats_avx512(x, fmt, x_rs, n, D, mean, amax, ybuf, acc);
+        ac_i8_col_stats_avx512(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
         return;
     }
 #endif
-    ac_i8_col_stats_c(x, fmt, x_rs, n, D, mean, amax, ybuf, acc);
+    ac_i8_col_stats_c(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
 }
 
 /* one query block's int8 dot-product state (see the panel) */
