@@ -204,7 +204,10 @@ def test_combinations(i8mode, path, case):
         meth, mextra = meth
         # the weights / the lse: those of the int8 scores (the method), near
         # the exact ones
-        np.testing.assert_allclose(extra, mextra, atol=2e-4, rtol=1e-4)
+        # (float32 vs float64 statistics may put an entry a step apart)
+        np.testing.assert_allclose(extra, mextra, atol=1e-3, rtol=1e-4)
+        if want_w:
+            assert np.mean(np.abs(extra - mextra) > 2e-4) < 1e-4
         # (offset keys: scores in the hundreds)
         np.testing.assert_allclose(extra, rextra, rtol=5e-3, atol=0.25 if want_lse else 0.1)
     else:

@@ -221,7 +221,53 @@ static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) vo
         if (ksum) ksum[r] = 128 * sum;
     }
 }
-AC_DEF_I8_STATS(ac_i8_col_stats_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))))
+/* the same in AVX-512, 16 columns at a time, float sums (the statistics
+   steer the quantization; their last bits do not matter) */
+static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void
+ac_i8_col_stats_avx512(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D, float *mean,
+                       float *mabs, float *amax, float *ybuf, double *accd)
+{
+    float *sum = (float *)(void *)accd, *cnt = sum + D, *dev = cnt + D;
+    const __m512 absm = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 big = _mm512_set1_ps(3.4028234663852886e38f), one = _mm512_set1_ps(1.0f);
+    for (int d = 0; d < D; d++) sum[d] = cnt[d] = dev[d] = amax[d] = 0.0f;
+    for (int pass = 0; pass < (mean ? 2 : 1); pass++) {
+        for (ptrdiff_t r = 0; r < n; r++) {
+            const float *y;
+            if (fmt) {
+                ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D);
+                y = ybuf;
+            } else {
+                y = (const float *)x + r * x_rs;
+            }
+            for (int d = 0; d < D; d += 16) {
+                const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1u);
+                const __m512 yv = _mm512_maskz_loadu_ps(m, y + d);
+                const __mmask16 ok = _mm512_mask_cmp_ps_mask(m, _mm512_and_ps(yv, absm), big,
+                                                             _CMP_LE_OQ);
+                if (pass == 0) {
+                    const __m512 c = _mm512_maskz_loadu_ps(m, cnt + d);
+                    _mm512_mask_storeu_ps(cnt + d, m, _mm512_mask_add_ps(c, ok, c, one));
+                    if (mean) {
+                        const __m512 sm = _mm512_maskz_loadu_ps(m, sum + d);
+                        _mm512_mask_storeu_ps(sum + d, m, _mm512_mask_add_ps(sm, ok, sm, yv));
+                        continue;
+                    }
+                }
+                /* |y| (queries) or |y - mean| (keys, second pass) */
+                const __m512 t = mean ? _mm512_and_ps(_mm512_sub_ps(yv, _mm512_maskz_loadu_ps(m, mean + d)), absm)
+                                      : _mm512_and_ps(yv, absm);
+                const __m512 dv = _mm512_maskz_loadu_ps(m, dev + d);
+                _mm512_mask_storeu_ps(dev + d, m, _mm512_mask_add_ps(dv, ok, dv, t));
+                const __m512 am = _mm512_maskz_loadu_ps(m, amax + d);
+                _mm512_mask_storeu_ps(amax + d, m, _mm512_mask_max_ps(am, ok, am, t));
+            }
+        }
+        if (pass == 0 && mean)
+            for (int d = 0; d < D; d++) mean[d] = cnt[d] > 0 ? sum[d] / cnt[d] : 0.0f;
+    }
+    for (int d = 0; d < D; d++) mabs[d] = cnt[d] > 0 ? dev[d] / cnt[d] : 0.0f;
+}
 #endif
 
 static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
