@@ -20,12 +20,11 @@ this option.  Before quantizing:
   no longer sets every token's scale alone.  ``a(x)`` is the channel's
   largest magnitude, SmoothQuant's choice, but at most 16 times its mean
   magnitude: with the plain maximum one outlier entry of one query sets the
-  factor of its channel for every other query (measured: 1 - cos 9e-4
-  against 4e-5 for the other rows; 6.5e-5 with the bound), while a mean
-  alone doubled SmolLM2's KL divergence (6.5e-4 against 3.0e-4 with the
-  bound, 2.9e-4 with the maximum: bench/int8_accuracy.py).  The statistics skip inf / NaN
-  entries: such a row's own NaN scale reaches exactly the scores it takes
-  part in.
+  factor of its channel for every other query, while a mean alone (no
+  maximum) lost accuracy on a real decoder, whose outlier channels are
+  large in every token (bench/int8_accuracy.py: the other rows beside one
+  outlier, and the real decoder's KL divergence).  The statistics skip inf / NaN entries: such a row's own NaN
+  scale reaches exactly the scores it takes part in.
 * **Scales**: symmetric, one per query row and one per key row (per
   token): ``x8 = round(x / (max|x| / 127))``.  Measured against per-block
   scales (64 rows) on N(0, 1) inputs, per token halves the error

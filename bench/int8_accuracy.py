@@ -12,6 +12,8 @@ result of the same inputs:
   channels x20), with the method's parts switched off in turn: no
   smoothing, smoothing only (keys minus their mean), smoothing and channel
   balancing (the default);
+* one query element of 1e3 (4x2x256x64): the error of the other rows,
+  against the same rows without it;
 * causal rows over 8192 keys (the last 256 queries);
 * the scale granularity the method chose (per token) against per-block
   scales of 64 rows, as a float64 NumPy model of both (the kernel
@@ -96,6 +98,18 @@ def kernel_rows():
                 _int8._set_smoothing(prev)
             rows.append((f"offset+outlier keys D{D}, {label}", _cos(out, ref),
                          np.abs(out - ref).max(), "5e-4" if mode == "full" else "-"))
+    # one query element of 1e3: the error of the other rows (the balancing
+    # statistic is bounded by 16 x the channel's mean magnitude)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((4, 2, 256, 64), dtype=np.float32) for _ in range(3))
+    ref = sd(*(x.astype(np.float64) for x in (q, k, v)))
+    clean = sd(q, k, v, precision="int8")
+    q[0, 0, 0, 5] = 1e3
+    out = sd(q, k, v, precision="int8")
+    rows.append(("one query element 1e3: the other rows", _cos(out[1:], ref[1:]),
+                 np.abs(out[1:] - ref[1:]).max(), "-"))
+    rows.append(("  (the same rows without it)", _cos(clean[1:], ref[1:]),
+                 np.abs(clean[1:] - ref[1:]).max(), "-"))
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, 8, 256, 64), dtype=np.float32)
     k, v = (rng.standard_normal((1, 8, 8192, 64), dtype=np.float32) for _ in range(2))
