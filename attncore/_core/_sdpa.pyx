@@ -142,24 +142,29 @@ def bf16_mode():
     return _bf16_mode
 
 
+def _mode_code(mode, what, choices, default):
+    """The code of ``mode`` among ``choices`` ({name: code, or None where
+    this CPU cannot run it}); ``default`` for None."""
+    if mode is None:
+        return default
+    code = choices.get(mode) if isinstance(mode, str) else None
+    if code is None:
+        names = ", ".join(repr(n) for n in choices)
+        raise ValueError(f"{what} mode must be {names} or None and runnable on this CPU, "
+                         f"got {mode!r}")
+    return code
+
+
 def set_bf16_mode(mode):
     """Private, process-wide (tests and benchmarks): 'native' (needs
     AVX512_BF16), 'emulate' (needs AVX-512), 'off', or None (the default
     of this CPU).  Returns the previous mode's name."""
     global _bf16_mode
-    names = ("off", "native", "emulate")
-    prev = names[_bf16_mode]
-    if mode is None:
-        _bf16_mode = 1 if ac_cpu_bf16_dot() else 0
-    elif mode == "native" and ac_cpu_bf16_dot():
-        _bf16_mode = 1
-    elif mode == "emulate" and ac_best_path == 2:
-        _bf16_mode = 2
-    elif mode == "off":
-        _bf16_mode = 0
-    else:
-        raise ValueError(f"bf16 mode must be 'native', 'emulate', 'off' or None and runnable "
-                         f"on this CPU, got {mode!r}")
+    prev = ("off", "native", "emulate")[_bf16_mode]
+    _bf16_mode = _mode_code(
+        mode, "bf16", {"native": 1 if ac_cpu_bf16_dot() else None,
+                       "emulate": 2 if ac_best_path == 2 else None, "off": 0},
+        1 if ac_cpu_bf16_dot() else 0)
     return prev
 
 
@@ -181,20 +186,23 @@ def set_int8_mode(mode):
     AVX512_VNNI), 'emulate' (needs AVX-512), 'dequantize', or None (the
     default of this CPU).  Returns the previous mode's name."""
     global _int8_mode
-    names = (None, "native", "emulate", "dequantize")
-    prev = names[_int8_mode]
-    if mode is None:
-        _int8_mode = 1 if ac_cpu_vnni() else 3
-    elif mode == "native" and ac_cpu_vnni():
-        _int8_mode = 1
-    elif mode == "emulate" and ac_best_path == 2:
-        _int8_mode = 2
-    elif mode == "dequantize":
-        _int8_mode = 3
-    else:
-        raise ValueError(f"int8 mode must be 'native', 'emulate', 'dequantize' or None and "
-                         f"runnable on this CPU, got {mode!r}")
+    prev = (None, "native", "emulate", "dequantize")[_int8_mode]
+    _int8_mode = _mode_code(
+        mode, "int8", {"native": 1 if ac_cpu_vnni() else None,
+                       "emulate": 2 if ac_best_path == 2 else None, "dequantize": 3},
+        1 if ac_cpu_vnni() else 3)
     return prev
+
+
+cdef int _check_rows3(const Py_buffer *bx, int fmt, str who) except -1:
+    """x of int8_quantize / int8_col_stats: 3-D (nh, R, D) float32 (fmt 0)
+    or 16-bit bits, its last axis contiguous, strides whole elements."""
+    if (bx.ndim != 3 or bx.itemsize != (2 if fmt else 4)
+            or (bx.shape[2] > 1 and bx.strides[2] != bx.itemsize)
+            or bx.strides[0] % bx.itemsize or bx.strides[1] % bx.itemsize):
+        raise ValueError(f"{who}: x must be 3-D float32 (or 16-bit with fmt) with contiguous "
+                         f"rows")
+    return 0
 
 
 def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads):
@@ -222,18 +230,19 @@ def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads)
     cdef float *yb
     cdef char *xb
     cdef int8_t *ob
+    cdef int err = 0
+    cdef int *errp = &err
     bufs.n = 0
     try:
         bx = _acquire(&bufs, x, PyBUF_RECORDS_RO)
         bo = _acquire(&bufs, out, PyBUF_RECORDS)
-        if bx.ndim != 3 or bo.ndim != 3 or bo.itemsize != 1:
-            raise ValueError("int8_quantize: x and out must be 3-D, out int8")
+        _check_rows3(bx, fmt, "int8_quantize")
+        if bo.ndim != 3 or bo.itemsize != 1:
+            raise ValueError("int8_quantize: out must be 3-D int8")
         nh, R, D = bx.shape[0], bx.shape[1], bx.shape[2]
         ld = bo.shape[2]
-        if (bx.itemsize != (2 if fmt else 4) or (D > 1 and bx.strides[2] != bx.itemsize)
-                or bo.shape[0] != nh or bo.shape[1] != R or ld < D
+        if (bo.shape[0] != nh or bo.shape[1] != R or ld < D
                 or bo.strides[2] != 1 or bo.strides[1] != ld or bo.strides[0] != R * ld
-                or bx.strides[0] % bx.itemsize or bx.strides[1] % bx.itemsize
                 or wv.shape[0] != nh or wv.shape[1] != D
                 or scv.shape[0] != nh or scv.shape[1] != R):
             raise ValueError("int8_quantize: inconsistent operands")
@@ -262,8 +271,10 @@ def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads)
         ob = <int8_t *>bo.buf
         with nogil, parallel(num_threads=nthreads if nthreads > 1 else 1):
             yb = <float *>malloc(D * sizeof(float))
-            if yb != NULL:
-                for h in prange(nh, schedule='static'):
+            if yb == NULL:
+                errp[0] = -1
+            for h in prange(nh, schedule='static'):
+                if yb != NULL:
                     ac_i8_quantize_rows(xb + h * xs_h * bx.itemsize, fmt, xs_r, R, <int>D,
                                         psub + h * D if psub != NULL else NULL,
                                         &wv[0, 0] + h * D,
@@ -272,6 +283,8 @@ def int8_quantize(x, int fmt, sub, w, dv, out, scales, dots, ksum, int nthreads)
                                         pdots + h * R if pdots != NULL else NULL,
                                         pks + h * R if pks != NULL else NULL, yb)
             free(yb)
+        if err:
+            raise MemoryError("attncore: could not allocate the quantizer's scratch memory")
     finally:
         _release_all(&bufs)
 
@@ -291,15 +304,14 @@ def int8_col_stats(x, int fmt, mean, mabs, amax, int nthreads):
     cdef float *yb
     cdef double *ab
     cdef char *xb
+    cdef int err = 0
+    cdef int *errp = &err
     bufs.n = 0
     try:
         bx = _acquire(&bufs, x, PyBUF_RECORDS_RO)
-        if bx.ndim != 3:
-            raise ValueError("int8_col_stats: x must be 3-D")
+        _check_rows3(bx, fmt, "int8_col_stats")
         nh, R, D = bx.shape[0], bx.shape[1], bx.shape[2]
-        if (bx.itemsize != (2 if fmt else 4) or (D > 1 and bx.strides[2] != bx.itemsize)
-                or bx.strides[0] % bx.itemsize or bx.strides[1] % bx.itemsize
-                or amv.shape[0] != nh or amv.shape[1] != D
+        if (amv.shape[0] != nh or amv.shape[1] != D
                 or mav.shape[0] != nh or mav.shape[1] != D):
             raise ValueError("int8_col_stats: inconsistent operands")
         if mean is not None:
@@ -315,13 +327,17 @@ def int8_col_stats(x, int fmt, mean, mabs, amax, int nthreads):
         with nogil, parallel(num_threads=nthreads if nthreads > 1 else 1):
             yb = <float *>malloc(D * sizeof(float))
             ab = <double *>malloc(3 * D * sizeof(double))
-            if yb != NULL and ab != NULL:
-                for h in prange(nh, schedule='static'):
+            if yb == NULL or ab == NULL:
+                errp[0] = -1
+            for h in prange(nh, schedule='static'):
+                if yb != NULL and ab != NULL:
                     ac_i8_col_stats(xb + h * xs_h * bx.itemsize, fmt, xs_r, R, <int>D,
                                     pm + h * D if pm != NULL else NULL,
                                     &mav[0, 0] + h * D, &amv[0, 0] + h * D, yb, ab)
             free(yb)
             free(ab)
+        if err:
+            raise MemoryError("attncore: could not allocate the quantizer's scratch memory")
     finally:
         _release_all(&bufs)
 

@@ -33,6 +33,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* row r of x (row stride x_rs elements; fmt 0 float32, else 16-bit bits
+   converted into ybuf, D floats) as float32 */
+static inline const float *ac_i8_row(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t r, int D,
+                                     float *ybuf)
+{
+    if (!fmt) return (const float *)x + r * x_rs;
+    ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D);
+    return ybuf;
+}
+
 /*
  * The int8 operands of precision="int8": rows r < n of x (row stride
  * x_rs elements; fmt 0 float32, AC_H_BF16 / AC_H_F16 16-bit) as
@@ -52,13 +62,7 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
 {                                                                                          \
     const float magic = 12582912.0f;                                                       \
     for (ptrdiff_t r = 0; r < n; r++) {                                                    \
-        const float *xr;                                                                   \
-        if (fmt) {                                                                         \
-            ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D);    \
-            xr = ybuf;                                                                     \
-        } else {                                                                           \
-            xr = (const float *)x + r * x_rs;                                              \
-        }                                                                                  \
+        const float *xr = ac_i8_row(x, fmt, x_rs, r, D, ybuf);                             \
         if (dots) {                                                                        \
             float dot = 0.0f;                                                              \
             _Pragma("omp simd reduction(+:dot)")                                           \
@@ -123,13 +127,7 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
     }                                                                                      \
     for (int pass = 0; pass < (mean ? 2 : 1); pass++) {                                    \
         for (ptrdiff_t r = 0; r < n; r++) {                                                \
-            const float *y;                                                                \
-            if (fmt) {                                                                     \
-                ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D); \
-                y = ybuf;                                                                  \
-            } else {                                                                       \
-                y = (const float *)x + r * x_rs;                                           \
-            }                                                                              \
+            const float *y = ac_i8_row(x, fmt, x_rs, r, D, ybuf);                          \
             if (pass == 0) {                                                               \
                 _Pragma("omp simd")                                                        \
                 for (int d = 0; d < D; d++) {                                              \
@@ -173,13 +171,7 @@ static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) vo
 {
     const __m512 absm = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (ptrdiff_t r = 0; r < n; r++) {
-        const float *xr;
-        if (fmt) {
-            ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D);
-            xr = ybuf;
-        } else {
-            xr = (const float *)x + r * x_rs;
-        }
+        const float *xr = ac_i8_row(x, fmt, x_rs, r, D, ybuf);
         __m512 vdot = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
         __mmask16 nf = 0;
         for (int d = 0; d < D; d += 16) {
@@ -233,13 +225,7 @@ ac_i8_col_stats_avx512(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int 
     for (int d = 0; d < D; d++) sum[d] = cnt[d] = dev[d] = amax[d] = 0.0f;
     for (int pass = 0; pass < (mean ? 2 : 1); pass++) {
         for (ptrdiff_t r = 0; r < n; r++) {
-            const float *y;
-            if (fmt) {
-                ac_half_rows_f32(fmt, (const uint16_t *)x + r * x_rs, x_rs, 1, D, ybuf, D);
-                y = ybuf;
-            } else {
-                y = (const float *)x + r * x_rs;
-            }
+            const float *y = ac_i8_row(x, fmt, x_rs, r, D, ybuf);
             for (int d = 0; d < D; d += 16) {
                 const __mmask16 m = D - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1u);
                 const __m512 yv = _mm512_maskz_loadu_ps(m, y + d);
