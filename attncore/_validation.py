@@ -361,3 +361,13 @@ def batch_shape(q, k, v, m, enable_gqa: bool):
                 f"{exc}; key/value have {k.shape[-3]} heads (axis -3) and query has "
                 f"{q.shape[-3]}: pass enable_gqa=True for grouped-query attention") from None
         raise
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """Whether every element of ``a`` is finite: one summing pass without a
+    temporary, the element-wise test only where the sum is not finite (an
+    overflow of the sum itself, or a non-finite element); no warning."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(a.sum()):
+            return True
+    return bool(np.isfinite(a).all())

@@ -18,16 +18,13 @@ from numpy.typing import ArrayLike
 from ._core import _sdpa
 from ._dtypes import HALF_BF16, half_code, resolve, to_float
 from ._interop import foreign_arrays
-from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
-                       blas_parallel_threads, blas_small_products_ok, resolve_num_threads)
-from ._validation import (aligned, as_float_array, parse_bool, parse_scale, parse_softcap,
+from ._threads import SERIAL_FLOPS, resolve_num_threads
+from ._validation import (aligned, all_finite, as_float_array, parse_bool, parse_scale, parse_softcap,
                           parse_window, to_array)
 
 __all__ = ["varlen_attention"]
 
 _INT32_MAX = 2**31 - 1
-# query blocks of at most this many rows take the direct loops (see functional)
-_SMALL_ROWS = 4
 
 
 def _check_cu(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
@@ -103,18 +100,12 @@ def _threads_and_tiles(cdt, lq: np.ndarray, lk: np.ndarray, maxq: int, maxk: int
     """(Bq, Bk, threads) of one packed call: the tiles functional.plan
     chooses for the longest sequence, the thread count capped by the real
     work (no padding counted)."""
-    from .functional import plan
+    from .functional import plan_call
     flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lk)) * (D + Dv)
     if flops < SERIAL_FLOPS:
         nthreads = 1
-    pl = plan(cdt, maxq, max(maxk, 1), D, Dv, causal, len(lq) * Hq, nthreads)
-    uses_blas = not pl.fused and maxq > _SMALL_ROWS
-    if uses_blas and nthreads > 1 and not blas_hold_supported():
-        if blas_small_products_ok():
-            pl = plan(cdt, maxq, max(maxk, 1), D, Dv, causal, len(lq) * Hq, nthreads,
-                      blas_mnk=OPENBLAS_SERIAL_MNK)
-        else:
-            nthreads = blas_parallel_threads(nthreads)
+    pl = plan_call(cdt, maxq, max(maxk, 1), D, Dv, causal, len(lq) * Hq, nthreads)
+    nthreads = pl.nthreads
     items = int(Hq * (-(-lq // pl.Bq)).sum())
     return pl.Bq, pl.Bk, max(1, min(nthreads, items))
 
@@ -261,6 +252,7 @@ def varlen_attention(
     slopes = None if alibi_slopes is None else _slopes(alibi_slopes, B, Hq)
     pol = resolve((qa.dtype, ka.dtype, va.dtype), ("q", "k", "v"))
     cdt, rdt = pol.compute, pol.result
+    operands = (qa, ka, va)
     if max(D, Dv) > _INT32_MAX:
         raise ValueError("head dimensions must be below 2**31")
 
@@ -282,4 +274,13 @@ def varlen_attention(
                       for a, f in ((qa, qf), (ka, kf), (va, vf)))
         _sdpa.sdpa_varlen(qa, ka, va, out, cq, ck, group, D, Dv, causal, sc, Bq, Bk,
                           nthreads, win[0], win[1], cap, qf, kf, vf, slopes)
+        if cdt == np.float32 and not all_finite(out) and \
+                all(all_finite(to_float(a, np.dtype(np.float64))) for a in operands):
+            # float32 sums overflowed (values near the float32 maximum, all
+            # finite): the call again in float64 (functional._float64_rerun)
+            return varlen_attention(
+                to_float(operands[0], np.dtype(np.float64)), to_float(operands[1], np.dtype(np.float64)),
+                to_float(operands[2], np.dtype(np.float64)), cq, ck, is_causal=is_causal, scale=sc,
+                window=window, softcap=softcap, alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
+                num_threads=num_threads).astype(rdt)
     return out if rdt == cdt else out.astype(rdt)

@@ -34,6 +34,7 @@ from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
                           parse_float_dtype, parse_mask, parse_positive_int, parse_scale,
                           parse_softcap, parse_window)
+from ._validation import all_finite
 from ._validation import blas_rows as _rows_ok
 from ._validation import batch_shape as _batch_shape
 from ._validation import check_mask as _check_mask
@@ -153,6 +154,33 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         nsplit = -(-M // chunk)
     nthreads = max(1, min(nthreads, work * nsplit))
     return Plan(Bq, Bk, nsplit, chunk, nthreads, fused)
+
+
+def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
+              return_weights: bool = False, kernel_path: str | None = None,
+              converted_kv: bool = False) -> Plan:
+    """:func:`plan` and the BLAS thread policy of one call, decided together.
+
+    The one place where a call's tiles meet the BLAS it loads, so that
+    re-planning for the BLAS keeps every other argument of the plan.  Where
+    the planned kernel calls BLAS (neither the fused kernel nor the direct
+    loops of a few rows) and a BLAS library cannot be held to one thread
+    per thread (``attncore._threads``):
+
+    * an OpenBLAS gets tiles whose products stay below
+      ``OPENBLAS_SERIAL_MNK``, so it runs each one on the calling thread:
+      at any thread count, so that ``num_threads=1`` uses one core;
+    * any other such BLAS gets a region of one thread, and keeps its own.
+    """
+    args = (dtype, N, M, D, Dv, causal, nb, nthreads, return_weights, kernel_path)
+    pl = plan(*args, converted_kv=converted_kv)
+    uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
+    if uses_blas and not blas_hold_supported():
+        if blas_small_products_ok():
+            pl = plan(*args, blas_mnk=OPENBLAS_SERIAL_MNK, converted_kv=converted_kv)
+        elif pl.nthreads > 1:
+            pl = pl._replace(nthreads=blas_parallel_threads(pl.nthreads))
+    return pl
 
 
 # --------------------------------------------------------------------------
@@ -478,6 +506,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
                alibi=None, sinks=None):
     """(out, weights or None, lse or None): the checked call."""
+    operands = (query, key, value)
     key, k_scales = split_quantized(key, "key")
     value, v_scales = split_quantized(value, "value")
     k8 = v8 = None
@@ -585,20 +614,9 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     # (int8 Q.K^T reads its int8 keys in place: only the values convert)
     conv = bool(vf or vs is not None or bf16dot) if qk8 else \
         bool(kf or vf or ks is not None or vs is not None or bf16dot)
-    pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights, converted_kv=conv,
-              kernel_path="portable" if qk8 == 3 else None)
-    # the fused kernel and the direct loops of a few rows call no BLAS
-    uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
+    pl = plan_call(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
+                   kernel_path="portable" if qk8 == 3 else None, converted_kv=conv)
     nthreads = pl.nthreads
-    if uses_blas and nthreads > 1 and not blas_hold_supported():
-        if blas_small_products_ok():
-            # tiles small enough that OpenBLAS keeps every product on the
-            # calling thread: parallel, and no thread count is touched
-            pl = plan(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
-                      blas_mnk=OPENBLAS_SERIAL_MNK)
-            nthreads = pl.nthreads
-        else:
-            nthreads = blas_parallel_threads(nthreads)
 
     out = np.empty((nb, N, Dv), dtype=cdt)
     weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
@@ -609,6 +627,13 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
                ks, vs, qf, kf, vf, slopes, sk,
                _sdpa.bf16_mode() if (bf16dot and pl.fused) else 0, q_scales, qk8)
+    if cdt == np.float32 and not all_finite(out) and _finite_operands(operands):
+        # float32 accumulation overflowed (values near the float32 maximum:
+        # the unnormalized P.V sums exceed it before the division by the
+        # row sum): the call again in float64
+        return _float64_rerun(operands, rdt, attn_mask, is_causal, scale, enable_gqa,
+                              return_weights, return_lse, num_threads, window, softcap,
+                              alibi=alibi, sinks=sinks)
     if lse is not None and q_mu is not None:
         # the per-row term q . mu the smoothing took out of the scores
         lse += np.float32(sc) * q_mu
@@ -623,6 +648,32 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if return_lse:
         lse = lse.reshape(bshape + (N,))
     return out, weights, lse
+
+
+def _float64_operands(operands) -> list:
+    """(query, key, value) as float64 arrays (int8 pairs dequantized)."""
+    ops = [as_float_array(operands[0], "query", allow_bf16=True).astype(np.float64)]
+    for x, name in zip(operands[1:], ("key", "value")):
+        x, s = split_quantized(x, name)
+        ops.append(dequantize(x, s, np.float64) if s is not None
+                   else as_float_array(x, name, allow_bf16=True).astype(np.float64))
+    return ops
+
+
+def _finite_operands(operands) -> bool:
+    """Whether query, keys and values are all finite (a non-finite output
+    of finite operands is a float32 overflow; of others, their inf / NaN)."""
+    return all(all_finite(a) for a in _float64_operands(operands))
+
+
+def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
+    """A float32-computed call of finite operands whose output overflowed,
+    computed again in float64 (a copy of the operands) and returned in the
+    first call's dtypes: output and weights in ``rdt``, the lse in float32."""
+    ops = _float64_operands(operands)
+    out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
+    return (out.astype(rdt), None if weights is None else weights.astype(rdt),
+            None if lse is None else lse.astype(np.float32))
 
 
 # --------------------------------------------------------------------------
@@ -689,6 +740,8 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     _sdpa.sdpa(q, k, v, None, out, None, (B, H), H // Hk, 0, N, M, D, Dv, causal, sc,
                pl.Bq, pl.Bk, pl.nsplit, pl.chunk, pl.nthreads, None, window[0], window[1],
                softcap, None, None, fmt, fmt, fmt, None, None, bfm if pl.fused else 0)
+    if not all_finite(out):
+        return None  # an overflow or non-finite inputs: the general call decides
     out = out.reshape(B, H, N, Dv)
     return out.astype(dt) if fmt else out
 

@@ -9,6 +9,16 @@ import pytest  # noqa: E402
 from attncore import _kernels  # noqa: E402
 
 KERNEL_PATHS = ["avx512", "avx2", "portable"]
+# ATTNCORE_TEST_KERNEL_PATH=avx2 (or portable) runs the whole session on that
+# float32 path, as a CPU without AVX-512 (or without AVX2) would: CI runs the
+# kernel tests so on its AVX-512 machine.  The `path` fixture then runs that
+# path alone.
+FORCED_PATH = os.environ.get("ATTNCORE_TEST_KERNEL_PATH") or None
+
+
+def pytest_configure(config):
+    if FORCED_PATH:
+        _kernels.set_kernel_path(FORCED_PATH)  # ValueError: a path this CPU cannot run
 
 
 @pytest.fixture(params=KERNEL_PATHS)
@@ -18,6 +28,8 @@ def path(request):
     code."""
     if request.param not in _kernels.available_kernel_paths():
         pytest.skip(f"this CPU cannot run the {request.param} path")
+    if FORCED_PATH and request.param != FORCED_PATH:
+        pytest.skip(f"ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
     with _kernels.forced_kernel_path(request.param):
         yield request.param
 
@@ -28,5 +40,6 @@ def pytest_report_header(config):
     from attncore._core import _sdpa
 
     return (f"attncore {getattr(attncore, '__version__', '?')} from {os.path.dirname(attncore.__file__)} "
-            f"(float32 kernel paths {', '.join(_kernels.available_kernel_paths())}; "
+            f"(float32 kernel paths {', '.join(_kernels.available_kernel_paths())}"
+            f"{'; forced: ' + FORCED_PATH if FORCED_PATH else ''}; "
             f"OpenMP {'on' if _sdpa.openmp_enabled() else 'off'})")

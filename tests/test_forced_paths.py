@@ -107,7 +107,7 @@ def test_one_home_for_the_kernel_path():
         assert _sdpa.set_kernel_path(best) == "portable"
         assert _kernels.kernel_path() == best
     finally:
-        _kernels.set_kernel_path(None)
+        _kernels.set_kernel_path(best)
     assert _kernels.kernel_path() == best
 
 

@@ -113,7 +113,8 @@ def bf16_products():
     native = _sdpa.cpu_features()["bf16_dot"]
     prev = _sdpa.set_bf16_mode("native" if native else "emulate")
     try:
-        yield
+        with _kernels.forced_kernel_path("avx512"):  # also under a forced test path
+            yield
     finally:
         _sdpa.set_bf16_mode(prev)
 

@@ -24,11 +24,15 @@ I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
 
 @pytest.fixture(params=I8_MODES)
 def i8mode(request):
+    """An int8 Q.K^T mode, P.V in float32 (the method model's; bfloat16 P.V,
+    the default where the CPU has AVX512_BF16, is tested on its own)."""
     prev = _sdpa.set_int8_mode(request.param)
+    prev_bf16 = _sdpa.set_bf16_mode("off")
     try:
         yield request.param
     finally:
         _sdpa.set_int8_mode(prev)
+        _sdpa.set_bf16_mode(prev_bf16)
 
 
 def _cos_err(a, b):
@@ -143,14 +147,21 @@ def test_vnni_and_emulation_agree():
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-def test_bf16_pv_with_int8_scores():
+@pytest.mark.parametrize("bf16", ["emulate", "native"])
+def test_bf16_pv_with_int8_scores(bf16):
     """Where the CPU has bfloat16 dot products, P.V runs as bfloat16 pairs
-    under int8 Q.K^T (here: both instructions spelled in AVX-512)."""
+    under int8 Q.K^T (both instructions on the CPU, or spelled in
+    AVX-512)."""
     if "avx512" not in PATHS:
         pytest.skip("needs AVX-512")
+    if bf16 == "native" and not (_sdpa.cpu_features()["bf16_dot"]
+                                 and _sdpa.cpu_features()["int8_dot"]):
+        pytest.skip("needs AVX512_BF16 and AVX512_VNNI")
     q, v = _rand((1, 4, 300, 64), 0), _rand((1, 4, 400, 64), 2)
     k = _offset_keys((1, 4, 400, 64))
-    prev8, prevb = _sdpa.set_int8_mode("emulate"), _sdpa.set_bf16_mode("emulate")
+    prev_path = _sdpa.set_kernel_path("avx512")
+    prev8 = _sdpa.set_int8_mode("emulate" if bf16 == "emulate" else "native")
+    prevb = _sdpa.set_bf16_mode(bf16)
     try:
         out = sd(q, k, v, is_causal="lower_right", precision="int8")
         _sdpa.set_bf16_mode("off")
@@ -158,6 +169,7 @@ def test_bf16_pv_with_int8_scores():
     finally:
         _sdpa.set_int8_mode(prev8)
         _sdpa.set_bf16_mode(prevb)
+        _sdpa.set_kernel_path(prev_path)
     ref = sdpa_ref(q, k, v, is_causal="lower_right")
     assert _cos_err(out, ref) <= 5e-4
     # bf16 probabilities and values: a visible, small difference
@@ -228,10 +240,12 @@ def test_sinks_and_alibi(i8mode):
 
 
 def test_gqa_and_key_splits(i8mode):
-    # one block of a few query rows, many keys, two threads: the keys are
-    # split in two (attncore.functional.plan) and the parts merged
-    assert attncore.functional.plan(np.float32, 20, 5000, 64, 64, 0, 1, 2).nsplit == 2
-    q = _rand((1, 1, 20, 64), 0)
+    # one block of a few query rows (one panel of the path in use, so one
+    # query block on every CPU), many keys, two threads: the keys are split
+    # in two (attncore.functional.plan) and the parts merged
+    N = min(20, _sdpa.PANEL_ROWS.get(_sdpa.kernel_path(), 20))
+    assert attncore.functional.plan(np.float32, N, 5000, 64, 64, 0, 1, 2).nsplit == 2
+    q = _rand((1, 1, N, 64), 0)
     k, v = _offset_keys((1, 1, 5000, 64)), _rand((1, 1, 5000, 64), 2)
     out, lse = sd(q, k, v, precision="int8", num_threads=2, return_lse=True)
     ref, rlse = method_model(q, k, v, return_lse=True)

@@ -1,0 +1,113 @@
+"""Where a call multiplies with BLAS and the BLAS cannot be held to one
+thread per thread (OpenBLAS' pthreads builds, as in the NumPy and SciPy
+wheels), every product stays below OpenBLAS' own single-thread limit, so
+BLAS starts no threads of its own: at any ``num_threads`` and on every
+route to the BLAS path (float64, the portable path, ``return_weights``,
+int8 Q.K^T computed on dequantized rows, ``varlen_attention``).  The tiles
+are read from the kernel's arguments; the results are checked against the
+float64 reference."""
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore import _kernels, functional
+from attncore._core import _sdpa
+from attncore._threads import OPENBLAS_SERIAL_MNK
+from reference import sdpa_ref
+
+# positions of the tile sizes and the thread count in the kernels' arguments
+SDPA_BQ, SDPA_BK, SDPA_THREADS = 15, 16, 19
+VARLEN_BQ, VARLEN_BK, VARLEN_THREADS = 11, 12, 13
+
+
+@pytest.fixture
+def openblas_unheld(monkeypatch):
+    """The policy's view of a pthreads OpenBLAS: no thread-local hold, but
+    small products run on the calling thread."""
+    monkeypatch.setattr(functional, "blas_hold_supported", lambda: False)
+    monkeypatch.setattr(functional, "blas_small_products_ok", lambda: True)
+
+
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(_sdpa, name)
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(_sdpa, name, spy)
+    return calls
+
+
+def _rand(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _assert_small_products(args, bq, bk, D):
+    assert args[bq] * args[bk] * D <= OPENBLAS_SERIAL_MNK, (args[bq], args[bk], D)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", ["int8_dequantize", "float64", "portable", "weights"])
+def test_blas_products_stay_serial(openblas_unheld, monkeypatch, threads, case):
+    q, k, v = _rand((1, 2, 256, 64), 0), _rand((1, 2, 1024, 64), 1), _rand((1, 2, 1024, 64), 2)
+    kw = {"num_threads": threads}
+    if case == "float64":
+        q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    if case == "weights":
+        kw["return_weights"] = True
+    prev_mode = _sdpa.set_int8_mode("dequantize") if case == "int8_dequantize" else None
+    calls = _spy(monkeypatch, "sdpa")
+    try:
+        with _kernels.forced_kernel_path("portable") if case == "portable" else nullcontext():
+            res = attncore.scaled_dot_product_attention(
+                q, k, v, precision="int8" if case == "int8_dequantize" else None, **kw)
+    finally:
+        if case == "int8_dequantize":
+            _sdpa.set_int8_mode(prev_mode)
+    assert len(calls) == 1
+    _assert_small_products(calls[0], SDPA_BQ, SDPA_BK, 64)
+    assert 1 <= calls[0][SDPA_THREADS] <= threads
+    out = res[0] if isinstance(res, tuple) else res
+    ref = sdpa_ref(q, k, v)
+    err = 1 - np.vdot(out, ref) / np.linalg.norm(out) / np.linalg.norm(ref)
+    assert err < {"int8_dequantize": 1e-4, "float64": 1e-12}.get(case, 1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_varlen_blas_products_stay_serial(openblas_unheld, monkeypatch, threads):
+    cu = [0, 300, 1000]
+    q, k, v = _rand((1000, 2, 64), 0), _rand((1000, 2, 64), 1), _rand((1000, 2, 64), 2)
+    calls = _spy(monkeypatch, "sdpa_varlen")
+    with _kernels.forced_kernel_path("portable"):
+        out = attncore.varlen_attention(q, k, v, cu, cu, is_causal=True, num_threads=threads)
+    assert len(calls) == 1
+    _assert_small_products(calls[0], VARLEN_BQ, VARLEN_BK, 64)
+    for b in range(2):
+        s = slice(cu[b], cu[b + 1])
+        ref = sdpa_ref(*(np.swapaxes(a[s], 0, 1) for a in (q, k, v)), is_causal=True)
+        np.testing.assert_allclose(np.swapaxes(out[s], 0, 1), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_other_unheld_blas_gets_one_thread(monkeypatch):
+    """A BLAS that is neither held nor an OpenBLAS: the region runs on one
+    attncore thread (the BLAS keeps its own)."""
+    monkeypatch.setattr(functional, "blas_hold_supported", lambda: False)
+    monkeypatch.setattr(functional, "blas_small_products_ok", lambda: False)
+    monkeypatch.setattr(functional, "blas_parallel_threads", lambda n: 1)
+    calls = _spy(monkeypatch, "sdpa")
+    q = _rand((1, 4, 128, 32), 0).astype(np.float64)
+    attncore.scaled_dot_product_attention(q, q, q, num_threads=2)
+    assert calls[0][SDPA_THREADS] == 1
+
+
+def test_plan_call_keeps_the_kernel_path(openblas_unheld):
+    """Re-planning for the BLAS keeps the path and the converted-operand
+    choice (a re-plan used to drop them and take the fused kernel's tiles)."""
+    pl = functional.plan_call(np.float32, 1024, 1024, 64, 64, 0, 8, 2,
+                              kernel_path="portable", converted_kv=True)
+    assert not pl.fused
+    assert pl.Bq * pl.Bk * 64 <= OPENBLAS_SERIAL_MNK
