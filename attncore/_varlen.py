@@ -274,13 +274,15 @@ def varlen_attention(
                       for a, f in ((qa, qf), (ka, kf), (va, vf)))
         _sdpa.sdpa_varlen(qa, ka, va, out, cq, ck, group, D, Dv, causal, sc, Bq, Bk,
                           nthreads, win[0], win[1], cap, qf, kf, vf, slopes)
-        if cdt == np.float32 and not all_finite(out) and \
-                all(all_finite(to_float(a, np.dtype(np.float64))) for a in operands):
-            # float32 sums overflowed (values near the float32 maximum, all
-            # finite): the call again in float64 (functional._float64_rerun)
+        if cdt == np.float32 and not all_finite(out):
+            # float32 sums overflowed (values near the float32 maximum) if
+            # the operands are finite: the call again in float64
+            # (functional._float64_rerun)
+            f64 = [to_float(a, np.dtype(np.float64)) for a in operands]
+            if not all(all_finite(a) for a in f64):
+                return out.astype(rdt)
             return varlen_attention(
-                to_float(operands[0], np.dtype(np.float64)), to_float(operands[1], np.dtype(np.float64)),
-                to_float(operands[2], np.dtype(np.float64)), cq, ck, is_causal=is_causal, scale=sc,
+                *f64, cq, ck, is_causal=is_causal, scale=sc,
                 window=window, softcap=softcap, alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
                 num_threads=num_threads).astype(rdt)
     return out if rdt == cdt else out.astype(rdt)
