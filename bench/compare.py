@@ -8,6 +8,7 @@
     python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
     python bench/compare.py --dtype bfloat16 float16   # 16-bit inputs: bench/compare_dtype.py
     python bench/compare.py --precision int8           # int8 Q.K^T: bench/compare_int8.py
+    python bench/compare.py --simulate-avx2 ...        # an AVX2-only core on an AVX-512 one
 
 Each case runs attncore, torch SDPA, ONNX Runtime's contrib
 ``com.microsoft.MultiHeadAttention`` ("ort mha") and standard ``Attention``
@@ -25,6 +26,13 @@ machines are noisy, so only the ratios measured side by side mean much.
 
 For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
 that runs this script (they pin OpenBLAS to slower kernels).
+
+``--simulate-avx2`` (with any other options) times an AVX2-only core on an
+AVX-512 machine: attncore's kernel path forced to ``avx2``,
+``OPENBLAS_CORETYPE=Haswell`` (NumPy's sgemm, the ceiling, at the AVX2
+rate), ``ATEN_CPU_CAPABILITY=avx2`` for torch, and ONNX Runtime left out
+(its MLAS cannot be held to AVX2).  The script re-runs itself with those
+variables set; every table's header says that it was simulated.
 """
 from __future__ import annotations
 
@@ -35,7 +43,16 @@ import platform
 import subprocess
 import sys
 
-import numpy as np
+SIMULATE_ENV = {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2",
+                "ATTNCORE_BENCH_SIMULATE_AVX2": "1"}
+if "--simulate-avx2" in sys.argv[1:] and os.environ.get("ATTNCORE_BENCH_SIMULATE_AVX2") != "1":
+    # the variables must be set before NumPy (OpenBLAS) and torch load
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_L2_SIZE"}
+    env.update(SIMULATE_ENV)
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+SIMULATED = os.environ.get("ATTNCORE_BENCH_SIMULATE_AVX2") == "1"
+
+import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -45,6 +62,10 @@ import attncore._kernels  # noqa: E402,F401
 from timing import cpu_model, interleaved_medians  # noqa: E402
 
 import peers  # noqa: E402
+
+if SIMULATED:
+    attncore._kernels.set_kernel_path("avx2")
+    peers.ort = None  # ONNX Runtime cannot be held to AVX2
 
 try:
     import torch
@@ -178,6 +199,9 @@ def header():
              f"numpy {np.__version__}"
              + (f", torch {torch.__version__}" if torch is not None else ", torch not installed")
              + f", onnxruntime {ort}"]
+    if SIMULATED:
+        lines.append("SIMULATED AVX2 core: attncore path avx2, OPENBLAS_CORETYPE=Haswell, "
+                     "ATEN_CPU_CAPABILITY=avx2, ONNX Runtime left out")
     return "\n".join(lines)
 
 
@@ -316,9 +340,15 @@ def main(argv=None):
     ap.add_argument("--precision", default=None, choices=["int8"],
                     help="run bench/compare_int8.py: precision='int8' against float32 and "
                          "bfloat16 products (with --dtype float32 / bfloat16 inputs)")
+    ap.add_argument("--simulate-avx2", action="store_true",
+                    help="time an AVX2-only core on an AVX-512 machine (see the module's doc)")
     ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
                     help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
     args = ap.parse_args(argv)
+    if SIMULATED:
+        print("SIMULATED AVX2 core (every table below): attncore path avx2, "
+              "OPENBLAS_CORETYPE=Haswell, ATEN_CPU_CAPABILITY=avx2, ONNX Runtime left out")
+        args.path = "avx2"
     if args.precision == "int8":
         import compare_int8
 
