@@ -56,7 +56,19 @@ def config_dict() -> dict:
 
     info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
     info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
+    mode = _sdpa.int8_mode()
+    info["int8_products"] = ("int8" if mode in (1, 2) and info["kernel_path"] == "avx512"
+                             else "dequantized" if mode == 3 else "float32")
     return info
+
+
+# what precision="int8" computes, by info["int8_products"]
+_INT8_LINES = {
+    "int8": "Q.K^T on vpdpbusd (AVX512_VNNI)",
+    "dequantized": "Q.K^T as float products of the dequantized int8 rows (forced)",
+    "float32": "float32 products: no int8 kernel for this CPU and path is faster than "
+               "float32 (the AVX512_VNNI one runs on the avx512 path)",
+}
 
 
 def show_config() -> None:
@@ -75,9 +87,7 @@ def show_config() -> None:
           + ("bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and precision='bfloat16'"
              if info["bf16_dot"] else "float32 products (no AVX512_BF16 on this CPU)"))
     print(f"{'precision=int8':>16}: "
-          + ("Q.K^T on vpdpbusd (AVX512_VNNI)" if info["int8_dot"] and
-             info["kernel_path"] == "avx512" else
-             "Q.K^T as float products of the dequantized int8 rows (no AVX512_VNNI path)"))
+          + _INT8_LINES[info["int8_products"]])
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

@@ -501,6 +501,21 @@ def _policy(q, k, v, k8, v8, precision) -> Policy:
                    bf16_products=_sdpa.bf16_mode() != 0)
 
 
+def _int8_products(D: int) -> int:
+    """The kernel's int8 Q.K^T code for ``precision="int8"`` on the path in
+    use: 1 / 2 the vpdpbusd kernel (native / emulated, on the AVX-512 path),
+    3 products of the dequantized rows (forced, or a head size outside the
+    kernel's exact range), 0 float32 products where this CPU and path have
+    no int8 kernel (no slower than float32, and more accurate)."""
+    qk8 = _sdpa.int8_mode()
+    if qk8 in (1, 2) and _sdpa.kernel_path() != "avx512":
+        return 0
+    # (int32 sums of D products of up to 255 x 127: exact below 66313)
+    if qk8 in (1, 2) and (D < 2 or D > 65536):
+        return 3
+    return qk8
+
+
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
@@ -585,15 +600,11 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
 
     # bfloat16 products; with int8 Q.K^T, P.V as bfloat16 pairs where the
     # CPU has them
-    bf16dot = pol.products == "bfloat16" or (pol.products == "int8" and _sdpa.bf16_mode() != 0)
-    qk8 = 0
+    qk8 = _int8_products(D) if pol.products == "int8" else 0
+    bf16dot = pol.products == "bfloat16" or (qk8 != 0 and _sdpa.bf16_mode() != 0)
     q_scales = q_mu = None
-    if pol.products == "int8":
+    if qk8:
         # int8 Q.K^T (attncore._int8): the operands quantized once per call
-        qk8 = _sdpa.int8_mode()
-        # (int32 sums of D products of up to 255 x 127: exact below 66313)
-        if qk8 in (1, 2) and (_sdpa.kernel_path() != "avx512" or D < 2 or D > 65536):
-            qk8 = 3
         i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
                             k if ks is not None else None,
                             None if ks is None else ks[..., 0], bshape, group,

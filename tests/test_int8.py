@@ -29,6 +29,9 @@ def i8mode(request):
     prev = _sdpa.set_int8_mode(request.param)
     prev_bf16 = _sdpa.set_bf16_mode("off")
     try:
+        if not int8_in_use():
+            pytest.skip("no int8 kernel on this path: precision='int8' is the float32 call "
+                        "(test_no_int8_kernel_takes_float32_products)")
         yield request.param
     finally:
         _sdpa.set_int8_mode(prev)
@@ -61,13 +64,25 @@ def _q8(x):
     return np.clip(np.round(x / s), -127, 127) * s
 
 
+def int8_in_use():
+    """Whether precision="int8" multiplies int8 rows here (the documented
+    rule): the vpdpbusd kernel (native or emulated) runs on the avx512
+    path, the forced dequantize mode anywhere; otherwise (mode "float32",
+    the default without AVX512_VNNI, or another path) float32 products."""
+    mode = _sdpa.int8_mode()
+    return mode == 3 or (mode in (1, 2) and _sdpa.kernel_path() == "avx512")
+
+
 def method_model(q, k, v, group=1, **kw):
     """The documented method in plain float64 NumPy: keys minus their mean
     over the keys, channel c balanced by s_c = sqrt(a(k_c - mu_c) / a(q_c))
     with a(x) = min(max|x|, 16 mean|x|) (queries of the key head's group),
     per-token int8, then the float64 reference attention of the quantized
-    rows (+ q . mu, which only the lse and soft cap see)."""
+    rows (+ q . mu, which only the lse and soft cap see).  Where int8 rows
+    are not multiplied (int8_in_use), the plain reference."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    if not int8_in_use():
+        return sdpa_ref(q, np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3), **kw)
     mu = k.mean(-2, keepdims=True)
     ks = k - mu
     ak = np.minimum(np.abs(ks).max(-2, keepdims=True), 16 * np.abs(ks).mean(-2, keepdims=True))
@@ -380,7 +395,10 @@ def test_layer_precision():
     mha.precision = None
     out32 = mha(x, x, x, is_causal=True)[0]
     assert _cos_err(out8, out32) < 1e-4
-    assert _cos_err(out8, out32) > 1e-9
+    if int8_in_use():  # (else the float32 call: the same bits)
+        assert _cos_err(out8, out32) > 1e-9
+    else:
+        np.testing.assert_array_equal(out8, out32)
 
 
 def test_layer_int8_cache_decoding():
@@ -399,3 +417,26 @@ def test_layer_int8_cache_decoding():
     err = _cos_err(outs["int8"], outs[None])
     assert 0 < err < 1e-4
 
+
+
+@pytest.mark.parametrize("mode", ["float32", "native", "emulate"])
+def test_no_int8_kernel_takes_float32_products(mode, path):
+    """Where this CPU and path have no int8 kernel (the vpdpbusd kernel runs
+    on the avx512 path only; mode "float32" is the default of CPUs without
+    AVX512_VNNI), precision="int8" takes float32 products: the bits of the
+    float32 call, never slower than it."""
+    try:
+        prev = _sdpa.set_int8_mode(mode)
+    except ValueError:
+        pytest.skip(f"this CPU has no {mode} int8 mode")
+    try:
+        if int8_in_use():
+            pytest.skip("an int8 kernel runs here")
+        q, k, v = (_rand((1, 4, 150, 64), s) for s in range(3))
+        for kw in ({}, {"is_causal": True}, {"return_lse": True}):
+            a = sd(q, k, v, precision="int8", **kw)
+            b = sd(q, k, v, **kw)
+            for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                np.testing.assert_array_equal(x, y)
+    finally:
+        _sdpa.set_int8_mode(prev)

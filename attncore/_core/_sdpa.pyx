@@ -169,28 +169,31 @@ def set_bf16_mode(mode):
 
 
 # int8 Q.K^T (precision="int8"): 1 vpdpbusd where the CPU has AVX512_VNNI,
-# else 3 (products of the dequantized rows, exact to float rounding);
-# set_int8_mode("emulate") runs the vpdpbusd kernels with the instruction
-# spelled in AVX-512BW (tests of the path on any AVX-512 CPU)
-_int8_mode = 1 if ac_cpu_vnni() else 3
+# else 0 (float32 products: no int8 kernel of this CPU beats them, so int8
+# is never slower than float32); set_int8_mode("emulate") runs the vpdpbusd
+# kernels with the instruction spelled in AVX-512BW (tests of the path on
+# any AVX-512 CPU), "dequantize" (3) multiplies the dequantized int8 rows
+# (the method's numbers on any path; tests)
+_int8_mode = 1 if ac_cpu_vnni() else 0
 
 
 def int8_mode():
-    """1: vpdpbusd; 2: emulated in AVX-512BW (tests); 3: float products of
-    the dequantized int8 rows."""
+    """0: float32 products; 1: vpdpbusd; 2: emulated in AVX-512BW (tests);
+    3: float products of the dequantized int8 rows."""
     return _int8_mode
 
 
 def set_int8_mode(mode):
     """Private, process-wide (tests and benchmarks): 'native' (needs
-    AVX512_VNNI), 'emulate' (needs AVX-512), 'dequantize', or None (the
-    default of this CPU).  Returns the previous mode's name."""
+    AVX512_VNNI), 'emulate' (needs AVX-512), 'dequantize', 'float32', or
+    None (the default of this CPU).  Returns the previous mode's name."""
     global _int8_mode
-    prev = (None, "native", "emulate", "dequantize")[_int8_mode]
+    prev = ("float32", "native", "emulate", "dequantize")[_int8_mode]
     _int8_mode = _mode_code(
         mode, "int8", {"native": 1 if ac_cpu_vnni() else None,
-                       "emulate": 2 if ac_best_path == 2 else None, "dequantize": 3},
-        1 if ac_cpu_vnni() else 3)
+                       "emulate": 2 if ac_best_path == 2 else None, "dequantize": 3,
+                       "float32": 0},
+        1 if ac_cpu_vnni() else 0)
     return prev
 
 
