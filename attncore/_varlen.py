@@ -43,12 +43,18 @@ def _check_cu(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D (B + 1,), got shape {a.shape}")
     if a.shape[0] < 1:
         raise ValueError(f"{name} must hold B + 1 >= 1 offsets, got shape {a.shape}")
-    a = a.astype(np.int64)  # a copy: never the caller's memory
+    if a.dtype.kind == "u" and int(a.max()) > _INT64_MAX:
+        # uint64 offsets beyond int64 (never valid: past every total): checked
+        # as Python ints, so that the messages show the values the array holds
+        a = np.array([int(x) for x in a], dtype=object)
+    else:
+        a = a.astype(np.int64)  # a copy: never the caller's memory
     if a[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]}")
     d = np.diff(a)
-    if (d < 0).any():
-        i = int(np.argmax(d < 0))
+    neg = np.asarray(d < 0, dtype=bool)
+    if neg.any():
+        i = int(np.argmax(neg))
         raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {a[i]} > "
                          f"{name}[{i + 1}] = {a[i + 1]}")
     if a[-1] != total:

@@ -268,3 +268,32 @@ def test_mha_takes_bfloat16_slopes(kind, dtype):
     mha.alibi_slopes = None
     mha.alibi_slopes = slopes                              # the setter, too
     np.testing.assert_array_equal(mha.alibi_slopes, vals)
+
+
+# --------------------------------------------------------------------------
+# 6. cu_seqlens: the values the input holds
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("arg", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_uint64_offsets_beyond_int64_show_their_value(arg):
+    x = np.zeros((8, 1, 4), np.float32)
+    good = np.array([0, 3, 8], np.uint64)
+    cases = [([0, 2**63, 8], rf"{arg} must be non-decreasing, got {arg}\[1\] = "
+                             rf"9223372036854775808 > {arg}\[2\] = 8$"),
+             ([2**63, 8], rf"{arg} must start at 0, got {arg}\[0\] = 9223372036854775808$"),
+             ([0, 3, 2**64 - 1], rf"{arg} must end at the total length \((q|k)\.shape\[0\] = 8\), "
+                                 rf"got {arg}\[-1\] = 18446744073709551615$")]
+    for vals, msg in cases:
+        bad = np.array(vals, np.uint64)
+        copy = bad.copy()
+        kw = {"cu_seqlens_q": good, "cu_seqlens_k": good}
+        kw[arg] = bad
+        if len(vals) != 3:
+            kw = {a: (bad if a == arg else np.array([0, 8], np.uint64)) for a in kw}
+        with pytest.raises(ValueError, match=msg):
+            varlen_attention(x, x, x, kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+        np.testing.assert_array_equal(bad, copy)
+    # valid uint64 offsets: the int32 offsets' result
+    r = rand((8, 1, 4), 8)
+    np.testing.assert_array_equal(varlen_attention(r, r, r, good, good),
+                                  varlen_attention(r, r, r, good.astype(np.int32),
+                                                   good.astype(np.int32)))
