@@ -477,8 +477,11 @@ def _policy(q, k, v, k8, v8, precision) -> Policy:
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
-               alibi=None, sinks=None):
-    """(out, weights or None, lse or None): the checked call."""
+               alibi=None, sinks=None, compute_out: bool = False):
+    """(out, weights or None, lse or None): the checked call.
+    ``compute_out``: out and weights stay in the compute dtype (float32 for
+    16-bit inputs) instead of the result dtype (attncore.dask merges such
+    partial results before rounding them once)."""
     key, k_scales = split_quantized(key, "key")
     value, v_scales = split_quantized(value, "value")
     k8 = v8 = None
@@ -492,6 +495,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     q, k, v = _check_operands(query, key, value)
     pol = _policy(q, k, v, k8, v8, precision)
     cdt, rdt = pol.compute, pol.result
+    if compute_out:
+        rdt = cdt
     if return_weights and (k8 is not None or v8 is not None):
         # the weights path multiplies whole rows: dequantize (a copy)
         k = k if k8 is None else dequantize(k8, k_scales, cdt)
@@ -530,7 +535,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         return _broadcast_rows(
             _attention(q[..., :1, :], k if k8 is None else (k8, k_scales),
                        v if v8 is None else (v8, v_scales), m, False, sc, enable_gqa,
-                       return_weights, return_lse, num_threads, window, softcap, precision),
+                       return_weights, return_lse, num_threads, window, softcap, precision,
+                       compute_out=compute_out),
             bshape, N)
 
     # ---- lay out operands ----

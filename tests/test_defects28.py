@@ -297,3 +297,39 @@ def test_uint64_offsets_beyond_int64_show_their_value(arg):
     np.testing.assert_array_equal(varlen_attention(r, r, r, good, good),
                                   varlen_attention(r, r, r, good.astype(np.int32),
                                                    good.astype(np.int32)))
+
+
+# --------------------------------------------------------------------------
+# 7. attncore.dask keeps 16-bit dtypes
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=lambda d: d.name)
+def test_dask_16_bit_results(path, dtype):
+    dask = pytest.importorskip("dask")
+    da = pytest.importorskip("dask.array")
+    import attncore.dask as ad
+
+    q, k, v = (rand(s, i, dtype) for i, s in enumerate(((2, 3, 40, 16), (2, 3, 50, 16),
+                                                          (2, 3, 50, 8))))
+    core, core_lse = sdpa(q, k, v, return_lse=True)
+    rout, rlse = ref(q, k, v)
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    with dask.config.set(scheduler="synchronous"):
+        for qc, kc, bc, hc in ((40, 50, 2, 3), (13, 50, 1, 3), (40, 20, 1, 1), (9, 16, 1, 2)):
+            Q = da.from_array(q, chunks=(bc, hc, qc, 16))
+            K = da.from_array(k, chunks=(bc, hc, kc, 16))
+            V = da.from_array(v, chunks=(bc, hc, kc, 8))
+            out, lse = ad.scaled_dot_product_attention(Q, K, V, return_lse=True)
+            assert out.dtype == dtype and out._meta.dtype == dtype
+            assert lse.dtype == np.float32
+            got, got_lse = dask.compute(out, lse)
+            assert got.dtype == dtype and got_lse.dtype == np.float32
+            if (qc, kc, bc, hc) == (40, 50, 2, 3):     # one chunk: the core's result exactly
+                np.testing.assert_array_equal(got, core)
+                np.testing.assert_array_equal(got_lse, core_lse)
+            # more chunks: the core's result to the rounding of the dtype, and the
+            # float64 reference to the error of the 16-bit result
+            g = got.astype(np.float64)
+            np.testing.assert_allclose(g, core.astype(np.float64), rtol=0,
+                                       atol=2 * eps * np.abs(rout).max())
+            np.testing.assert_allclose(g, rout, rtol=0, atol=4 * eps * np.abs(rout).max())
+            np.testing.assert_allclose(got_lse, rlse, rtol=1e-3, atol=1e-3)
