@@ -31,8 +31,9 @@ from ._convert import keras_arrays, to_numpy, torch_arrays
 from ._dtypes import bfloat16_dtype, half_code, is_bf16, parse_precision
 from ._interop import foreign_arrays
 from ._linear import linear
-from ._validation import (as_float_array, parse_bool, parse_causal, parse_float_dtype,
-                          parse_mask, parse_positive_int, to_array, parse_window)
+from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
+                          parse_float_dtype, parse_mask, parse_positive_int, to_array,
+                          parse_window)
 from ._quant import dequantize, quantize_kv
 from ._rotary import apply_rotary, parse_rotary, rotary_positions
 from ._threads import resolve_num_threads
@@ -408,7 +409,9 @@ class MultiHeadAttention:
         all cores, ``k >= 1`` k.  A call's ``num_threads=`` overrides it.
     alibi_slopes : array_like, optional
         ALiBi slopes, one per query head (BLOOM, MPT), applied in the
-        kernel on every call (:attr:`alibi_slopes`).
+        kernel on every call (:attr:`alibi_slopes`); any float dtype,
+        bfloat16 (torch or ml_dtypes) included, within the range of the
+        layer's compute dtype (float32 for float32 / 16-bit layers).
     precision : {None, 'float32', 'bfloat16', 'int8'}, optional
         The dot products' precision of the attention
         (:attr:`precision`; as in the core).  With bfloat16 weights on a
@@ -526,13 +529,13 @@ class MultiHeadAttention:
         if value is None:
             self._alibi = None
             return
-        a = np.array(as_float_array(to_numpy(value, "alibi_slopes"), "alibi_slopes"),
-                     dtype=np.float64)
+        # bfloat16 (torch or ml_dtypes) as the functions take it; finite and
+        # within the range of the layer's compute dtype (the call checks the
+        # ALiBi term against its distances too)
+        a = head_values(to_numpy(value, "alibi_slopes"), "alibi_slopes", self._cdt)
         if a.shape != (self.num_heads,):
             raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({self.num_heads},), "
                              f"got {a.shape}")
-        if not np.isfinite(a).all():
-            raise ValueError("alibi_slopes must be finite")
         self._alibi = a
 
     @property

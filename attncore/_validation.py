@@ -27,10 +27,12 @@ __all__ = [
     "to_array", "as_float_array", "aligned", "blas_rows", "parse_bool", "parse_positive_int",
     "parse_float_dtype", "compute_dtype", "parse_causal", "parse_scale", "parse_mask",
     "parse_window", "parse_softcap", "broadcast_batch", "check_operands", "check_mask",
-    "batch_shape",
+    "batch_shape", "head_values",
 ]
 
 _INT32_MAX = 2**31 - 1
+_F32_MAX = float(np.finfo(np.float32).max)
+_F64_MAX = float(np.finfo(np.float64).max)
 
 MASK_BOOL = 1
 MASK_FLOAT = 2
@@ -234,6 +236,45 @@ def parse_softcap(softcap: Any) -> float:
         # 1 / softcap and softcap * log2(e) must stay finite in float32
         raise ValueError(f"softcap must be between 1e-30 and 1e30, got {c}")
     return c
+
+
+def head_values(x: Any, name: str, compute: Any, *, allow_neg_inf: bool = False,
+                max_distance: Optional[int] = None) -> np.ndarray:
+    """Per-head values (ALiBi slopes, attention sinks) as a float64 array
+    (a copy; shapes are the caller's to check), checked against the range
+    of the compute dtype ``compute``.
+
+    Finite values only (and -inf with ``allow_neg_inf``: no sink).  The
+    kernels of a float32 computation (float32, float16 and bfloat16 inputs)
+    hold these values in float32, so their magnitude must not exceed the
+    float32 maximum (about 3.4e38).  ``max_distance`` (ALiBi slopes): the
+    largest ``|i + M - N - j|`` of the call; the term ``slope * distance``
+    of every score must stay within the compute dtype's range too.
+    """
+    a = as_float_array(x, name, allow_bf16=True)
+    f = np.array(a, dtype=np.float64)
+    bad = ~np.isfinite(f)
+    if allow_neg_inf:
+        bad &= f != -np.inf
+    if bad.any():
+        raise ValueError(f"{name} must be finite{' (or -inf: no sink)' if allow_neg_inf else ''}, "
+                         f"got {f[bad].flat[0]}")
+    f32 = np.dtype(compute) != np.float64
+    top = _F32_MAX if f32 else _F64_MAX
+    why = ": float32, float16 and bfloat16 inputs are computed in float32" if f32 else ""
+    rng = "float32" if f32 else "float64"
+    finite = f[np.isfinite(f)]
+    d = 1 if max_distance is None else max(1, int(max_distance))
+    if finite.size and np.abs(finite).max() > top / d:
+        big = finite[np.argmax(np.abs(finite))]
+        if max_distance is None:
+            raise ValueError(f"{name} must lie within the {rng} range (|{name}| <= {top:.8g}"
+                             f"{why}), got {big:.8g}")
+        raise ValueError(
+            f"{name} must keep the ALiBi term slope * |i + M - N - j| within the {rng} range up "
+            f"to this call's largest distance {d} (|{name}| <= {top / d:.8g}{why}), got "
+            f"{big:.8g}")
+    return f
 
 
 def parse_mask(mask: Any, name: str, allow_float: bool = True) -> Tuple[np.ndarray, int]:

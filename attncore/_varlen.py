@@ -19,12 +19,13 @@ from ._core import _sdpa
 from ._dtypes import HALF_BF16, half_code, resolve, to_float
 from ._interop import foreign_arrays
 from ._threads import SERIAL_FLOPS, resolve_num_threads
-from ._validation import (aligned, all_finite, as_float_array, parse_bool, parse_scale, parse_softcap,
-                          parse_window, to_array)
+from ._validation import (aligned, all_finite, as_float_array, head_values, parse_bool,
+                          parse_scale, parse_softcap, parse_window, to_array)
 
 __all__ = ["varlen_attention"]
 
 _INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 
 
 def _check_cu(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
@@ -39,12 +40,18 @@ def _check_cu(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D (B + 1,), got shape {a.shape}")
     if a.shape[0] < 1:
         raise ValueError(f"{name} must hold B + 1 >= 1 offsets, got shape {a.shape}")
-    a = a.astype(np.int64)  # a copy: never the caller's memory
+    if a.dtype.kind == "u" and int(a.max()) > _INT64_MAX:
+        # uint64 offsets beyond int64 (never valid: past every total): checked
+        # as Python ints, so that the messages show the values the array holds
+        a = np.array([int(x) for x in a], dtype=object)
+    else:
+        a = a.astype(np.int64)  # a copy: never the caller's memory
     if a[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]}")
     d = np.diff(a)
-    if (d < 0).any():
-        i = int(np.argmax(d < 0))
+    neg = np.asarray(d < 0, dtype=bool)
+    if neg.any():
+        i = int(np.argmax(neg))
         raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {a[i]} > "
                          f"{name}[{i + 1}] = {a[i + 1]}")
     if a[-1] != total:
@@ -82,17 +89,14 @@ def _kernel_layout(a: np.ndarray) -> np.ndarray:
     return a if ok else np.ascontiguousarray(a)
 
 
-def _slopes(alibi: Any, B: int, Hq: int) -> np.ndarray:
-    """ALiBi slopes (Hq,) or (B, Hq) as a flat float64 (B * Hq,) array."""
-    a = as_float_array(alibi, "alibi_slopes", allow_bf16=True)
-    if a.shape not in ((Hq,), (B, Hq)):
+def _slopes(alibi: Any, B: int, Hq: int, compute: np.dtype, max_distance: int) -> np.ndarray:
+    """ALiBi slopes (Hq,) or (B, Hq) as a flat float64 (B * Hq,) array,
+    checked against the compute dtype (attncore._validation.head_values)."""
+    f = head_values(alibi, "alibi_slopes", compute, max_distance=max_distance)
+    if f.shape not in ((Hq,), (B, Hq)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = "
-                         f"({B}, {Hq}), got {a.shape}")
-    f = np.ascontiguousarray(np.broadcast_to(a, (B, Hq)), dtype=np.float64).reshape(-1)
-    bad = ~np.isfinite(f)
-    if bad.any():
-        raise ValueError(f"alibi_slopes must be finite, got {f[bad][0]}")
-    return f
+                         f"({B}, {Hq}), got {f.shape}")
+    return np.ascontiguousarray(np.broadcast_to(f, (B, Hq))).reshape(-1)
 
 
 def _threads_and_tiles(cdt, lq: np.ndarray, lk: np.ndarray, maxq: int, maxk: int, D: int,
@@ -173,6 +177,9 @@ def varlen_attention(
     alibi_slopes : array_like, shape (Hq,) or (B, Hq), optional
         ALiBi: the score of query ``i`` and key ``j`` gets
         ``-slope * |i + Nk - Nq - j|`` (flash-attention's convention).
+        Finite floats (bfloat16 too); with float32 / 16-bit operands
+        ``|slope|`` times the longest sequence's largest distance must not
+        exceed the float32 maximum (ValueError).
     enable_gqa : bool
         Allow ``Hk`` to divide ``Hq`` (grouped-query attention: query head
         ``h`` reads key / value head ``h // (Hq // Hk)``).
@@ -249,10 +256,11 @@ def varlen_attention(
     _check_max(max_seqlen_k, "max_seqlen_k", maxk)
     sc = parse_scale(scale, D)
     nthreads = resolve_num_threads(num_threads)
-    slopes = None if alibi_slopes is None else _slopes(alibi_slopes, B, Hq)
     pol = resolve((qa.dtype, ka.dtype, va.dtype), ("q", "k", "v"))
     cdt, rdt = pol.compute, pol.result
     operands = (qa, ka, va)
+    slopes = None if alibi_slopes is None else _slopes(alibi_slopes, B, Hq, cdt,
+                                                       max(maxq, maxk) - 1)
     if max(D, Dv) > _INT32_MAX:
         raise ValueError("head dimensions must be below 2**31")
 

@@ -51,8 +51,7 @@ import dask.array as da
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from .functional import merge_attention
-from .functional import scaled_dot_product_attention as _sdpa
+from .functional import _attention, merge_attention
 from ._quant import split_quantized
 from ._threads import resolve_num_threads
 from ._dtypes import resolve
@@ -160,11 +159,15 @@ def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.nd
                    vs: np.ndarray | None, m: np.ndarray | None,
                    band: tuple[int | None, int | None] | None, scale: float, gqa: bool,
                    softcap: float | None, num_threads: int | None,
-                   cdt: str, precision: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                   precision: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) of one query block over one key block, in the compute dtype.
 
-    ``ks`` / ``vs``: the scales (..., Mc, 1) of an int8 key / value block, or
-    None for a float block.  ``band``: None when every key of the block is
+    The blocks are passed to the core in their own dtypes (16-bit ones read
+    in place, as the in-memory call reads them), and the core's output is
+    kept in the compute dtype: the partials are merged before the one
+    rounding to the result dtype (``_finish``).  ``ks`` / ``vs``: the
+    scales (..., Mc, 1) of an int8 key / value block, or None for a float
+    block.  ``band``: None when every key of the block is
     visible to every query of it; else ``(a, b)``: query row r (of the
     block) sees key column c when ``r - a <= c <= r + b`` (None: no bound on
     that side) -- the causal diagonal and the sliding window in the block's
@@ -173,11 +176,9 @@ def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.nd
     before the first visible one, or the rows that see nothing, are sliced
     off first, and those rows give 0 (lse -inf).
     """
-    dt = np.dtype(cdt)
-    q = _cast(q, dt)
     n = q.shape[-2]
     r0 = c0 = 0
-    window = None
+    window = (-1, -1)
     if band is not None:
         a, b = band
         if a is not None and a < 0:      # keys [0, -a) are before every row's band
@@ -189,16 +190,16 @@ def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.nd
     def operand(x, s):
         x = x[..., c0:, :] if c0 else x
         if s is None:
-            return _cast(x, dt)
+            return x
         return (x, (s[..., c0:, :] if c0 else s)[..., 0])
     if m is not None:
         if r0 and m.shape[-2] != 1:
             m = m[..., r0:, :]
         if c0 and m.shape[-1] != 1:
             m = m[..., c0:]
-    out, lse = _sdpa(q[..., r0:, :] if r0 else q, operand(k, ks), operand(v, vs), m,
-                     scale=scale, enable_gqa=gqa, return_lse=True, window=window,
-                     softcap=softcap, num_threads=num_threads, precision=precision)
+    out, _, lse = _attention(q[..., r0:, :] if r0 else q, operand(k, ks), operand(v, vs), m,
+                             False, scale, gqa, False, True, num_threads, parse_window(window),
+                             parse_softcap(softcap), precision, compute_out=True)
     if r0:
         full = np.zeros(out.shape[:-2] + (n, out.shape[-1]), dtype=out.dtype)
         full_lse = np.full(lse.shape[:-1] + (n,), -np.inf, dtype=lse.dtype)
@@ -212,19 +213,21 @@ def _merge_partials(parts: list) -> tuple[np.ndarray, np.ndarray]:
     return merge_attention([p[0] for p in parts], [p[1] for p in parts])
 
 
-def _finish(part: tuple[np.ndarray, np.ndarray], rdt: str) -> np.ndarray:
+# (dtypes travel in the graph as numpy.dtype objects: the ``.str`` of
+# ml_dtypes' bfloat16 is '<V2', raw void)
+def _finish(part: tuple[np.ndarray, np.ndarray], rdt: np.dtype) -> np.ndarray:
     return _cast(part[0], np.dtype(rdt))
 
 
-def _finish_lse(part: tuple[np.ndarray, np.ndarray], ldt: str) -> np.ndarray:
+def _finish_lse(part: tuple[np.ndarray, np.ndarray], ldt: np.dtype) -> np.ndarray:
     return _cast(part[1], np.dtype(ldt))
 
 
-def _zeros(shape: tuple[int, ...], rdt: str) -> np.ndarray:
+def _zeros(shape: tuple[int, ...], rdt: np.dtype) -> np.ndarray:
     return np.zeros(shape, dtype=np.dtype(rdt))
 
 
-def _neg_inf(shape: tuple[int, ...], ldt: str) -> np.ndarray:
+def _neg_inf(shape: tuple[int, ...], ldt: np.dtype) -> np.ndarray:
     return np.full(shape, -np.inf, dtype=np.dtype(ldt))
 
 
@@ -449,7 +452,8 @@ def scaled_dot_product_attention(
     dv_dummy = Dv == 0 and return_lse and N > 0 and M > 0 and math.prod(bshape) > 0
     if dv_dummy:
         # the lse is defined without value columns: run with one zero column
-        vdata, vscales = np.broadcast_to(np.zeros((), cdt), vdata.shape[:-1] + (1,)), None
+        # (of value's dtype, as the core's own dummy column)
+        vdata, vscales = np.broadcast_to(np.zeros((), v_s.dtype), vdata.shape[:-1] + (1,)), None
 
     # ---- every operand as a dask array, chunked consistently ----
     def first_dask_chunks(cands):
@@ -560,7 +564,7 @@ def scaled_dot_product_attention(
     dsk: dict = {}
     pname, mname = f"{name}-partial", f"{name}-merge"
     nq, nk = len(qb) - 1, len(kb) - 1
-    cdt_s, rdt_s, ldt_s = np.dtype(cdt).str, np.dtype(rdt).str, np.dtype(ldt).str
+    rdt_s, ldt_s = np.dtype(rdt), np.dtype(ldt)
     batch_ranges = [range(len(c)) for c in out_batch_chunks]
     for bidx in itertools.product(*batch_ranges):
         bsizes = tuple(out_batch_chunks[ax][b] for ax, b in enumerate(bidx))
@@ -587,7 +591,7 @@ def scaled_dot_product_attention(
                 key_ = (pname,) + bidx + (i, j)
                 dsk[key_] = (_block_partial, qkey, kv_key(k, bidx, j), kv_key(kss, bidx, j),
                              kv_key(v, bidx, j), kv_key(vss, bidx, j), mkey, blk, sc,
-                             enable_gqa, cap, num_threads, cdt_s, pol_prec)
+                             enable_gqa, cap, num_threads, pol_prec)
                 parts.append(key_)
             okey = (name,) + bidx + (i, 0)
             lkey = (lname,) + bidx + (i,)

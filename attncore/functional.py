@@ -32,8 +32,8 @@ from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
                        blas_small_products_ok, resolve_num_threads)
 # the shared checkers live in ._validation; the names stay importable from here
 from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
-                          parse_float_dtype, parse_mask, parse_positive_int, parse_scale,
-                          parse_softcap, parse_window)
+                          head_values, parse_float_dtype, parse_mask, parse_positive_int,
+                          parse_scale, parse_softcap, parse_window)
 from ._validation import all_finite
 from ._validation import blas_rows as _rows_ok
 from ._validation import batch_shape as _batch_shape
@@ -188,10 +188,10 @@ def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthr
 # --------------------------------------------------------------------------
 def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
                   enable_gqa, num_threads, window=(-1, -1), softcap=0.0, key_arg=None,
-                  alibi=None, sinks=None):
+                  alibi=None, sinks=None, sink_values=None):
     """(out, weights or None, lse or None) when a batch, N, M or Dv is 0.
     ``key_arg``: the key to score with when ``k`` is a stand-in (an int8
-    pair)."""
+    pair); ``sink_values``: ``sinks`` as _per_batch returns them."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     nb = math.prod(bshape)
     out = np.zeros(bshape + (N, Dv), dtype=rdt)
@@ -204,35 +204,30 @@ def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_cau
         return out, w, lse
     w = np.zeros(bshape + (N, M), dtype=rdt) if need_w else None
     lse = np.full(bshape + (N,), -np.inf, dtype=cdt) if need_lse else None
-    if lse is not None and sinks is not None and lse.size:
+    if lse is not None and sink_values is not None and lse.size:
         # no key: the sink is the whole softmax
-        lse[...] = _per_batch(sinks, bshape, "sinks", True).reshape(bshape)[..., None]
+        lse[...] = sink_values.reshape(bshape)[..., None]
     return out, w, lse
 
 
-def _per_batch(x, bshape: tuple, name: str, allow_neg_inf: bool = False) -> np.ndarray:
+def _per_batch(x, bshape: tuple, name: str, compute, allow_neg_inf: bool = False,
+               max_distance: int | None = None) -> np.ndarray:
     """A per-head (per batch element) float array broadcast to the batch
     shape: (H,) matches the head axis (-3 of the query), (B, H) batch and
     heads, NumPy broadcasting from the right.  Returns it as a flat
-    float64 array of one value per batch element."""
-    a = as_float_array(x, name, allow_bf16=True)
-    if a.ndim > len(bshape):
+    float64 array of one value per batch element, its values checked
+    against the compute dtype ``compute`` (attncore._validation.head_values)."""
+    f = head_values(x, name, compute, allow_neg_inf=allow_neg_inf, max_distance=max_distance)
+    if f.ndim > len(bshape):
         raise ValueError(f"{name} must have at most {len(bshape)} dimensions (one per batch axis, "
                          f"the last one the heads), broadcastable to the batch shape {bshape}; "
-                         f"got shape {a.shape}")
+                         f"got shape {f.shape}")
     try:
-        b = np.broadcast_to(a, bshape)
+        b = np.broadcast_to(f, bshape)
     except ValueError:
-        raise ValueError(f"{name} of shape {a.shape} does not broadcast to the batch shape "
+        raise ValueError(f"{name} of shape {f.shape} does not broadcast to the batch shape "
                          f"{bshape} ((H,) per head or (B, H))") from None
-    f = np.ascontiguousarray(b, dtype=np.float64).reshape(-1)
-    bad = ~np.isfinite(f)
-    if allow_neg_inf:
-        bad &= f != -np.inf
-    if bad.any():
-        raise ValueError(f"{name} must be finite{' (or -inf: no sink)' if allow_neg_inf else ''}, "
-                         f"got {f[bad][0]}")
-    return f
+    return np.ascontiguousarray(b).reshape(-1)
 
 
 def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
@@ -311,8 +306,8 @@ def scaled_dot_product_attention(
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
-@foreign_arrays(("query", "key", "value"), ("attn_mask",), last_in_compute_dtype="return_lse",
-                half_native=True)
+@foreign_arrays(("query", "key", "value"), ("attn_mask", "alibi_slopes", "sinks"),
+                last_in_compute_dtype="return_lse", half_native=True)
 def scaled_dot_product_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -428,14 +423,20 @@ def scaled_dot_product_attention(
         (flash-attention's convention: the distance of the lower-right
         aligned positions, whatever ``is_causal`` is), added after the soft
         cap and before the mask.  Computed tile by tile in the kernel,
-        never as an N x M array.  Finite floats.
+        never as an N x M array.  Finite floats of any float dtype
+        (bfloat16 and torch tensors too); in a float32 computation
+        (float32 / float16 / bfloat16 inputs) ``|slope| * max(1, max(N, M)
+        - 1)`` must not exceed the float32 maximum (ValueError otherwise:
+        the ALiBi term of every score stays within float32).
     sinks : array_like, optional
         Attention sinks (gpt-oss): one logit per head, shape (H,) or
         (B, H) like ``alibi_slopes``.  ``exp(sink)`` joins each row's
         softmax denominator as an extra column that takes no part in the
         output, so the weights of a row sum to less than 1.  The lse then
         includes the sink's term (a row with no key to attend gives output
-        0 and ``lse = sink``).  Finite floats, or -inf for no sink.
+        0 and ``lse = sink``).  Finite floats of any float dtype, or -inf
+        for no sink; within the float32 range (about 3.4e38) in a float32
+        computation (ValueError otherwise).
 
     Returns
     -------
@@ -519,8 +520,11 @@ def _int8_products(D: int) -> int:
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
-               alibi=None, sinks=None):
-    """(out, weights or None, lse or None): the checked call."""
+               alibi=None, sinks=None, compute_out: bool = False):
+    """(out, weights or None, lse or None): the checked call.
+    ``compute_out``: out and weights stay in the compute dtype (float32 for
+    16-bit inputs) instead of the result dtype (attncore.dask merges such
+    partial results before rounding them once)."""
     operands = (query, key, value)
     key, k_scales = split_quantized(key, "key")
     value, v_scales = split_quantized(value, "value")
@@ -535,6 +539,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     q, k, v = _check_operands(query, key, value)
     pol = _policy(q, k, v, k8, v8, precision)
     cdt, rdt = pol.compute, pol.result
+    if compute_out:
+        rdt = cdt
     if return_weights and (k8 is not None or v8 is not None):
         # the weights path multiplies whole rows: dequantize (a copy)
         k = k if k8 is None else dequantize(k8, k_scales, cdt)
@@ -549,14 +555,15 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     bshape, group = _batch_shape(q, k, v, m, enable_gqa)
     nb = math.prod(bshape)
     out_shape = bshape + (N, Dv)
-    slopes = None if alibi is None else _per_batch(alibi, bshape, "alibi_slopes")
-    sk = None if sinks is None else _per_batch(sinks, bshape, "sinks", allow_neg_inf=True)
+    slopes = None if alibi is None else _per_batch(alibi, bshape, "alibi_slopes", cdt,
+                                                   max_distance=max(N, M) - 1)
+    sk = None if sinks is None else _per_batch(sinks, bshape, "sinks", cdt, allow_neg_inf=True)
 
     if nb == 0 or N == 0 or M == 0 or Dv == 0:
         return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
                              is_causal, scale, enable_gqa, num_threads, window, softcap,
                              key_arg=None if k8 is None else (k8, k_scales),
-                             alibi=alibi, sinks=sinks)
+                             alibi=alibi, sinks=sinks, sink_values=sk)
     if cdt == np.float64 or return_weights:
         # the float64 kernel and the weights path (BLAS over whole rows)
         # take 16-bit operands converted (a copy)
@@ -572,7 +579,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         return _broadcast_rows(
             _attention(q[..., :1, :], k if k8 is None else (k8, k_scales),
                        v if v8 is None else (v8, v_scales), m, False, sc, enable_gqa,
-                       return_weights, return_lse, num_threads, window, softcap, precision),
+                       return_weights, return_lse, num_threads, window, softcap, precision,
+                       compute_out=compute_out),
             bshape, N)
 
     # ---- lay out operands ----

@@ -7,6 +7,8 @@ import pytest
 import attncore
 from attncore._core import _sdpa
 
+from reference import alibi_sinks as ref
+
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
 
@@ -16,46 +18,6 @@ def path(request):
     prev = _sdpa.set_kernel_path(request.param)
     yield request.param
     _sdpa.set_kernel_path(prev)
-
-
-def ref(q, k, v, slopes=None, sinks=None, causal=False, window=None, softcap=None, mask=None,
-        group=1):
-    """float64: scores, soft cap, - slope |i + M - N - j|, mask / causal /
-    window, a literal sink column in the softmax; (out, lse)."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    if group > 1:
-        k, v = np.repeat(k, group, -3), np.repeat(v, group, -3)
-    N, M, D = q.shape[-2], k.shape[-2], q.shape[-1]
-    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(D)
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
-    if slopes is not None:
-        s = s - np.asarray(slopes, np.float64)[..., None, None] * np.abs(i + M - N - j)
-    ok = np.ones((N, M), bool)
-    if causal:
-        ok &= j <= i + M - N
-    if window is not None:  # aligned like the causal diagonal: upper-left without causal
-        off = M - N if causal else 0
-        ok &= (j >= i + off - window[0]) & (j <= i + off + window[1])
-    if mask is not None:
-        ok = ok & mask
-    ok = np.broadcast_to(ok, s.shape)
-    s = np.where(ok, s, -np.inf)
-    if sinks is not None:
-        col = np.broadcast_to(np.asarray(sinks, np.float64)[..., None, None], s.shape[:-1] + (1,))
-        s = np.concatenate([s, col], -1)
-    mx = s.max(-1, keepdims=True)
-    mx = np.where(np.isfinite(mx), mx, 0)
-    e = np.exp(s - mx)
-    tot = e.sum(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0)
-        lse = np.where(tot[..., 0] > 0, mx[..., 0] + np.log(np.where(tot > 0, tot, 1)[..., 0]),
-                       -np.inf)
-    if sinks is not None:
-        p = p[..., :-1]
-    return p @ v, lse
 
 
 def rand(rng, *shape, dt=np.float32):

@@ -263,9 +263,14 @@ static AC_TGT int AC_F(ac_fused_panel)(
        panel's middle row, -slope |i + M - N - j| = slope (j - c - (M - N))
        - slope (i - c), a per-key term the micro-kernel adds to its scores
        (no pass over the tile) and a per-row constant that the softmax
-       ignores -- it is put back into the row's max (so the lse) at the end */
+       ignores -- it is put back into the row's max (so the lse) at the end.
+       Only for |slope| <= 1 (every model's slopes): the per-key term is up
+       to |slope| AC_P / 2 larger than the true one, and float32 scores of
+       that size lose the digits of q . k (a slope of 1e30 left nothing of
+       them, and the lse came out as rounding noise); larger slopes take the
+       explicit pass below, exact at each row's own diagonal. */
     int alibi_lin = p->alibi_on && !capped && right >= 0 &&
-                    off + right <= (ptrdiff_t)p->M - p->N;
+                    off + right <= (ptrdiff_t)p->M - p->N && fabs(p->alibi) <= 1.0;
 #if AC_BF16_PANEL
     if (bt || i8) alibi_lin = 0;
 #endif
