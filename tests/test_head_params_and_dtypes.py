@@ -1,4 +1,6 @@
-"""Regression tests for the defects of issue 28 (each failed before its fix),
+"""Sinks and ALiBi slopes at the edges of the compute dtype's range, bfloat16 head
+parameters of every array library, cu_seqlens error values, and Dask results in
+the inputs' 16-bit dtype (regression tests: each failed before its fix),
 on every forced kernel path (the ``path`` fixture of conftest.py).
 
 3. ``sinks`` / ``alibi_slopes`` beyond the float32 range in a float32 (or
