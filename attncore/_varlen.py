@@ -15,8 +15,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._core import _sdpa
-from ._dtypes import HALF_BF16, half_code, resolve, to_float
+from . import _call
+from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
 from ._threads import SERIAL_FLOPS, resolve_num_threads
 from ._validation import (aligned, all_finite, as_float_array, head_values, parse_bool,
@@ -99,19 +99,33 @@ def _slopes(alibi: Any, B: int, Hq: int, compute: np.dtype, max_distance: int) -
     return np.ascontiguousarray(np.broadcast_to(f, (B, Hq))).reshape(-1)
 
 
-def _threads_and_tiles(cdt, lq: np.ndarray, lk: np.ndarray, maxq: int, maxk: int, D: int,
-                       Dv: int, causal: int, Hq: int, nthreads: int):
-    """(Bq, Bk, threads) of one packed call: the tiles functional.plan
-    chooses for the longest sequence, the thread count capped by the real
-    work (no padding counted)."""
-    from .functional import plan_call
+def _packed_call(qa, ka, va, cq, ck, pol, group: int, scale: float, causal: int,
+                 win: tuple, cap: float, slopes, nthreads: int) -> _call.Call:
+    """The description of one packed call (attncore._call.Call): operands
+    laid out, the tiles attncore._call.plan_call chooses for the longest
+    sequence, the thread count capped by the real work (no padding
+    counted), the kernel's modes of the dtype policy ``pol``."""
+    cdt = pol.compute
+    if cdt == np.float64:
+        # the float64 kernel takes 16-bit operands converted (a copy)
+        qa, ka, va = (a if not half_code(a.dtype) else to_float(a, cdt) for a in (qa, ka, va))
+    fmts = tuple(half_code(a.dtype) for a in (qa, ka, va))
+    qa, ka, va = (_kernel_layout(a if (f or a.dtype == cdt) else a.astype(cdt))
+                  for a, f in zip((qa, ka, va), fmts))
+    Hq, D, Dv = qa.shape[1], qa.shape[2], va.shape[2]
+    lq, lk = np.diff(cq), np.diff(ck)
     flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lk)) * (D + Dv)
     if flops < SERIAL_FLOPS:
         nthreads = 1
-    pl = plan_call(cdt, maxq, max(maxk, 1), D, Dv, causal, len(lq) * Hq, nthreads)
-    nthreads = pl.nthreads
+    md = _call.modes(pol, D)
+    pl = _call.plan_call(cdt, int(lq.max()), max(int(lk.max()), 1), D, Dv, causal,
+                         len(lq) * Hq, nthreads,
+                         converted_kv=bool(fmts[1] or fmts[2] or md.bf16dot))
     items = int(Hq * (-(-lq // pl.Bq)).sum())
-    return pl.Bq, pl.Bk, max(1, min(nthreads, items))
+    pl = pl._replace(nthreads=max(1, min(pl.nthreads, items)))
+    return _call.Call(qa, ka, va, None, 0, (Hq,), group, 0, 0, D, Dv, causal, scale, win, cap,
+                      None, None, None, fmts, slopes, None, md.bf16dot if pl.fused else 0, 0,
+                      pl, cdt, cu_q=cq, cu_k=ck)
 
 
 @foreign_arrays(("q", "k", "v"), ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"),
@@ -256,7 +270,7 @@ def varlen_attention(
     _check_max(max_seqlen_k, "max_seqlen_k", maxk)
     sc = parse_scale(scale, D)
     nthreads = resolve_num_threads(num_threads)
-    pol = resolve((qa.dtype, ka.dtype, va.dtype), ("q", "k", "v"))
+    pol = _call.policy((qa.dtype, ka.dtype, va.dtype), ("q", "k", "v"), None)
     cdt, rdt = pol.compute, pol.result
     operands = (qa, ka, va)
     slopes = None if alibi_slopes is None else _slopes(alibi_slopes, B, Hq, cdt,
@@ -264,33 +278,20 @@ def varlen_attention(
     if max(D, Dv) > _INT32_MAX:
         raise ValueError("head dimensions must be below 2**31")
 
-    out = np.zeros((total_q, Hq, Dv), dtype=cdt)
-    if total_q and Hq and Dv and total_k:
-        if cdt == np.float64:
-            # the float64 kernel takes 16-bit operands converted (a copy)
-            qa, ka, va = (a if not half_code(a.dtype) else to_float(a, cdt)
-                          for a in (qa, ka, va))
-        qf, kf, vf = half_code(qa.dtype), half_code(ka.dtype), half_code(va.dtype)
-        qa, ka, va = (_kernel_layout(a if (f or a.dtype == cdt) else a.astype(cdt))
-                      for a, f in ((qa, qf), (ka, kf), (va, vf)))
-        # causal: lower-right per sequence (2); a window alone: lower-right
-        # alignment without the causal bound (3)
-        causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
-        Bq, Bk, nthreads = _threads_and_tiles(cdt, lq, lk, maxq, maxk, D, Dv, causal, Hq,
-                                              nthreads)
-        qa, ka, va = (a.view(np.uint16) if f == HALF_BF16 else a
-                      for a, f in ((qa, qf), (ka, kf), (va, vf)))
-        _sdpa.sdpa_varlen(qa, ka, va, out, cq, ck, group, D, Dv, causal, sc, Bq, Bk,
-                          nthreads, win[0], win[1], cap, qf, kf, vf, slopes)
-        if cdt == np.float32 and not all_finite(out):
-            # float32 sums overflowed (values near the float32 maximum) if
-            # the operands are finite: the call again in float64
-            # (functional._float64_rerun)
-            f64 = [to_float(a, np.dtype(np.float64)) for a in operands]
-            if not all(all_finite(a) for a in f64):
-                return out.astype(rdt)
+    if not (total_q and Hq and Dv and total_k):
+        return np.zeros((total_q, Hq, Dv), dtype=rdt)
+    # causal: lower-right per sequence (2); a window alone: lower-right
+    # alignment without the causal bound (3)
+    causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
+    out, _, _ = _call.launch(_packed_call(qa, ka, va, cq, ck, pol, group, sc, causal, win, cap,
+                                          slopes, nthreads))
+    if cdt == np.float32 and not all_finite(out):
+        # float32 sums overflowed (values near the float32 maximum) if the
+        # operands are finite: the call again in float64
+        f64 = [to_float(a, np.dtype(np.float64)) for a in operands]
+        if all(all_finite(a) for a in f64):
             return varlen_attention(
-                *f64, cq, ck, is_causal=is_causal, scale=sc,
-                window=window, softcap=softcap, alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
+                *f64, cq, ck, is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+                alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
                 num_threads=num_threads).astype(rdt)
     return out if rdt == cdt else out.astype(rdt)

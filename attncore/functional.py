@@ -18,229 +18,47 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from typing import Literal, NamedTuple, Sequence, overload
+from typing import Literal, Sequence, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _int8
+from . import _call
 from ._core import _sdpa
-from ._quant import dequantize, split_quantized
-from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
-                       blas_parallel_threads,
-                       blas_small_products_ok, resolve_num_threads)
-# the shared checkers live in ._validation; the names stay importable from here
-from ._validation import (as_float_array, compute_dtype, parse_bool, parse_causal,  # noqa: F401
-                          head_values, parse_float_dtype, parse_mask, parse_positive_int,
-                          parse_scale, parse_softcap, parse_window)
-from ._validation import all_finite
-from ._validation import blas_rows as _rows_ok
-from ._validation import batch_shape as _batch_shape
-from ._validation import check_mask as _check_mask
-from ._validation import check_operands as _check_operands
+from ._dtypes import HALF_BF16, half_code
 from ._interop import foreign_arrays
-from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
+from ._quant import dequantize, split_quantized
+from ._validation import all_finite, as_float_array, parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
-_INT32_MAX = 2**31 - 1
-# query blocks of at most this many rows take the direct loops (decoding);
-# the C kernels' constant
-_SMALL_ROWS = _sdpa.SMALL_ROWS
-
-
-
-
-
-def _l2_bytes() -> int:
-    """Per-core L2 size (Linux sysconf), 1 MiB when unknown."""
-    try:
-        n = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        n = 0
-    return n if n and n > 0 else 1 << 20
-
-
-_L2 = _l2_bytes()
-
-
-def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int):
-    """(query block, key block) sizes of the BLAS path (float64, the
-    portable float32 path, return_weights).
-
-    Key blocks of 512 (float32; 256 for float64, halved for D + Dv > 256).
-    Query blocks as tall as keep the thread's score tile and accumulator in
-    three quarters of its L2 (the key / value tiles stream through BLAS'
-    packing), at most 256 rows (128 under a causal mask up to N = 1024,
-    where taller diagonal blocks waste more than they save: measured), then
-    halved while the work items would not give every thread two.
-    """
-    isz = dtype.itemsize
-    Bk = 512 if isz == 4 else 256
-    if D + Dv > 256:
-        Bk //= 2
-    Bk = max(1, min(Bk, M))
-    Bq = 128 if (causal and N <= 1024) else 256
-    budget = 3 * _L2 // 4
-    while Bq > 32 and isz * Bq * (Bk + Dv) > budget:
-        Bq //= 2
-    while Bq > 32 and nb * -(-N // Bq) < 2 * nthreads:
-        Bq //= 2
-    return max(1, min(Bq, N)), Bk
-
-
-class Plan(NamedTuple):
-    """How one call runs: query / key block sizes, key splits, threads."""
-
-    Bq: int
-    Bk: int
-    nsplit: int
-    chunk: int
-    nthreads: int
-    fused: bool
-
-
-def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
-         return_weights: bool = False, kernel_path: str | None = None,
-         blas_mnk: int | None = None, converted_kv: bool = False) -> Plan:
-    """Blocking, key splits and thread count of one attention call (pure).
-
-    The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
-    in panels of 32 / 16 rows, no BLAS) takes query blocks of two panels,
-    fewer when there would not be two per thread; a handful of query rows
-    (decoding) and everything else use the BLAS path's tiles (``_tiles``).
-    Decoding-like calls with fewer work items than threads split the keys
-    (flash decoding) into chunks of at least 256 keys.  Work below
-    ``SERIAL_FLOPS`` (attncore._threads) runs on the calling thread alone.  ``blas_mnk`` caps
-    the size (m n k) of every BLAS product of the BLAS path: the tiles then
-    shrink so that a BLAS that starts threads above a size (OpenBLAS) keeps
-    each product on the calling thread.  ``converted_kv`` (int8 / half
-    keys or values, converted a tile at a time for all the panels of a
-    query block): query blocks of four panels, so that each conversion
-    serves more rows.
-    """
-    if kernel_path is None:
-        kernel_path = _sdpa.kernel_path()
-    if 2.0 * nb * N * M * (D + Dv) < SERIAL_FLOPS:
-        nthreads = 1
-    fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
-             and N > _SMALL_ROWS)
-    if fused:
-        panel = _sdpa.PANEL_ROWS[kernel_path]
-        Bq = (4 if converted_kv else 2) * panel
-        while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
-            Bq //= 2
-        Bq = min(Bq, N)
-        Bk = max(1, min(512, M))  # only sizes the key splits here
-    else:
-        Bq, Bk = _tiles(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads)
-        if blas_mnk:
-            width = max(D, Dv)
-            if return_weights:  # products over all M keys at once
-                Bq = max(1, min(Bq, blas_mnk // max(1, M * width)))
-            else:
-                while Bk > 32 and Bq * Bk * width > blas_mnk:
-                    Bk //= 2
-                while Bq > 1 and Bq * Bk * width > blas_mnk:
-                    Bq //= 2
-    nqb = -(-N // Bq)
-    work = nb * nqb
-    nsplit, chunk = 1, M
-    if not return_weights and work < nthreads and M >= 1024:
-        nsplit = min(-(-nthreads // work), -(-M // 256))
-        chunk = -(-M // nsplit)
-        chunk = -(-chunk // Bk) * Bk
-        nsplit = -(-M // chunk)
-    nthreads = max(1, min(nthreads, work * nsplit))
-    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused)
-
-
-def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
-              return_weights: bool = False, kernel_path: str | None = None,
-              converted_kv: bool = False) -> Plan:
-    """:func:`plan` and the BLAS thread policy of one call, decided together.
-
-    The one place where a call's tiles meet the BLAS it loads, so that
-    re-planning for the BLAS keeps every other argument of the plan.  Where
-    the planned kernel calls BLAS (neither the fused kernel nor the direct
-    loops of a few rows) and a BLAS library cannot be held to one thread
-    per thread (``attncore._threads``):
-
-    * an OpenBLAS gets tiles whose products stay below
-      ``OPENBLAS_SERIAL_MNK``, so it runs each one on the calling thread:
-      at any thread count, so that ``num_threads=1`` uses one core;
-    * any other such BLAS gets a region of one thread, and keeps its own.
-    """
-    args = (dtype, N, M, D, Dv, causal, nb, nthreads, return_weights, kernel_path)
-    pl = plan(*args, converted_kv=converted_kv)
-    uses_blas = not pl.fused and (return_weights or N > _SMALL_ROWS)
-    if uses_blas and not blas_hold_supported():
-        if blas_small_products_ok():
-            pl = plan(*args, blas_mnk=OPENBLAS_SERIAL_MNK, converted_kv=converted_kv)
-        elif pl.nthreads > 1:
-            pl = pl._replace(nthreads=blas_parallel_threads(pl.nthreads))
-    return pl
+# the planner lives with the call description (attncore._call); its names
+# stay importable from here
+_SMALL_ROWS = _call.SMALL_ROWS
+_INT32_MAX = _call.INT32_MAX
+Plan, plan, plan_call = _call.Plan, _call.plan, _call.plan_call
 
 
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention: checks (the kernel call is planned below)
 # --------------------------------------------------------------------------
-def _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, need_w, need_lse, is_causal, scale,
-                  enable_gqa, num_threads, window=(-1, -1), softcap=0.0, key_arg=None,
-                  alibi=None, sinks=None, sink_values=None):
+def _empty_result(chk: _call.Checked, rdt, redo):
     """(out, weights or None, lse or None) when a batch, N, M or Dv is 0.
-    ``key_arg``: the key to score with when ``k`` is a stand-in (an int8
-    pair); ``sink_values``: ``sinks`` as _per_batch returns them."""
-    N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    ``redo(value)``: the call again with another value (the weights and
+    the lse are still defined without value columns: one dummy column)."""
+    N, M, Dv = chk.q.shape[-2], chk.k.shape[-2], chk.v.shape[-1]
+    bshape = chk.bshape
     nb = math.prod(bshape)
     out = np.zeros(bshape + (N, Dv), dtype=rdt)
-    if Dv == 0 and (need_w or need_lse) and nb and N and M:
-        # weights and lse are still defined: compute them with a dummy value column
-        _, w, lse = _attention(q, k if key_arg is None else key_arg,
-                               np.zeros(v.shape[:-1] + (1,), dtype=v.dtype), attn_mask,
-                               is_causal, scale, enable_gqa, need_w, need_lse, num_threads,
-                               window, softcap, alibi=alibi, sinks=sinks)
+    if Dv == 0 and (chk.need_weights or chk.need_lse) and nb and N and M:
+        _, w, lse = redo(np.zeros(chk.v.shape[:-1] + (1,), dtype=chk.v.dtype))
         return out, w, lse
-    w = np.zeros(bshape + (N, M), dtype=rdt) if need_w else None
-    lse = np.full(bshape + (N,), -np.inf, dtype=cdt) if need_lse else None
-    if lse is not None and sink_values is not None and lse.size:
+    w = np.zeros(bshape + (N, M), dtype=rdt) if chk.need_weights else None
+    lse = np.full(bshape + (N,), -np.inf, dtype=chk.pol.compute) if chk.need_lse else None
+    if lse is not None and chk.sinks is not None and lse.size:
         # no key: the sink is the whole softmax
-        lse[...] = sink_values.reshape(bshape)[..., None]
+        lse[...] = chk.sinks.reshape(bshape)[..., None]
     return out, w, lse
-
-
-def _per_batch(x, bshape: tuple, name: str, compute, allow_neg_inf: bool = False,
-               max_distance: int | None = None) -> np.ndarray:
-    """A per-head (per batch element) float array broadcast to the batch
-    shape: (H,) matches the head axis (-3 of the query), (B, H) batch and
-    heads, NumPy broadcasting from the right.  Returns it as a flat
-    float64 array of one value per batch element, its values checked
-    against the compute dtype ``compute`` (attncore._validation.head_values)."""
-    f = head_values(x, name, compute, allow_neg_inf=allow_neg_inf, max_distance=max_distance)
-    if f.ndim > len(bshape):
-        raise ValueError(f"{name} must have at most {len(bshape)} dimensions (one per batch axis, "
-                         f"the last one the heads), broadcastable to the batch shape {bshape}; "
-                         f"got shape {f.shape}")
-    try:
-        b = np.broadcast_to(f, bshape)
-    except ValueError:
-        raise ValueError(f"{name} of shape {f.shape} does not broadcast to the batch shape "
-                         f"{bshape} ((H,) per head or (B, H))") from None
-    return np.ascontiguousarray(b).reshape(-1)
-
-
-def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
-    """An int8 operand laid out for the kernel (last axis contiguous, rows
-    at least D apart) and its scales as (..., M, 1) of the compute dtype."""
-    D = data.shape[-1]
-    st = data.strides
-    if (D > 1 and st[-1] != 1) or (data.shape[-2] > 1 and st[-2] < D) or any(s < 0 for s in st):
-        data = np.ascontiguousarray(data)
-    sc = scales.astype(cdt, copy=False)
-    if any(s % sc.itemsize or s < 0 for s in sc.strides) or not sc.flags.aligned:
-        sc = np.ascontiguousarray(sc)
-    return data, sc[..., None]
 
 
 def _broadcast_rows(res, bshape, N: int):
@@ -493,180 +311,70 @@ def scaled_dot_product_attention(
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
 
 
-def _policy(q, k, v, k8, v8, precision) -> Policy:
-    """The call's dtype policy; an int8 key / value takes no part in it
-    (it counts as the query's dtype)."""
-    kd = q.dtype if k8 is not None else k.dtype
-    vd = q.dtype if v8 is not None else v.dtype
-    return resolve((q.dtype, kd, vd), ("query", "key", "value"), precision,
-                   bf16_products=_sdpa.bf16_mode() != 0)
+def _dequantized(chk: _call.Checked) -> _call.Checked:
+    """The weights path multiplies whole rows: int8 keys / values
+    dequantized (a copy)."""
+    cdt = chk.pol.compute
+    k = chk.k if chk.k8 is None else dequantize(chk.k8[0], chk.k8[1], cdt)
+    v = chk.v if chk.v8 is None else dequantize(chk.v8[0], chk.v8[1], cdt)
+    return chk._replace(k=k, v=v, k8=None, v8=None)
 
 
-def _int8_products(D: int) -> int:
-    """The kernel's int8 Q.K^T code for ``precision="int8"`` on the path in
-    use: 1 / 2 the vpdpbusd kernel (native / emulated, on the AVX-512 path),
-    3 products of the dequantized rows (forced, or a head size outside the
-    kernel's exact range), 0 float32 products where this CPU and path have
-    no int8 kernel (no slower than float32, and more accurate)."""
-    qk8 = _sdpa.int8_mode()
-    if qk8 in (1, 2) and _sdpa.kernel_path() != "avx512":
-        return 0
-    # (int32 sums of D products of up to 255 x 127: exact below 66313)
-    if qk8 in (1, 2) and (D < 2 or D > 65536):
-        return 3
-    return qk8
+def _broadcast_query(chk: _call.Checked) -> bool:
+    """Whether every query row of a batch element is the same row with the
+    same keys (a stride-0 query row axis, nothing row-dependent)."""
+    m = chk.mask
+    return (chk.q.shape[-2] > 1 and chk.q.strides[-2] == 0 and not chk.causal
+            and chk.window == (-1, -1) and chk.k8 is None and chk.v8 is None
+            and chk.slopes is None and chk.sinks is None and (m is None or m.shape[-2] == 1))
+
+
+def _finish(c: _call.Call, bshape: tuple, rdt, out, weights, lse):
+    """The kernel's results in the call's shapes and result dtype."""
+    out = out.reshape(bshape + (c.N, c.Dv))
+    if rdt != c.compute:
+        out = out.astype(rdt)
+    if weights is not None:
+        weights = weights.reshape(bshape + (c.N, c.M))
+        if rdt != c.compute:
+            weights = weights.astype(rdt)
+    if lse is not None:
+        lse = lse.reshape(bshape + (c.N,))
+    return out, weights, lse
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
                alibi=None, sinks=None, compute_out: bool = False):
-    """(out, weights or None, lse or None): the checked call.
+    """(out, weights or None, lse or None): the checked call, through the
+    front door (attncore._call: check, describe, launch).
     ``compute_out``: out and weights stay in the compute dtype (float32 for
     16-bit inputs) instead of the result dtype (attncore.dask merges such
     partial results before rounding them once)."""
-    operands = (query, key, value)
-    key, k_scales = split_quantized(key, "key")
-    value, v_scales = split_quantized(value, "value")
-    k8 = v8 = None
-    if k_scales is not None or v_scales is not None:
-        qdt = as_float_array(query, "query", allow_bf16=True).dtype
-        if k_scales is not None:
-            # shape checks on a float stand-in; int8 takes no part in promotion
-            k8, key = key, np.broadcast_to(np.zeros((), qdt), key.shape)
-        if v_scales is not None:
-            v8, value = value, np.broadcast_to(np.zeros((), qdt), value.shape)
-    q, k, v = _check_operands(query, key, value)
-    pol = _policy(q, k, v, k8, v8, precision)
-    cdt, rdt = pol.compute, pol.result
-    if compute_out:
-        rdt = cdt
-    if return_weights and (k8 is not None or v8 is not None):
-        # the weights path multiplies whole rows: dequantize (a copy)
-        k = k if k8 is None else dequantize(k8, k_scales, cdt)
-        v = v if v8 is None else dequantize(v8, v_scales, cdt)
-        k8 = v8 = k_scales = v_scales = None
-    N, D = q.shape[-2], q.shape[-1]
-    M, Dv = k.shape[-2], v.shape[-1]
-    causal = parse_causal(is_causal)
-    sc = parse_scale(scale, D)
-    nthreads = resolve_num_threads(num_threads)
-    m, mask_kind = _check_mask(attn_mask, N, M)
-    bshape, group = _batch_shape(q, k, v, m, enable_gqa)
-    nb = math.prod(bshape)
-    out_shape = bshape + (N, Dv)
-    slopes = None if alibi is None else _per_batch(alibi, bshape, "alibi_slopes", cdt,
-                                                   max_distance=max(N, M) - 1)
-    sk = None if sinks is None else _per_batch(sinks, bshape, "sinks", cdt, allow_neg_inf=True)
-
-    if nb == 0 or N == 0 or M == 0 or Dv == 0:
-        return _empty_result(q, k, v, attn_mask, bshape, rdt, cdt, return_weights, return_lse,
-                             is_causal, scale, enable_gqa, num_threads, window, softcap,
-                             key_arg=None if k8 is None else (k8, k_scales),
-                             alibi=alibi, sinks=sinks, sink_values=sk)
-    if cdt == np.float64 or return_weights:
-        # the float64 kernel and the weights path (BLAS over whole rows)
-        # take 16-bit operands converted (a copy)
-        q, k, v = (a if (a is None or not half_code(a.dtype)) else to_float(a, cdt)
-                   for a in (q, k, v))
-    banded = causal or window != (-1, -1)
-    quantized = k8 is not None or v8 is not None
-    if N > 1 and q.strides[-2] == 0 and not banded and not quantized and alibi is None and \
-            sinks is None and (m is None or m.shape[-2] == 1):
-        # a broadcast query row axis: every row of a batch element is the
-        # same query with the same keys, so compute one and broadcast it
-        # (never copy the N identical rows)
+    opts = (is_causal, scale, enable_gqa, return_weights, return_lse, num_threads, window,
+            softcap, precision)
+    kw = dict(alibi=alibi, sinks=sinks, compute_out=compute_out)
+    chk = _call.check(query, key, value, attn_mask, *opts, alibi=alibi, sinks=sinks)
+    if return_weights and (chk.k8 is not None or chk.v8 is not None):
+        chk = _dequantized(chk)
+    rdt = chk.pol.compute if compute_out else chk.pol.result
+    if chk.empty:
+        return _empty_result(chk, rdt, lambda val: _attention(
+            chk.q, key, val, attn_mask, *opts, **kw))
+    if _broadcast_query(chk):
+        # compute one row and broadcast it (never copy the N identical rows)
         return _broadcast_rows(
-            _attention(q[..., :1, :], k if k8 is None else (k8, k_scales),
-                       v if v8 is None else (v8, v_scales), m, False, sc, enable_gqa,
-                       return_weights, return_lse, num_threads, window, softcap, precision,
-                       compute_out=compute_out),
-            bshape, N)
-
-    # ---- lay out operands ----
-    if max(N, M, D, Dv) > _INT32_MAX:
-        raise ValueError("sequence lengths and head dimensions must be below 2**31")
-    # 16-bit operands are passed as they are (the kernel converts tiles)
-    qf, kf, vf = half_code(q.dtype), half_code(k.dtype), half_code(v.dtype)
-    q = _rows_ok(q if (qf or q.dtype == cdt) else q.astype(cdt))
-    ks = vs = None
-    if k8 is not None:
-        k, ks = _quantized_operand(k8, k_scales, cdt)
-        kf = 0
-    else:
-        k = _rows_ok(k if (kf or k.dtype == cdt) else k.astype(cdt))
-    if v8 is not None:
-        v, vs = _quantized_operand(v8, v_scales, cdt)
-        vf = 0
-    else:
-        v = _rows_ok(v if (vf or v.dtype == cdt) else v.astype(cdt))
-    if m is not None:
-        if mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
-            m = m.astype(cdt)
-        if any(st % m.itemsize for st in m.strides):
-            m = np.ascontiguousarray(m)
-
-    # bfloat16 products; with int8 Q.K^T, P.V as bfloat16 pairs where the
-    # CPU has them
-    qk8 = _int8_products(D) if pol.products == "int8" else 0
-    bf16dot = pol.products == "bfloat16" or (qk8 != 0 and _sdpa.bf16_mode() != 0)
-    q_scales = q_mu = None
-    if qk8:
-        # int8 Q.K^T (attncore._int8): the operands quantized once per call
-        i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
-                            k if ks is not None else None,
-                            None if ks is None else ks[..., 0], bshape, group,
-                            nthreads if 2.0 * nb * N * M * (D + Dv) >= SERIAL_FLOPS else 1,
-                            pairs=qk8 != 3 and N > _SMALL_ROWS)
-        if return_weights or softcap > 0 or sk is not None:
-            # the scores' level matters (the weights' path, a soft cap, a
-            # sink): float rows whose products are the int8 ones, q . mu
-            # included as one more channel (a copy of Q and K)
-            q, k = _int8.dequantized(i8, bshape, D)
-            qf = kf = qk8 = 0
-            ks = None
-            D = D + 1
-        else:
-            q, k, ks = i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs
-            q_scales, q_mu = i8.q_scales, i8.q_mu
-            kf = qf = 0
-    # (int8 Q.K^T reads its int8 keys in place: only the values convert)
-    conv = bool(vf or vs is not None or bf16dot) if qk8 else \
-        bool(kf or vf or ks is not None or vs is not None or bf16dot)
-    pl = plan_call(cdt, N, M, D, Dv, causal, nb, nthreads, return_weights,
-                   kernel_path="portable" if qk8 == 3 else None, converted_kv=conv)
-    nthreads = pl.nthreads
-
-    out = np.empty((nb, N, Dv), dtype=cdt)
-    weights = np.empty((nb, N, M), dtype=cdt) if return_weights else None
-    lse = np.empty((nb, N), dtype=cdt) if return_lse else None
-    # bfloat16 (ml_dtypes) exports no buffer format: the kernel reads its bits
-    q, k, v = (a.view(np.uint16) if f == HALF_BF16 else a for a, f in ((q, qf), (k, kf), (v, vf)))
-    _sdpa.sdpa(q, k, v, m, out, weights, bshape, group, mask_kind, N, M, D, Dv, causal, sc,
-               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, nthreads, lse, window[0], window[1], softcap,
-               ks, vs, qf, kf, vf, slopes, sk,
-               _sdpa.bf16_mode() if (bf16dot and pl.fused) else 0, q_scales, qk8)
-    if cdt == np.float32 and not all_finite(out) and _finite_operands(operands):
+            _attention(chk.q[..., :1, :], key, value, chk.mask, *opts, **kw),
+            chk.bshape, chk.q.shape[-2])
+    c = _call.describe(chk)
+    out, weights, lse = _call.launch(c)
+    if c.compute == np.float32 and not all_finite(out) and _finite_operands((query, key, value)):
         # float32 accumulation overflowed (values near the float32 maximum:
         # the unnormalized P.V sums exceed it before the division by the
         # row sum): the call again in float64
-        return _float64_rerun(operands, rdt, attn_mask, is_causal, scale, enable_gqa,
-                              return_weights, return_lse, num_threads, window, softcap,
-                              alibi=alibi, sinks=sinks)
-    if lse is not None and q_mu is not None:
-        # the per-row term q . mu the smoothing took out of the scores
-        lse += np.float32(sc) * q_mu
-
-    out = out.reshape(out_shape)
-    if rdt != cdt:
-        out = out.astype(rdt)
-    if return_weights:
-        weights = weights.reshape(bshape + (N, M))
-        if rdt != cdt:
-            weights = weights.astype(rdt)
-    if return_lse:
-        lse = lse.reshape(bshape + (N,))
-    return out, weights, lse
+        return _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
+    return _finish(c, chk.bshape, rdt, out, weights, lse)
 
 
 def _float64_operands(operands) -> list:
@@ -699,10 +407,17 @@ def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
 # a lean call for integrations (the Hugging Face backend's decoding steps)
 # --------------------------------------------------------------------------
 @functools.lru_cache(maxsize=512)
-def _plan_cached(dtype: str, N: int, M: int, D: int, Dv: int, causal: int, nb: int,
-                 nthreads: int, kernel_path: str, converted: bool) -> Plan:
-    return plan(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads,
-                kernel_path=kernel_path, converted_kv=converted)
+def _prepared_call(dtype: np.dtype, N: int, M: int, D: int, Dv: int, causal: int, B: int, H: int,
+                   Hk: int, nthreads: int, kernel_path: str, bf16: int, scale: float,
+                   window: tuple, softcap: float) -> _call.Call:
+    """The description of a prepared call of this shape (cached), its
+    operands still to be filled in."""
+    fmt = half_code(dtype)
+    pl = _call.plan_call(np.dtype(np.float32 if fmt else dtype), N, M, D, Dv, causal, B * H,
+                         nthreads, kernel_path=kernel_path, converted_kv=bool(fmt))
+    return _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, scale,
+                      window, softcap, None, None, None, (fmt, fmt, fmt), None, None,
+                      bf16 if pl.fused else 0, 0, pl, np.dtype(np.float32 if fmt else dtype))
 
 
 def _kernel_rows(a: np.ndarray) -> bool:
@@ -748,17 +463,11 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
             return None
     fmt = half_code(dt)
     # bfloat16 inputs: bfloat16 products where the CPU has them (the policy)
-    bfm = _sdpa.bf16_mode() if fmt == HALF_BF16 else 0
-    pl = _plan_cached(dt.str if not fmt else "float32", N, M, D, Dv, causal, B * H, nthreads,
-                      _sdpa.kernel_path(), bool(fmt))
-    if not pl.fused and N > _SMALL_ROWS:
+    c = _prepared_call(dt, N, M, D, Dv, causal, B, H, Hk, nthreads, _sdpa.kernel_path(),
+                       _sdpa.bf16_mode() if fmt == HALF_BF16 else 0, sc, window, softcap)
+    if not c.plan.fused and N > _SMALL_ROWS:
         return None  # the BLAS path: the general call decides its threads
-    out = np.empty((B * H, N, Dv), dtype=np.float32)
-    if fmt == HALF_BF16:
-        q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
-    _sdpa.sdpa(q, k, v, None, out, None, (B, H), H // Hk, 0, N, M, D, Dv, causal, sc,
-               pl.Bq, pl.Bk, pl.nsplit, pl.chunk, pl.nthreads, None, window[0], window[1],
-               softcap, None, None, fmt, fmt, fmt, None, None, bfm if pl.fused else 0)
+    out, _, _ = _call.launch(c._replace(q=q, k=k, v=v))
     if not all_finite(out):
         return None  # an overflow or non-finite inputs: the general call decides
     out = out.reshape(B, H, N, Dv)

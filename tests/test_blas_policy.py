@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import attncore
-from attncore import _kernels, functional
+from attncore import _call, _kernels, functional
 from attncore._core import _sdpa
 from attncore._threads import OPENBLAS_SERIAL_MNK
 from reference import sdpa_ref
@@ -26,8 +26,8 @@ VARLEN_BQ, VARLEN_BK, VARLEN_THREADS = 11, 12, 13
 def openblas_unheld(monkeypatch):
     """The policy's view of a pthreads OpenBLAS: no thread-local hold, but
     small products run on the calling thread."""
-    monkeypatch.setattr(functional, "blas_hold_supported", lambda: False)
-    monkeypatch.setattr(functional, "blas_small_products_ok", lambda: True)
+    monkeypatch.setattr(_call, "blas_hold_supported", lambda: False)
+    monkeypatch.setattr(_call, "blas_small_products_ok", lambda: True)
 
 
 def _spy(monkeypatch, name):
@@ -95,9 +95,9 @@ def test_varlen_blas_products_stay_serial(openblas_unheld, monkeypatch, threads)
 def test_other_unheld_blas_gets_one_thread(monkeypatch):
     """A BLAS that is neither held nor an OpenBLAS: the region runs on one
     attncore thread (the BLAS keeps its own)."""
-    monkeypatch.setattr(functional, "blas_hold_supported", lambda: False)
-    monkeypatch.setattr(functional, "blas_small_products_ok", lambda: False)
-    monkeypatch.setattr(functional, "blas_parallel_threads", lambda n: 1)
+    monkeypatch.setattr(_call, "blas_hold_supported", lambda: False)
+    monkeypatch.setattr(_call, "blas_small_products_ok", lambda: False)
+    monkeypatch.setattr(_call, "blas_parallel_threads", lambda n: 1)
     calls = _spy(monkeypatch, "sdpa")
     q = _rand((1, 4, 128, 32), 0).astype(np.float64)
     attncore.scaled_dot_product_attention(q, q, q, num_threads=2)

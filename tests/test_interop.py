@@ -47,9 +47,9 @@ class _Spy:
 
 @pytest.fixture
 def spy(monkeypatch):
-    import attncore.functional as fn
-    s = _Spy(fn._sdpa)
-    monkeypatch.setattr(fn, "_sdpa", s)
+    import attncore._call as call  # the one kernel launcher
+    s = _Spy(call._sdpa)
+    monkeypatch.setattr(call, "_sdpa", s)
     return s
 
 

@@ -1240,7 +1240,7 @@ cdef int _run_varlen(const ac_params *p, const _VOps *ops, const _VItem *items, 
 def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
                 int group, int D, int Dv, int causal, double scale, int Bq, int Bk,
                 int nthreads, int win_l=-1, int win_r=-1, double softcap=0.0,
-                int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None):
+                int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, int bf16dot=0):
     """Run the kernel on a packed variable-length batch (see attncore._varlen).
 
     q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv): arrays of
@@ -1252,7 +1252,8 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
     head of query head h: h // group.  causal: kernel code (0 none, 2
     lower-right, 3 no causal bound with a lower-right window).  Bq, Bk: tile
     sizes (the largest sequence's).  alibi_slopes: None or a C-contiguous
-    float64 (B * Hq,) array, one slope per (sequence, head).
+    float64 (B * Hq,) array, one slope per (sequence, head).  bf16dot: as
+    in sdpa (the fused kernel's bfloat16 dot products).
 
     Work items are (sequence, head, query block), ordered by the estimated
     cost of their (sequence, head) and then their own, and scheduled
@@ -1307,7 +1308,10 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
             return
         p.N = 0
         p.M = 0
-        _size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt)
+        if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
+            raise ValueError("invalid bf16dot")
+        _size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt,
+                      0 if is64 else bf16dot)
         p.q_rs = bq.strides[0] // bq.itemsize
         p.k_rs = bk.strides[0] // bk.itemsize
         p.v_rs = bv.strides[0] // bv.itemsize

@@ -1,0 +1,500 @@
+"""The front door of the attention kernels (private): one validated call
+description, one launcher, each policy decided once.
+
+Every entry point that runs attention builds its call here::
+
+    check(...)      the user's arguments -> Checked: operands checked and
+                    broadcast, options parsed, the dtype policy, the batch
+                    shape and grouped-query heads, per-head parameters;
+                    computes nothing (attncore.dask runs it on stand-ins
+                    of its dask arrays' metadata)
+    describe(chk)   -> Call: operands in the kernel's layout and formats,
+                    the kernel's mode codes (16-bit formats, bfloat16 and
+                    int8 products), the plan (tiles, key splits, threads,
+                    the BLAS policy); immutable
+    launch(call)    the one call of the kernels (dense or packed variable
+                    length); returns the output, weights and lse in the
+                    compute dtype
+
+Policies and their homes:
+
+* dtypes / precision -> kernel mode codes: :func:`modes` (over
+  ``attncore._dtypes.resolve``);
+* how a bfloat16 looks: ``attncore._dtypes`` (``half_code``, ``is_bf16``);
+* array-library conversions: ``attncore._interop``;
+* the layout test: ``attncore._validation.blas_rows``;
+* per-head float parameters (ALiBi slopes, sinks): :func:`per_batch` (over
+  ``attncore._validation.head_values``);
+* BLAS and threads: :func:`plan_call` (over ``attncore._threads``);
+* the causal / window band: the kernels' codes from
+  ``attncore._validation.parse_causal`` / ``parse_window``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _int8
+from ._core import _sdpa
+from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
+from ._quant import split_quantized
+from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
+                       blas_parallel_threads, blas_small_products_ok, resolve_num_threads)
+from ._validation import (as_float_array, batch_shape, blas_rows, check_mask, check_operands,
+                          head_values, parse_causal, parse_scale)
+
+__all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe", "launch",
+           "modes", "per_batch"]
+
+INT32_MAX = 2**31 - 1
+# query blocks of at most this many rows take the direct loops (decoding);
+# the C kernels' constant
+SMALL_ROWS = _sdpa.SMALL_ROWS
+
+
+# --------------------------------------------------------------------------
+# the plan: tiles, key splits, threads, and the BLAS policy
+# --------------------------------------------------------------------------
+def _l2_bytes() -> int:
+    """Per-core L2 size (Linux sysconf), 1 MiB when unknown."""
+    try:
+        n = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        n = 0
+    return n if n and n > 0 else 1 << 20
+
+
+_L2 = _l2_bytes()
+
+
+def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int):
+    """(query block, key block) sizes of the BLAS path (float64, the
+    portable float32 path, return_weights).
+
+    Key blocks of 512 (float32; 256 for float64, halved for D + Dv > 256).
+    Query blocks as tall as keep the thread's score tile and accumulator in
+    three quarters of its L2 (the key / value tiles stream through BLAS'
+    packing), at most 256 rows (128 under a causal mask up to N = 1024,
+    where taller diagonal blocks waste more than they save: measured), then
+    halved while the work items would not give every thread two.
+    """
+    isz = dtype.itemsize
+    Bk = 512 if isz == 4 else 256
+    if D + Dv > 256:
+        Bk //= 2
+    Bk = max(1, min(Bk, M))
+    Bq = 128 if (causal and N <= 1024) else 256
+    budget = 3 * _L2 // 4
+    while Bq > 32 and isz * Bq * (Bk + Dv) > budget:
+        Bq //= 2
+    while Bq > 32 and nb * -(-N // Bq) < 2 * nthreads:
+        Bq //= 2
+    return max(1, min(Bq, N)), Bk
+
+
+class Plan(NamedTuple):
+    """How one call runs: query / key block sizes, key splits, threads."""
+
+    Bq: int
+    Bk: int
+    nsplit: int
+    chunk: int
+    nthreads: int
+    fused: bool
+
+
+def _blas_tiles(Bq: int, Bk: int, M: int, width: int, return_weights: bool,
+                blas_mnk: int) -> tuple[int, int]:
+    """Tiles whose BLAS products stay below ``blas_mnk`` multiply-adds."""
+    if return_weights:  # products over all M keys at once
+        return max(1, min(Bq, blas_mnk // max(1, M * width))), Bk
+    while Bk > 32 and Bq * Bk * width > blas_mnk:
+        Bk //= 2
+    while Bq > 1 and Bq * Bk * width > blas_mnk:
+        Bq //= 2
+    return Bq, Bk
+
+
+def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
+         return_weights: bool = False, kernel_path: str | None = None,
+         blas_mnk: int | None = None, converted_kv: bool = False) -> Plan:
+    """Blocking, key splits and thread count of one attention call (pure).
+
+    The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
+    in panels of 32 / 16 rows, no BLAS) takes query blocks of two panels,
+    fewer when there would not be two per thread; a handful of query rows
+    (decoding) and everything else use the BLAS path's tiles (``_tiles``).
+    Decoding-like calls with fewer work items than threads split the keys
+    (flash decoding) into chunks of at least 256 keys.  Work below
+    ``SERIAL_FLOPS`` (attncore._threads) runs on the calling thread alone.  ``blas_mnk`` caps
+    the size (m n k) of every BLAS product of the BLAS path: the tiles then
+    shrink so that a BLAS that starts threads above a size (OpenBLAS) keeps
+    each product on the calling thread.  ``converted_kv`` (int8 / half
+    keys or values, converted a tile at a time for all the panels of a
+    query block): query blocks of four panels, so that each conversion
+    serves more rows.
+    """
+    if kernel_path is None:
+        kernel_path = _sdpa.kernel_path()
+    if 2.0 * nb * N * M * (D + Dv) < SERIAL_FLOPS:
+        nthreads = 1
+    fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
+             and N > SMALL_ROWS)
+    if fused:
+        panel = _sdpa.PANEL_ROWS[kernel_path]
+        Bq = (4 if converted_kv else 2) * panel
+        while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
+            Bq //= 2
+        Bq = min(Bq, N)
+        Bk = max(1, min(512, M))  # only sizes the key splits here
+    else:
+        Bq, Bk = _tiles(np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads)
+        if blas_mnk:
+            Bq, Bk = _blas_tiles(Bq, Bk, M, max(D, Dv), return_weights, blas_mnk)
+    nqb = -(-N // Bq)
+    work = nb * nqb
+    nsplit, chunk = 1, M
+    if not return_weights and work < nthreads and M >= 1024:
+        nsplit = min(-(-nthreads // work), -(-M // 256))
+        chunk = -(-M // nsplit)
+        chunk = -(-chunk // Bk) * Bk
+        nsplit = -(-M // chunk)
+    nthreads = max(1, min(nthreads, work * nsplit))
+    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused)
+
+
+def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
+              return_weights: bool = False, kernel_path: str | None = None,
+              converted_kv: bool = False) -> Plan:
+    """:func:`plan` and the BLAS thread policy of one call, decided together.
+
+    The one place where a call's tiles meet the BLAS it loads, so that
+    re-planning for the BLAS keeps every other argument of the plan.  Where
+    the planned kernel calls BLAS (neither the fused kernel nor the direct
+    loops of a few rows) and a BLAS library cannot be held to one thread
+    per thread (``attncore._threads``):
+
+    * an OpenBLAS gets tiles whose products stay below
+      ``OPENBLAS_SERIAL_MNK``, so it runs each one on the calling thread:
+      at any thread count, so that ``num_threads=1`` uses one core;
+    * any other such BLAS gets a region of one thread, and keeps its own.
+    """
+    args = (dtype, N, M, D, Dv, causal, nb, nthreads, return_weights, kernel_path)
+    pl = plan(*args, converted_kv=converted_kv)
+    uses_blas = not pl.fused and (return_weights or N > SMALL_ROWS)
+    if uses_blas and not blas_hold_supported():
+        if blas_small_products_ok():
+            pl = plan(*args, blas_mnk=OPENBLAS_SERIAL_MNK, converted_kv=converted_kv)
+        elif pl.nthreads > 1:
+            pl = pl._replace(nthreads=blas_parallel_threads(pl.nthreads))
+    return pl
+
+
+# --------------------------------------------------------------------------
+# policies decided once
+# --------------------------------------------------------------------------
+class Modes(NamedTuple):
+    """The kernel's mode codes of a call's dtype policy."""
+
+    bf16dot: int   #: bfloat16 dot products: 0 none, 1 vdpbf16ps, 2 emulated
+    qk8: int       #: int8 Q.K^T: 0 none, 1 vpdpbusd, 2 emulated, 3 dequantized rows
+
+
+def int8_products(D: int) -> int:
+    """The kernel's int8 Q.K^T code for ``precision="int8"`` on the path in
+    use: 1 / 2 the vpdpbusd kernel (native / emulated, on the AVX-512 path),
+    3 products of the dequantized rows (forced, or a head size outside the
+    kernel's exact range), 0 float32 products where this CPU and path have
+    no int8 kernel (no slower than float32, and more accurate)."""
+    qk8 = _sdpa.int8_mode()
+    if qk8 in (1, 2) and _sdpa.kernel_path() != "avx512":
+        return 0
+    # (int32 sums of D products of up to 255 x 127: exact below 66313)
+    if qk8 in (1, 2) and (D < 2 or D > 65536):
+        return 3
+    return qk8
+
+
+def policy(dtypes, names, precision) -> Policy:
+    """The dtype policy of a call (``attncore._dtypes.resolve``), with this
+    CPU's bfloat16 dot products."""
+    return resolve(dtypes, names, precision, bf16_products=_sdpa.bf16_mode() != 0)
+
+
+def modes(pol: Policy, D: int) -> Modes:
+    """The kernel's mode codes of the policy ``pol``: bfloat16 products for
+    bfloat16 policies (and for P.V under int8 Q.K^T where the CPU has
+    them); the int8 Q.K^T code."""
+    qk8 = int8_products(D) if pol.products == "int8" else 0
+    bf = pol.products == "bfloat16" or (qk8 != 0 and _sdpa.bf16_mode() != 0)
+    return Modes(_sdpa.bf16_mode() if bf else 0, qk8)
+
+
+def per_batch(x, bshape: tuple, name: str, compute, allow_neg_inf: bool = False,
+              max_distance: int | None = None) -> np.ndarray:
+    """A per-head (per batch element) float array broadcast to the batch
+    shape: (H,) matches the head axis (-3 of the query), (B, H) batch and
+    heads, NumPy broadcasting from the right.  Returns it as a flat
+    float64 array of one value per batch element, its values checked
+    against the compute dtype ``compute`` (attncore._validation.head_values)."""
+    f = head_values(x, name, compute, allow_neg_inf=allow_neg_inf, max_distance=max_distance)
+    if f.ndim > len(bshape):
+        raise ValueError(f"{name} must have at most {len(bshape)} dimensions (one per batch axis, "
+                         f"the last one the heads), broadcastable to the batch shape {bshape}; "
+                         f"got shape {f.shape}")
+    try:
+        b = np.broadcast_to(f, bshape)
+    except ValueError:
+        raise ValueError(f"{name} of shape {f.shape} does not broadcast to the batch shape "
+                         f"{bshape} ((H,) per head or (B, H))") from None
+    return np.ascontiguousarray(b).reshape(-1)
+
+
+# --------------------------------------------------------------------------
+# checking: the user's arguments -> Checked
+# --------------------------------------------------------------------------
+class Checked(NamedTuple):
+    """A call's arguments checked (nothing laid out or computed yet)."""
+
+    q: np.ndarray             #: query, float (16-bit kept)
+    k: np.ndarray             #: key, float; a float stand-in for an int8 key
+    v: np.ndarray             #: value, likewise
+    k8: tuple[np.ndarray, np.ndarray] | None   #: (int8 key, scales) or None
+    v8: tuple[np.ndarray, np.ndarray] | None   #: (int8 value, scales) or None
+    mask: np.ndarray | None
+    mask_kind: int
+    pol: Policy
+    bshape: tuple
+    group: int
+    causal: int
+    scale: float
+    nthreads: int
+    window: tuple
+    softcap: float
+    slopes: np.ndarray | None  #: flat float64, one per batch element
+    sinks: np.ndarray | None
+    need_weights: bool
+    need_lse: bool
+
+    @property
+    def empty(self) -> bool:
+        """Whether the call has nothing to compute (a 0-sized axis)."""
+        return (math.prod(self.bshape) == 0 or self.q.shape[-2] == 0
+                or self.k.shape[-2] == 0 or self.v.shape[-1] == 0)
+
+
+def _split_int8(query, key, value):
+    """(key, value, k8, v8): an int8 (array, scales) key / value replaced
+    by a float stand-in of the query's dtype for the shape checks (int8
+    takes no part in the dtype rules)."""
+    key, k_scales = split_quantized(key, "key")
+    value, v_scales = split_quantized(value, "value")
+    k8 = v8 = None
+    if k_scales is not None or v_scales is not None:
+        qdt = as_float_array(query, "query", allow_bf16=True).dtype
+        if k_scales is not None:
+            k8, key = (key, k_scales), np.broadcast_to(np.zeros((), qdt), key.shape)
+        if v_scales is not None:
+            v8, value = (value, v_scales), np.broadcast_to(np.zeros((), qdt), value.shape)
+    return key, value, k8, v8
+
+
+def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
+          enable_gqa: bool = False, return_weights: bool = False, return_lse: bool = False,
+          num_threads=None, window: tuple = (-1, -1), softcap: float = 0.0,
+          precision=None, *, alibi=None, sinks=None) -> Checked:
+    """Check a call's arguments (``window`` / ``softcap`` / the bools
+    already parsed); raises the documented TypeError / ValueError."""
+    key, value, k8, v8 = _split_int8(query, key, value)
+    q, k, v = check_operands(query, key, value)
+    pol = policy((q.dtype, k.dtype, v.dtype), ("query", "key", "value"), precision)
+    N, D, M = q.shape[-2], q.shape[-1], k.shape[-2]
+    m, mask_kind = check_mask(attn_mask, N, M)
+    bshape, group = batch_shape(q, k, v, m, enable_gqa)
+    cdt = pol.compute
+    slopes = None if alibi is None else per_batch(alibi, bshape, "alibi_slopes", cdt,
+                                                  max_distance=max(N, M) - 1)
+    sk = None if sinks is None else per_batch(sinks, bshape, "sinks", cdt, allow_neg_inf=True)
+    return Checked(q, k, v, k8, v8, m, mask_kind, pol, bshape, group, parse_causal(is_causal),
+                   parse_scale(scale, D), resolve_num_threads(num_threads), window, softcap,
+                   slopes, sk, return_weights, return_lse)
+
+
+# --------------------------------------------------------------------------
+# describing: Checked -> Call (layout, formats, modes, plan)
+# --------------------------------------------------------------------------
+class Call(NamedTuple):
+    """One kernel call, immutable: what :func:`launch` passes to the
+    kernels.  Dense calls: ``bshape`` batch elements of (N, M); packed
+    variable-length calls: ``cu_q`` / ``cu_k`` offsets (bshape (Hq,))."""
+
+    q: Any                    #: np.ndarray (None in a cached template)
+    k: Any
+    v: Any
+    mask: np.ndarray | None
+    mask_kind: int
+    bshape: tuple
+    group: int
+    N: int
+    M: int
+    D: int
+    Dv: int
+    causal: int
+    scale: float
+    window: tuple
+    softcap: float
+    k_scales: np.ndarray | None
+    v_scales: np.ndarray | None
+    q_scales: np.ndarray | None
+    fmts: tuple               #: (q, k, v): 0 the compute dtype, 1 bfloat16, 2 float16
+    slopes: np.ndarray | None
+    sinks: np.ndarray | None
+    bf16dot: int
+    qk8: int
+    plan: Plan
+    compute: np.dtype
+    need_weights: bool = False
+    need_lse: bool = False
+    lse_shift: np.ndarray | None = None   #: added to the lse (int8 smoothing's q . mu)
+    cu_q: np.ndarray | None = None
+    cu_k: np.ndarray | None = None
+
+
+def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
+    """An int8 operand laid out for the kernel (last axis contiguous, rows
+    at least D apart) and its scales as (..., M, 1) of the compute dtype."""
+    D = data.shape[-1]
+    st = data.strides
+    if (D > 1 and st[-1] != 1) or (data.shape[-2] > 1 and st[-2] < D) or any(s < 0 for s in st):
+        data = np.ascontiguousarray(data)
+    sc = scales.astype(cdt, copy=False)
+    if any(s % sc.itemsize or s < 0 for s in sc.strides) or not sc.flags.aligned:
+        sc = np.ascontiguousarray(sc)
+    return data, sc[..., None]
+
+
+def _float_operand(a: np.ndarray, cdt) -> tuple[np.ndarray, int]:
+    """A float operand in the kernel's layout and its format code (16-bit
+    operands are read in place; others take the compute dtype)."""
+    f = half_code(a.dtype)
+    return blas_rows(a if (f or a.dtype == cdt) else a.astype(cdt)), f
+
+
+def _layout(chk: Checked):
+    """(q, k, v, k_scales, v_scales, mask, fmts): the operands laid out."""
+    cdt = chk.pol.compute
+    q, qf = _float_operand(chk.q, cdt)
+    if chk.k8 is not None:
+        (k, ks), kf = _quantized_operand(chk.k8[0], chk.k8[1], cdt), 0
+    else:
+        (k, kf), ks = _float_operand(chk.k, cdt), None
+    if chk.v8 is not None:
+        (v, vs), vf = _quantized_operand(chk.v8[0], chk.v8[1], cdt), 0
+    else:
+        (v, vf), vs = _float_operand(chk.v, cdt), None
+    m = chk.mask
+    if m is not None:
+        if chk.mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
+            m = m.astype(cdt)
+        if any(st % m.itemsize for st in m.strides):
+            m = np.ascontiguousarray(m)
+    return q, k, v, ks, vs, m, (qf, kf, vf)
+
+
+def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
+    """int8 Q.K^T (attncore._int8): the operands quantized once per call.
+    Returns (q, k, k_scales, fmts, qk8, q_scales, q_mu, D)."""
+    qf, kf, vf = fmts
+    bshape, D = chk.bshape, chk.q.shape[-1]
+    N, M, Dv = chk.q.shape[-2], chk.k.shape[-2], chk.v.shape[-1]
+    nb = math.prod(bshape)
+    work = 2.0 * nb * N * M * (D + Dv)
+    i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
+                        k if ks is not None else None,
+                        None if ks is None else ks[..., 0], bshape, chk.group,
+                        chk.nthreads if work >= SERIAL_FLOPS else 1,
+                        pairs=md.qk8 != 3 and N > SMALL_ROWS)
+    if chk.need_weights or chk.softcap > 0 or chk.sinks is not None:
+        # the scores' level matters (the weights' path, a soft cap, a
+        # sink): float rows whose products are the int8 ones, q . mu
+        # included as one more channel (a copy of Q and K)
+        q, k = _int8.dequantized(i8, bshape, D)
+        return q, k, None, (0, 0, vf), 0, None, None, D + 1
+    return (i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs, (0, 0, vf), md.qk8,
+            i8.q_scales, i8.q_mu, D)
+
+
+def describe(chk: Checked) -> Call:
+    """The kernel call of a checked, non-empty call."""
+    cdt = chk.pol.compute
+    if cdt == np.float64 or chk.need_weights:
+        # the float64 kernel and the weights path (BLAS over whole rows)
+        # take 16-bit operands converted (a copy)
+        chk = chk._replace(
+            q=to_float(chk.q, cdt) if half_code(chk.q.dtype) else chk.q,
+            k=to_float(chk.k, cdt) if half_code(chk.k.dtype) and chk.k8 is None else chk.k,
+            v=to_float(chk.v, cdt) if half_code(chk.v.dtype) and chk.v8 is None else chk.v)
+    N, D, M, Dv = chk.q.shape[-2], chk.q.shape[-1], chk.k.shape[-2], chk.v.shape[-1]
+    if max(N, M, D, Dv) > INT32_MAX:
+        raise ValueError("sequence lengths and head dimensions must be below 2**31")
+    q, k, v, ks, vs, m, fmts = _layout(chk)
+    md = modes(chk.pol, D)
+    q_scales = q_mu = None
+    qk8 = md.qk8
+    if qk8:
+        q, k, ks, fmts, qk8, q_scales, q_mu, D = _int8_stage(chk, q, k, ks, fmts, md)
+    # (int8 Q.K^T reads its int8 keys in place: only the values convert)
+    conv = bool(fmts[2] or vs is not None or md.bf16dot) if qk8 else \
+        bool(fmts[1] or fmts[2] or ks is not None or vs is not None or md.bf16dot)
+    pl = plan_call(cdt, N, M, D, Dv, chk.causal, math.prod(chk.bshape), chk.nthreads,
+                   chk.need_weights, kernel_path="portable" if qk8 == 3 else None,
+                   converted_kv=conv)
+    return Call(q, k, v, m, chk.mask_kind, chk.bshape, chk.group, N, M, D, Dv, chk.causal,
+                chk.scale, chk.window, chk.softcap, ks, vs, q_scales, fmts, chk.slopes,
+                chk.sinks, md.bf16dot if pl.fused else 0, qk8, pl, cdt, chk.need_weights,
+                chk.need_lse, None if q_mu is None else np.float32(chk.scale) * q_mu)
+
+
+# --------------------------------------------------------------------------
+# launching: the one call of the kernels
+# --------------------------------------------------------------------------
+def _bits(a: np.ndarray, fmt: int) -> np.ndarray:
+    """bfloat16 (ml_dtypes) exports no buffer format: the kernel reads its
+    bits."""
+    return a.view(np.uint16) if fmt == HALF_BF16 else a
+
+
+def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Run the kernel of ``c``: (out, weights or None, lse or None) in the
+    compute dtype; dense calls (nb, N, Dv) / (nb, N, M) / (nb, N), packed
+    ones (total_q, Hq, Dv)."""
+    q, k, v = (_bits(a, f) for a, f in zip((c.q, c.k, c.v), c.fmts))
+    pl = c.plan
+    if c.cu_q is not None and c.cu_k is not None:
+        out = np.zeros((q.shape[0], q.shape[1], c.Dv), dtype=c.compute)
+        _sdpa.sdpa_varlen(q, k, v, out, c.cu_q, c.cu_k, c.group, c.D, c.Dv, c.causal, c.scale,
+                          pl.Bq, pl.Bk, pl.nthreads, c.window[0], c.window[1], c.softcap,
+                          c.fmts[0], c.fmts[1], c.fmts[2], c.slopes, c.bf16dot)
+        return out, None, None
+    nb = math.prod(c.bshape)
+    out = np.empty((nb, c.N, c.Dv), dtype=c.compute)
+    weights = np.empty((nb, c.N, c.M), dtype=c.compute) if c.need_weights else None
+    lse = np.empty((nb, c.N), dtype=c.compute) if c.need_lse else None
+    _sdpa.sdpa(q, k, v, c.mask, out, weights, c.bshape, c.group, c.mask_kind, c.N, c.M, c.D,
+               c.Dv, c.causal, c.scale, pl.Bq, pl.Bk, pl.nsplit, pl.chunk, pl.nthreads, lse,
+               c.window[0], c.window[1], c.softcap, c.k_scales, c.v_scales, c.fmts[0],
+               c.fmts[1], c.fmts[2], c.slopes, c.sinks, c.bf16dot, c.q_scales, c.qk8)
+    if lse is not None and c.lse_shift is not None:
+        lse += c.lse_shift
+    return out, weights, lse
+
+
+def stand_in(shape: tuple, dtype: Any) -> np.ndarray:
+    """A read-only array of ``shape`` and ``dtype`` whose memory is one
+    element: :func:`check` runs on it as on the real operand (metadata
+    only; attncore.dask's dask arrays)."""
+    dt = np.dtype(dtype)
+    return np.broadcast_to(np.zeros((), dt if dt.isnative else dt.newbyteorder("=")), shape)
