@@ -322,3 +322,46 @@ def test_bad_shapes_and_args():
     # max_seqlen_* equal to or above the true maximum are fine
     out = va(q, k, v, cq, ck, max_seqlen_q=4, max_seqlen_k=100)
     np.testing.assert_allclose(out, reference(q, k, v, cq, ck), atol=3e-6)
+
+
+@pytest.mark.parametrize("mode", ["native", "emulate", "off"])
+def test_bf16_products_as_the_dense_call(mode):
+    """bfloat16 inputs take the same dtype policy in every entry point (one
+    home, attncore._call): with bfloat16 products (on the CPU's
+    instruction, or its AVX-512F spelling) a packed batch gives the bits
+    of the dense call on each sequence, and so does a one-chunk block of
+    attncore.dask."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    try:
+        prev = _sdpa.set_bf16_mode(mode)
+    except ValueError:
+        pytest.skip(f"this CPU has no {mode} bf16 mode")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    try:
+        lens = [70, 130, 33]
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((cu[-1], h, 64)).astype(bf) for h in (4, 2, 2))
+        out = attncore.varlen_attention(q, k, v, cu, cu, is_causal=True, enable_gqa=True)
+        assert out.dtype == bf
+        for b in range(len(lens)):
+            s = slice(cu[b], cu[b + 1])
+            dense = attncore.scaled_dot_product_attention(
+                *(np.swapaxes(a[s], 0, 1) for a in (q, k, v)), is_causal=True, enable_gqa=True)
+            np.testing.assert_array_equal(np.swapaxes(dense, 0, 1).view(np.uint16),
+                                          out[s].view(np.uint16))
+        da = pytest.importorskip("dask.array")
+        import attncore.dask as ad
+        qs, ks, vs = (np.swapaxes(a[:70], 0, 1)[None] for a in (q, k, v))
+        block = ad.scaled_dot_product_attention(
+            *(da.from_array(a, chunks=a.shape) for a in (qs, ks, vs)), is_causal=True,
+            enable_gqa=True).compute(scheduler="synchronous")
+        dense = attncore.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                      enable_gqa=True)
+        np.testing.assert_array_equal(block.view(np.uint16), dense.view(np.uint16))
+        if mode != "off":  # bfloat16 products are not float32 ones
+            _sdpa.set_bf16_mode("off")
+            off = attncore.varlen_attention(q, k, v, cu, cu, is_causal=True, enable_gqa=True)
+            assert not np.array_equal(off.view(np.uint16), out.view(np.uint16))
+    finally:
+        _sdpa.set_bf16_mode(prev)
