@@ -128,6 +128,53 @@ def _packed_call(qa, ka, va, cq, ck, pol, group: int, scale: float, causal: int,
                       pl, cdt, cu_q=cq, cu_k=ck)
 
 
+def _check_packed(q, k, v, enable_gqa: bool):
+    """(q, k, v, group): the packed operands checked (3-D, matching axes,
+    grouped-query heads)."""
+    qa = as_float_array(q, "q", allow_bf16=True)
+    ka = as_float_array(k, "k", allow_bf16=True)
+    va = as_float_array(v, "v", allow_bf16=True)
+    for nm, a, shp in (("q", qa, "(total_q, Hq, D)"), ("k", ka, "(total_k, Hk, D)"),
+                       ("v", va, "(total_k, Hk, Dv)")):
+        if a.ndim != 3:
+            raise ValueError(f"{nm} must be 3-D {shp}, got shape {a.shape}")
+    total_q, Hq, D = qa.shape
+    total_k, Hk, Dk = ka.shape
+    if Dk != D:
+        raise ValueError(f"k last dimension must equal q's (D = {D}), got k shape {ka.shape} "
+                         f"and q shape {qa.shape}")
+    if va.shape[:2] != (total_k, Hk):
+        raise ValueError(f"v must match k in its first two axes (total_k, Hk) = "
+                         f"({total_k}, {Hk}), got v shape {va.shape}")
+    if D == 0:
+        raise ValueError(f"q last dimension (D) must be >= 1, got q shape {qa.shape}")
+    if Hk != Hq:
+        if not enable_gqa:
+            raise ValueError(f"k / v have {Hk} heads and q has {Hq}: pass enable_gqa=True for "
+                             f"grouped-query attention (Hk dividing Hq)")
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(f"with enable_gqa=True the k / v heads ({Hk}) must divide the q "
+                             f"heads ({Hq})")
+    return qa, ka, va, (Hq // Hk if Hk else 1)
+
+
+def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q,
+                   max_seqlen_k):
+    """(cu_q, cu_k, longest query run, longest key run): the offsets checked."""
+    cq = _check_cu(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+    ck = _check_cu(cu_seqlens_k, "cu_seqlens_k", total_k, "k")
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both hold B + 1 offsets, got "
+                         f"{cq.shape[0]} and {ck.shape[0]}")
+    B = cq.shape[0] - 1
+    lq, lk = np.diff(cq), np.diff(ck)
+    maxq = int(lq.max()) if B else 0
+    maxk = int(lk.max()) if B else 0
+    _check_max(max_seqlen_q, "max_seqlen_q", maxq)
+    _check_max(max_seqlen_k, "max_seqlen_k", maxk)
+    return cq, ck, maxq, maxk
+
+
 @foreign_arrays(("q", "k", "v"), ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"),
                 half_native=True)
 def varlen_attention(
@@ -231,43 +278,11 @@ def varlen_attention(
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
     win = parse_window(window)
     cap = parse_softcap(softcap)
-    qa = as_float_array(q, "q", allow_bf16=True)
-    ka = as_float_array(k, "k", allow_bf16=True)
-    va = as_float_array(v, "v", allow_bf16=True)
-    for nm, a, shp in (("q", qa, "(total_q, Hq, D)"), ("k", ka, "(total_k, Hk, D)"),
-                       ("v", va, "(total_k, Hk, Dv)")):
-        if a.ndim != 3:
-            raise ValueError(f"{nm} must be 3-D {shp}, got shape {a.shape}")
-    total_q, Hq, D = qa.shape
-    total_k, Hk, Dk = ka.shape
-    Dv = va.shape[2]
-    if Dk != D:
-        raise ValueError(f"k last dimension must equal q's (D = {D}), got k shape {ka.shape} "
-                         f"and q shape {qa.shape}")
-    if va.shape[:2] != (total_k, Hk):
-        raise ValueError(f"v must match k in its first two axes (total_k, Hk) = "
-                         f"({total_k}, {Hk}), got v shape {va.shape}")
-    if D == 0:
-        raise ValueError(f"q last dimension (D) must be >= 1, got q shape {qa.shape}")
-    if Hk != Hq:
-        if not enable_gqa:
-            raise ValueError(f"k / v have {Hk} heads and q has {Hq}: pass enable_gqa=True for "
-                             f"grouped-query attention (Hk dividing Hq)")
-        if Hk == 0 or Hq % Hk:
-            raise ValueError(f"with enable_gqa=True the k / v heads ({Hk}) must divide the q "
-                             f"heads ({Hq})")
-    group = Hq // Hk if Hk else 1
-    cq = _check_cu(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
-    ck = _check_cu(cu_seqlens_k, "cu_seqlens_k", total_k, "k")
-    if cq.shape != ck.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both hold B + 1 offsets, got "
-                         f"{cq.shape[0]} and {ck.shape[0]}")
+    qa, ka, va, group = _check_packed(q, k, v, enable_gqa)
+    (total_q, Hq, D), total_k, Dv = qa.shape, ka.shape[0], va.shape[2]
+    cq, ck, maxq, maxk = _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                                        max_seqlen_q, max_seqlen_k)
     B = cq.shape[0] - 1
-    lq, lk = np.diff(cq), np.diff(ck)
-    maxq = int(lq.max()) if B else 0
-    maxk = int(lk.max()) if B else 0
-    _check_max(max_seqlen_q, "max_seqlen_q", maxq)
-    _check_max(max_seqlen_k, "max_seqlen_k", maxk)
     sc = parse_scale(scale, D)
     nthreads = resolve_num_threads(num_threads)
     pol = _call.policy((qa.dtype, ka.dtype, va.dtype), ("q", "k", "v"), None)
