@@ -1,18 +1,12 @@
-"""Public functions: argument checks, broadcasting, dtype policy, kernel choice.
+"""Public functions: :func:`scaled_dot_product_attention`,
+:func:`merge_attention`, and the lean call of integrations.
 
-Every public entry point of attncore funnels its checks through the helpers
-here, so errors read the same everywhere: a ``TypeError`` or ``ValueError``
-naming the argument, with the expected and the actual shape or dtype.
-
-Dispatch::
+Every call goes through the front door (attncore._call)::
 
     scaled_dot_product_attention
-        |- validate (dtypes, ranks, shapes, mask, causal, scale, threads)
-        |- lay out: last axis contiguous, per-batch element offsets
-        |  (broadcast and grouped-query heads become offsets, never copies)
-        |- choose tiles, thread count, key splits (split-KV for decoding)
-        `- _core._sdpa.sdpa  (flash path, or the weights path when
-                              return_weights=True)
+        `- _attention: empty shapes, a broadcast query row axis, an
+           overflowed float32 output (again in float64); else
+           _call.check -> _call.describe -> _call.launch
 """
 from __future__ import annotations
 
