@@ -1,0 +1,109 @@
+"""Decoding at memory speed: K+V bytes per second of attncore's decode step
+next to the stream rate of the same run.
+
+    python bench/compare_decode.py --threads 1 2 --repeats 7
+    python bench/compare_decode.py --paths avx2 avx512    # force kernel paths
+
+A decoding step reads every key and value once, so its ceiling is the
+memory system.  The stream rate is measured in the same process and the
+same thread budget: NumPy's ``sdot`` over two 128 MiB float32 vectors
+(``stream``), the read rate a BLAS reduction reaches.  Each row times one
+K/V format -- float32, bfloat16, float16, and the int8 ``(array, scales)``
+pairs of :func:`attncore.quantize_kv` -- with the same query, and prints
+the K+V bytes the call reads per second, that rate as a fraction of the
+stream rate (the bar: >= 0.8 for float32), and the speed-up over the
+float32 call of the same path (the bars: >= 1.7 for the 16-bit formats,
+>= 2.5 for int8).  Medians of interleaved repeats
+(``timing.interleaved_medians``).  A benchmark, never a test.
+
+For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
+that runs this script (``sdot`` is the stream reference).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import attncore  # noqa: E402
+from attncore import _kernels  # noqa: E402
+from timing import cpu_model, interleaved_medians  # noqa: E402
+
+CASES = [(1, 8, 32768, 64), (8, 8, 4096, 128)]   # B, H, M, D (one query row)
+BARS = {"float32": None, "bfloat16": 1.7, "float16": 1.7, "int8": 2.5}
+
+
+def stream_rate(threads, repeats):
+    """Bytes per second of NumPy's sdot over two 128 MiB float32 vectors."""
+    n = 32 * 2**20
+    a = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    b = a[::-1].copy()
+    med = interleaved_medians({"sdot": lambda: a @ b}, threads, repeats)
+    return 2 * a.nbytes / med["sdot"]
+
+
+def operands(B, H, M, D):
+    """The query and the keys / values in every format, and their bytes."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((B, H, 1, D), dtype=np.float32)
+    k = rng.standard_normal((B, H, M, D), dtype=np.float32)
+    v = rng.standard_normal((B, H, M, D), dtype=np.float32)
+    fmts = {"float32": (k, v), "bfloat16": (k.astype(ml_dtypes.bfloat16),
+                                             v.astype(ml_dtypes.bfloat16)),
+            "float16": (k.astype(np.float16), v.astype(np.float16)),
+            "int8": (attncore.quantize_kv(k), attncore.quantize_kv(v))}
+
+    def nbytes(x):
+        return sum(p.nbytes for p in x) if isinstance(x, tuple) else x.nbytes
+    return q, {f: (kv, nbytes(kv[0]) + nbytes(kv[1])) for f, kv in fmts.items()}
+
+
+def run(path, threads, repeats, stream):
+    for B, H, M, D in CASES:
+        q, fmts = operands(B, H, M, D)
+        fns = {}
+        for f, ((k, v), _) in fmts.items():
+            qf = q.astype(k.dtype) if f in ("bfloat16", "float16") else q
+            fns[f] = (lambda qf=qf, k=k, v=v: attncore.scaled_dot_product_attention(
+                qf, k, v, num_threads=threads))
+        with _kernels.forced_kernel_path(path):
+            med = interleaved_medians(fns, threads, repeats)
+        for f, (_, nb) in fmts.items():
+            rate = nb / med[f]
+            sp = med["float32"] / med[f]
+            bar = BARS[f]
+            print(f"{path:<8} {f'decode {B}x{H}x1x{M}x{D}':<24} {threads:>3} {f:<9} "
+                  f"{1e3 * med[f]:>8.3f} {rate / 1e9:>7.2f} {rate / stream:>6.2f} "
+                  f"{sp:>6.2f}{'' if bar is None else f' (bar {bar})'}", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--paths", nargs="+", default=None,
+                    choices=["portable", "avx2", "avx512"],
+                    help="kernel paths to force (default: every path this CPU runs but portable)")
+    args = ap.parse_args(argv)
+    paths = args.paths or [p for p in _kernels.available_kernel_paths() if p != "portable"]
+    print(f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
+          f"attncore {attncore.__version__}, numpy {np.__version__}")
+    print(f"{'path':<8} {'case (BxHxNxMxD)':<24} {'thr':>3} {'K/V':<9} {'ms':>8} {'GB/s':>7} "
+          f"{'/strm':>6} {'f32/x':>6}")
+    for threads in args.threads:
+        stream = stream_rate(threads, args.repeats)
+        print(f"stream (numpy sdot, 2 x 128 MiB) at {threads} thread(s): {stream / 1e9:.2f} GB/s")
+        for path in paths:
+            run(path, threads, args.repeats, stream)
+
+
+if __name__ == "__main__":
+    main()
