@@ -41,7 +41,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join("attncore", "_core", "src")
-SDPA_HEADERS = ("ac_common.h", "ac_math.h", "ac_half.h", "ac_sdpa.h", "ac_sdpa_impl.h",
+SDPA_HEADERS = ("ac_common.h", "ac_math.h", "ac_half.h", "ac_small_avx2.h", "ac_sdpa.h", "ac_sdpa_impl.h",
                 "ac_sdpa_variant.h", "ac_small_x86.h",
                 "ac_fused_x86.h", "ac_fused_impl.h", "ac_fused_undef.h")
 

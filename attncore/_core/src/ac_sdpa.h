@@ -32,6 +32,7 @@
 #include "ac_math.h"
 #include "ac_small_x86.h"
 #include "ac_half.h"
+#include "ac_small_avx2.h"
 #include "ac_bf16dot.h"
 #include "ac_int8dot.h"
 

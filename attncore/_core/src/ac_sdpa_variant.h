@@ -99,9 +99,12 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
         const AC_T *kt = KB, *vt = VB;
         ptrdiff_t kt_rs = p->D, vt_rs = Dv;
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-        /* a few rows on AVX-512: int8 and half rows are read as they are */
-        const int k_direct = (p->kq8 || p->kh) && ac_avx512_ok && nq <= AC_SMALL_ROWS;
-        const int v_direct = (p->vq8 || p->vh) && ac_avx512_ok && nq <= AC_SMALL_ROWS &&
+        /* a few rows on AVX-512 or AVX2: int8 and half rows are read as
+           they are (ac_small_x86.h, ac_half.h, ac_small_avx2.h) */
+        const int avx2_small = ac_kernel_path == AC_PATH_AVX2 && nq <= AC_SMALL_ROWS;
+        const int simd_small = (ac_avx512_ok || avx2_small) && nq <= AC_SMALL_ROWS;
+        const int k_direct = (p->kq8 || p->kh) && simd_small;
+        const int v_direct = (p->vq8 || p->vh) && simd_small &&
                              !AC_FN(ac_tile_has_masked)(p, i0, nq, j0, nk);
 #else
         const int k_direct = 0, v_direct = 0;
@@ -130,7 +133,15 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
         }
         if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (k_direct && (p->qk8 == 1 || p->qk8 == 2))
+            if (avx2_small)
+                ac_scores_small_any_avx2(
+                    k_direct && p->kq8, k_direct ? p->kh : 0, nq, nk, p->D, (float)p->scale,
+                    qb, qb_rs, !k_direct ? (const void *)kt : p->kq8 ?
+                    (const void *)((const int8_t *)(const void *)k + j0 * p->k_rs) :
+                    (const void *)((const uint16_t *)(const void *)k + j0 * p->k_rs),
+                    k_direct ? p->k_rs : kt_rs, (k_direct && p->kq8) ? ksc + j0 * p->ks_rs : NULL,
+                    p->ks_rs, S, ldS);
+            else if (k_direct && (p->qk8 == 1 || p->qk8 == 2))
                 (p->qk8 == 1 ? ac_i8_scores_small : ac_i8_scores_small_emu)(
                     nq, nk, p->D, (float)p->scale, (const int8_t *)(const void *)q + i0 * p->q_rs,
                     p->q_rs, p->qsc + i0, (const int8_t *)(const void *)k + j0 * p->k_rs,
@@ -175,7 +186,15 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
                                   acc, Dv, first);
         } else if (nq <= AC_SMALL_ROWS) {
 #if AC_IS_F32 && AC_HAVE_X86_SMALL
-            if (v_direct && p->vq8)
+            if (avx2_small)
+                ac_pv_small_any_avx2(
+                    v_direct && p->vq8, v_direct ? p->vh : 0, nq, nk, Dv, S, ldS,
+                    !v_direct ? (const void *)vt : p->vq8 ?
+                    (const void *)((const int8_t *)(const void *)v + j0 * p->v_rs) :
+                    (const void *)((const uint16_t *)(const void *)v + j0 * p->v_rs),
+                    v_direct ? p->v_rs : vt_rs, (v_direct && p->vq8) ? vsc + j0 * p->vs_rs : NULL,
+                    p->vs_rs, acc, first);
+            else if (v_direct && p->vq8)
                 ac_pv_small_q8_avx512(nq, nk, Dv, S, ldS,
                                       (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
                                       vsc + j0 * p->vs_rs, p->vs_rs, acc, first);
