@@ -1,9 +1,21 @@
-"""Plain float64 NumPy references the tests compare against.
+"""Shared test helpers: random inputs, and the plain float64 NumPy
+references the tests compare against.
 
-Written for clarity, not speed: every score is materialized, masks are
-applied literally, and a query row with nothing to attend gets weights 0.
+The references are written for clarity, not speed: every score is
+materialized, masks are applied literally, and a query row with nothing to
+attend gets weights 0.
 """
 import numpy as np
+
+
+def rand(shape, seed=0, dtype=np.float32):
+    """Standard-normal values of ``shape`` cast to ``dtype``.
+
+    ``seed``: an int (a fresh ``numpy.random.default_rng(seed)``, so equal
+    seeds give equal arrays), or a ``numpy.random.Generator`` whose stream
+    the draw continues (several arrays from one generator).
+    """
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def allowed(N, M, mask=None, causal=0):

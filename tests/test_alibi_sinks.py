@@ -8,6 +8,7 @@ import attncore
 from attncore._core import _sdpa
 
 from reference import alibi_sinks as ref
+from reference import rand
 
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
@@ -20,10 +21,6 @@ def path(request):
     _sdpa.set_kernel_path(prev)
 
 
-def rand(rng, *shape, dt=np.float32):
-    return rng.standard_normal(shape).astype(dt)
-
-
 SHAPES = [(1, 300), (3, 50), (37, 37), (70, 200), (33, 1500)]
 
 
@@ -32,7 +29,7 @@ SHAPES = [(1, 300), (3, 50), (37, 37), (70, 200), (33, 1500)]
 def test_alibi_and_sinks_every_path(path, N, M, causal):
     rng = np.random.default_rng(N * 1000 + M)
     B, H, D = 2, 4, 16
-    q, k, v = rand(rng, B, H, N, D), rand(rng, B, H, M, D), rand(rng, B, H, M, 8)
+    q, k, v = rand((B, H, N, D), rng), rand((B, H, M, D), rng), rand((B, H, M, 8), rng)
     slopes = 2.0 ** -np.arange(1, H + 1)
     sinks = rng.standard_normal(H) * 3
     c = "lower_right" if causal else False
@@ -52,7 +49,7 @@ def test_alibi_with_masks_window_softcap_gqa_half(path):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(5)
     B, Hq, Hk, N, M, D = 2, 4, 2, 40, 130, 32
-    q, k, v = rand(rng, B, Hq, N, D), rand(rng, B, Hk, M, D), rand(rng, B, Hk, M, D)
+    q, k, v = rand((B, Hq, N, D), rng), rand((B, Hk, M, D), rng), rand((B, Hk, M, D), rng)
     slopes = np.array([[0.5, 0.1, 0.02, 0.7], [0.3, 0.2, 0.1, 0.05]])  # (B, H)
     mask = rng.random((B, 1, N, M)) > 0.2
     for kw, rkw in ((dict(attn_mask=mask), dict(mask=mask)),
@@ -75,7 +72,7 @@ def test_alibi_against_torch_with_the_materialized_bias():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(6)
     B, H, N, M, D = 2, 8, 33, 90, 16
-    q, k, v = rand(rng, B, H, N, D), rand(rng, B, H, M, D), rand(rng, B, H, M, D)
+    q, k, v = rand((B, H, N, D), rng), rand((B, H, M, D), rng), rand((B, H, M, D), rng)
     # BLOOM's slopes: 2^(-8 h / H)
     slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
     i, j = np.arange(N)[:, None], np.arange(M)[None, :]
@@ -94,7 +91,7 @@ def test_alibi_agrees_with_bloom_under_causal():
     import torch
     rng = np.random.default_rng(7)
     B, H, N, D = 1, 6, 40, 16
-    q, k, v = rand(rng, B, H, N, D), rand(rng, B, H, N, D), rand(rng, B, H, N, D)
+    q, k, v = rand((B, H, N, D), rng), rand((B, H, N, D), rng), rand((B, H, N, D), rng)
     alibi = bloom.build_alibi_tensor(torch.ones(B, N, dtype=torch.long), H, torch.float32)
     bias = alibi.reshape(B, H, 1, N).numpy().astype(np.float64)
     causal = np.tril(np.ones((N, N), bool))
@@ -109,7 +106,7 @@ def test_alibi_agrees_with_bloom_under_causal():
 
 def test_sinks_rows_with_nothing_to_attend_and_int8_values():
     rng = np.random.default_rng(8)
-    q, k, v = rand(rng, 2, 3, 4, 8), rand(rng, 2, 3, 6, 8), rand(rng, 2, 3, 6, 8)
+    q, k, v = rand((2, 3, 4, 8), rng), rand((2, 3, 6, 8), rng), rand((2, 3, 6, 8), rng)
     mask = np.ones((4, 6), bool)
     mask[1] = False
     sinks = np.array([1.0, -2.0, -np.inf])   # -inf: no sink on that head

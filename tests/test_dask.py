@@ -18,6 +18,7 @@ from attncore.alignments import _registry  # noqa: E402
 
 from reference import allowed  # noqa: E402
 from reference import attention as ref  # noqa: E402
+from reference import rand  # noqa: E402
 
 TOL = {np.float32: dict(rtol=5e-5, atol=5e-6), np.float64: dict(rtol=1e-11, atol=1e-12)}
 CAUSAL = {False: 0, True: 1, "upper_left": 1, "lower_right": 2}
@@ -29,14 +30,10 @@ def synchronous():
         yield
 
 
-def rand(shape, dtype=np.float64, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
 def qkv(B, H, N, M, D=8, Dv=8, dtype=np.float64, Hk=None):
     Hk = H if Hk is None else Hk
-    return (rand((B, H, N, D), dtype, 1), rand((B, Hk, M, D), dtype, 2),
-            rand((B, Hk, M, Dv), dtype, 3))
+    return (rand((B, H, N, D), 1, dtype), rand((B, Hk, M, D), 2, dtype),
+            rand((B, Hk, M, Dv), 3, dtype))
 
 
 def chunked(x, *chunks):
@@ -232,10 +229,10 @@ def test_gqa(dtype, Hk, hc, causal):
 
 def test_broadcast_batch_dims_and_batch_chunks_unified():
     N, M = 12, 20
-    q = rand((4, 3, N, 8), seed=1)
-    k = rand((1, 3, M, 8), seed=2)                 # shared over the batch
-    v = rand((3, M, 6), seed=3)                    # no batch axis
-    mask = rand((4, 1, 1, M), seed=4) > -1.0
+    q = rand((4, 3, N, 8), 1, np.float64)
+    k = rand((1, 3, M, 8), 2, np.float64)                 # shared over the batch
+    v = rand((3, M, 6), 3, np.float64)                    # no batch axis
+    mask = rand((4, 1, 1, M), 4, np.float64) > -1.0
     Q = chunked(q, (1, 3), (2, 1), 5, -1)
     K = chunked(k, 1, (1, 2), 7, -1)
     V = chunked(v, 3, 7, -1)
@@ -244,7 +241,7 @@ def test_broadcast_batch_dims_and_batch_chunks_unified():
     assert out.chunks[:2] == ((1, 1, 2), (1, 1, 1))
     np.testing.assert_allclose(out.compute(), ref(q, k, v, mask)[0], rtol=1e-11, atol=1e-12)
     # a mask with more dimensions than the operands widens the output
-    m5 = rand((2, 1, 1, N, M), seed=5) > 0
+    m5 = rand((2, 1, 1, N, M), 5, np.float64) > 0
     out5 = ad.scaled_dot_product_attention(Q, K, V, m5)
     assert out5.shape == (2, 4, 3, N, 6)
     np.testing.assert_allclose(out5.compute(), ref(q, k, v, m5)[0], rtol=1e-11, atol=1e-12)
@@ -283,7 +280,7 @@ def test_float16_and_mixed_dtypes():
 
 def test_numpy_operands_are_wrapped_and_not_modified():
     q, k, v = qkv(2, 2, 9, 30)
-    mask = rand((2, 1, 9, 30), seed=4) > -0.5
+    mask = rand((2, 1, 9, 30), 4, np.float64) > -0.5
     copies = [x.copy() for x in (q, k, v, mask)]
     K = chunked(k, 1, 2, 10, -1)
     out = ad.scaled_dot_product_attention(q, K, v, mask, is_causal="lower_right")
@@ -419,7 +416,7 @@ def test_softcap(causal):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, (5, 0)), ("lower_right", None)])
 def test_return_lse(dtype, causal, window):
     q, k, v = qkv(2, 2, 23, 37, dtype=dtype)
-    mask = rand((2, 1, 1, 37), seed=9) > -0.8
+    mask = rand((2, 1, 1, 37), 9, np.float64) > -0.8
     (res, lse), (out, lse_d) = run(q, k, v, mask, qc=6, kc=7, is_causal=causal, window=window,
                                    return_lse=True, mask_dask=False)
     ok = band(23, 37, window or (-1, -1), CAUSAL[causal]) & mask
@@ -464,7 +461,7 @@ def test_int8_pairs_match_the_core(which, dask_data, dask_scales):
     q, k, v = qkv(2, 2, 26, 35, D=16, Dv=8, dtype=np.float32)
     kk = pair_parts(k, dask_data, dask_scales, 7) if which in ("key", "both") else chunked(k, 1, 2, 7, -1)
     vv = pair_parts(v, dask_data, dask_scales, 7) if which in ("value", "both") else chunked(v, 1, 2, 7, -1)
-    mask = rand((2, 1, 26, 35), seed=3) > -1.0
+    mask = rand((2, 1, 26, 35), 3, np.float64) > -1.0
     out, lse = ad.scaled_dot_product_attention(chunked(q, 1, 2, 9, -1), kk, vv, mask,
                                                is_causal="lower_right", window=(20, 0),
                                                return_lse=True)
@@ -733,7 +730,7 @@ def test_map_batches_attention_layers(name, plugin):
 
 
 def test_map_batches_any_callable_and_errors():
-    x = rand((10, 3))
+    x = rand((10, 3), dtype=np.float64)
     res = ad.map_batches(lambda a, b, *, c: a * b + c, chunked(x, 4, 3), x, c=1.0)
     np.testing.assert_allclose(res.compute(), x * x + 1.0)
     with pytest.raises(TypeError, match="fn must be callable"):
@@ -761,10 +758,10 @@ def test_import_attncore_does_not_import_dask():
 def test_local_cluster_two_processes():
     distributed = pytest.importorskip("distributed")
     q, k, v = qkv(1, 2, 48, 64, D=16, Dv=16, dtype=np.float32)
-    mask = rand((1, 1, 1, 64), seed=4) > -1.0
+    mask = rand((1, 1, 1, 64), 4, np.float64) > -1.0
     mha = attncore.MultiHeadAttention(16, 4, rng=0)
-    x = rand((12, 10, 16), np.float32, 5)
-    valid = rand((12, 10), seed=6) > -0.5
+    x = rand((12, 10, 16), 5)
+    valid = rand((12, 10), 6, np.float64) > -0.5
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                   dashboard_address=None, silence_logs=40) as cluster, \
             distributed.Client(cluster) as client:

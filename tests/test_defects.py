@@ -21,15 +21,12 @@ from attncore import _linear
 from attncore._core import _additive, _linalg, _sdpa
 
 from reference import attention as ref
+from reference import rand
 
 try:
     import torch
 except ImportError:  # pragma: no cover - torch is a test extra
     torch = None
-
-
-def rand(shape, dtype=np.float64, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def unaligned(a):
@@ -77,8 +74,8 @@ def kernels_see_aligned(monkeypatch):
 @pytest.mark.parametrize("which", ["query", "key", "value", "mask", "all"])
 @pytest.mark.parametrize("return_weights", [False, True])
 def test_unaligned_sdpa_inputs(kernels_see_aligned, dtype, which, return_weights):
-    q, k, v = rand((2, 3, 9, 8), dtype), rand((2, 3, 11, 8), dtype, 1), rand((2, 3, 11, 5), dtype, 2)
-    m = np.where(rand((9, 11), seed=3) > -1.0, 0.0, -np.inf).astype(dtype)
+    q, k, v = rand((2, 3, 9, 8), dtype=dtype), rand((2, 3, 11, 8), 1, dtype), rand((2, 3, 11, 5), 2, dtype)
+    m = np.where(rand((9, 11), 3, np.float64) > -1.0, 0.0, -np.inf).astype(dtype)
     args = {"query": q, "key": k, "value": v, "mask": m}
     for nm in args:
         if which in (nm, "all"):
@@ -104,7 +101,7 @@ def test_unaligned_float16_free_path_and_mlp(kernels_see_aligned, dtype):
     rng = np.random.default_rng(0)
     B, T, S, D, A = 2, 3, 7, 6, 5
     qw, kw, vv, bias = (rng.standard_normal(s).astype(dtype) for s in ((A, D), (A, D), (A,), (A,)))
-    q, keys, vals = rand((B, T, D), dtype, 1), rand((B, S, D), dtype, 2), rand((B, S, 4), dtype, 3)
+    q, keys, vals = rand((B, T, D), 1, dtype), rand((B, S, D), 2, dtype), rand((B, S, 4), 3, dtype)
     att = attncore.Attention("mlp", q_weight=unaligned(qw), k_weight=unaligned(kw),
                              v=unaligned(vv), bias=unaligned(bias))
     ctx, w = att(unaligned(q), unaligned(keys), unaligned(vals), return_weights=True)
@@ -123,7 +120,7 @@ def test_unaligned_float16_free_path_and_mlp(kernels_see_aligned, dtype):
 def test_unaligned_mlp_identity_projections(kernels_see_aligned):
     """q_weight = k_weight = None: the query itself goes to the kernel."""
     B, T, S, A = 2, 3, 6, 4
-    q, keys, vv = rand((B, T, A), np.float32, 1), rand((B, S, A), np.float32, 2), rand((A,), np.float32, 3)
+    q, keys, vv = rand((B, T, A), 1), rand((B, S, A), 2), rand((A,), 3)
     att = attncore.Attention("additive", v=unaligned(vv))
     ctx, w = att(unaligned(q), unaligned(keys), return_weights=True)
     s = np.tanh(q[:, :, None, :].astype(np.float64) + keys[:, None]) @ vv.astype(np.float64)
@@ -135,11 +132,11 @@ def test_unaligned_mlp_identity_projections(kernels_see_aligned):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_unaligned_linear_and_mha(kernels_see_aligned, dtype):
-    x, w, b = rand((5, 7), dtype), rand((3, 7), dtype, 1), rand((3,), dtype, 2)
+    x, w, b = rand((5, 7), dtype=dtype), rand((3, 7), 1, dtype), rand((3,), 2, dtype)
     out = _linear.linear(unaligned(x), unaligned(w), unaligned(b))
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.T + b, rtol=1e-5, atol=1e-5)
     mha = attncore.MultiHeadAttention(8, 2, rng=0, dtype=dtype)
-    xx = rand((2, 4, 8), dtype, 3)
+    xx = rand((2, 4, 8), 3, dtype)
     np.testing.assert_array_equal(mha(unaligned(xx))[0], mha(xx)[0])
 
 
@@ -157,9 +154,9 @@ def _peak_bytes(fn):
 
 def test_broadcast_query_rows_not_copied():
     N, D, M, Dv = 1 << 20, 8, 4, 1
-    row = rand((D,), np.float32)
+    row = rand((D,))
     q = np.broadcast_to(row, (N, D))                 # 32 MiB if copied
-    k, v = rand((M, D), np.float32, 1), rand((M, Dv), np.float32, 2)
+    k, v = rand((M, D), 1), rand((M, Dv), 2)
     out, peak = _peak_bytes(lambda: sdpa(q, k, v))
     out_bytes = N * Dv * 4
     assert peak < 2 * out_bytes + (1 << 20), f"peak {peak} bytes for a {out_bytes}-byte output"
@@ -171,10 +168,10 @@ def test_broadcast_query_rows_not_copied():
 @pytest.mark.parametrize("mask_shape", [None, (1, 7), (3, 1, 7)])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_broadcast_query_rows_match_reference(mask_shape, dtype):
-    row = rand((3, 1, 5), dtype)
+    row = rand((3, 1, 5), dtype=dtype)
     q = np.broadcast_to(row, (3, 6, 5))
-    k, v = rand((3, 7, 5), dtype, 1), rand((3, 7, 4), dtype, 2)
-    m = None if mask_shape is None else rand(mask_shape, seed=3) > -0.5
+    k, v = rand((3, 7, 5), 1, dtype), rand((3, 7, 4), 2, dtype)
+    m = None if mask_shape is None else rand(mask_shape, 3, np.float64) > -0.5
     out, w = sdpa(q, k, v, m, return_weights=True)
     out_ref, w_ref = ref(q, k, v, m)
     tol = {np.float16: dict(rtol=2e-3, atol=2e-3), np.float32: dict(rtol=2e-5, atol=2e-6),
@@ -189,13 +186,13 @@ def test_broadcast_query_rows_match_reference(mask_shape, dtype):
 @pytest.mark.parametrize("causal", [True, "lower_right"])
 def test_broadcast_query_rows_with_causal_or_row_mask(causal):
     """Rows told apart by the causal structure or a per-row mask: still right."""
-    row = rand((1, 5))
+    row = rand((1, 5), dtype=np.float64)
     q = np.broadcast_to(row, (6, 5))
-    k, v = rand((8, 5), seed=1), rand((8, 3), seed=2)
+    k, v = rand((8, 5), 1, np.float64), rand((8, 3), 2, np.float64)
     code = 1 if causal is True else 2
     np.testing.assert_allclose(sdpa(q, k, v, is_causal=causal),
                                ref(q, k, v, causal=code)[0], rtol=1e-12, atol=1e-12)
-    m = rand((6, 8), seed=4) > 0
+    m = rand((6, 8), 4, np.float64) > 0
     np.testing.assert_allclose(sdpa(q, k, v, m), ref(q, k, v, m)[0], rtol=1e-12, atol=1e-12)
 
 
@@ -204,8 +201,8 @@ def _mha():
     return attncore.MultiHeadAttention(8, 2, rng=0)
 
 
-X = rand((1, 3, 8), np.float32)
-Q3 = rand((1, 2, 3, 4))
+X = rand((1, 3, 8))
+Q3 = rand((1, 2, 3, 4), dtype=np.float64)
 
 BOOL_FLAG_CASES = {
     "sdpa-enable_gqa": ("enable_gqa", lambda bad: sdpa(Q3, Q3, Q3, enable_gqa=bad)),

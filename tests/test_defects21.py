@@ -24,6 +24,7 @@ from attncore import scaled_dot_product_attention as sdpa
 
 from reference import allowed
 from reference import attention as ref
+from reference import rand
 
 try:
     import torch
@@ -33,10 +34,6 @@ except ImportError:  # pragma: no cover - torch is a test extra
 TOL32 = dict(rtol=3e-5, atol=3e-6)
 F32_MIN = float(np.finfo(np.float32).min)   # -3.4028235e38
 F32_MAX = float(np.finfo(np.float32).max)
-
-
-def rand(shape, seed=0, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def lse_ref(q, k, mask=None, causal=0, scale=None, softcap=None):

@@ -26,15 +26,12 @@ from attncore import MultiHeadAttention, varlen_attention
 from attncore import scaled_dot_product_attention as sdpa
 
 from reference import alibi_sinks as ref
+from reference import rand
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32_MAX = float(np.finfo(np.float32).max)
 HALF = [np.dtype(np.float32), BF16, np.dtype(np.float16)]   # the float32-compute dtypes
-
-
-def rand(shape, seed=0, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def qkv(N=5, M=7, dtype=np.float32, H=2, D=8):

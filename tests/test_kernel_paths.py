@@ -15,12 +15,9 @@ from attncore._core import _sdpa
 from attncore._linear import linear
 
 from reference import attention as ref
+from reference import rand
 
 TOL32 = dict(rtol=3e-5, atol=3e-6)
-
-
-def rand(shape, seed=0, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def check(q, k, v, mask=None, causal=0, group=1, scale=None, **kw):

@@ -13,12 +13,9 @@ import attncore
 from attncore import quantize_kv
 
 from reference import attention as ref
+from reference import rand
 
 TOL32 = dict(rtol=3e-5, atol=3e-6)
-
-
-def rand(shape, seed, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def deq(pair):

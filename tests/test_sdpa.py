@@ -9,6 +9,7 @@ import attncore
 from attncore import scaled_dot_product_attention as sdpa
 
 from reference import attention as ref
+from reference import rand
 
 try:
     import torch
@@ -21,12 +22,8 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
 TOL = {np.float32: dict(rtol=2e-5, atol=2e-6), np.float64: dict(rtol=1e-11, atol=1e-12)}
 
 
-def rand(shape, dtype=np.float64, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
 def qkv(shape_q, shape_k, shape_v, dtype=np.float64, seed=0):
-    return rand(shape_q, dtype, seed), rand(shape_k, dtype, seed + 1), rand(shape_v, dtype, seed + 2)
+    return rand(shape_q, seed, dtype), rand(shape_k, seed + 1, dtype), rand(shape_v, seed + 2, dtype)
 
 
 # ---------------------------------------------------------------- basics
@@ -58,10 +55,10 @@ def test_broadcast_batch_dims(shapes):
 
 
 def test_noncontiguous_and_transposed_inputs():
-    base = rand((2, 40, 3, 16))                     # (B, L, H, D): BLHD layout
+    base = rand((2, 40, 3, 16), dtype=np.float64)                     # (B, L, H, D): BLHD layout
     q = base.transpose(0, 2, 1, 3)                  # (B, H, L, D) view, row stride 48
-    k = rand((2, 3, 16, 50)).transpose(0, 1, 3, 2)  # last axis not contiguous
-    v = rand((2, 3, 100, 24))[:, :, ::2, ::3]       # strided rows and columns
+    k = rand((2, 3, 16, 50), dtype=np.float64).transpose(0, 1, 3, 2)  # last axis not contiguous
+    v = rand((2, 3, 100, 24), dtype=np.float64)[:, :, ::2, ::3]       # strided rows and columns
     kc, vc = k.copy(), v.copy()
     qc = q.copy()
     out = sdpa(q, k, v)
@@ -71,9 +68,9 @@ def test_noncontiguous_and_transposed_inputs():
     np.testing.assert_array_equal(k, kc)
     np.testing.assert_array_equal(v, vc)
     # negative strides and Fortran order
-    q2 = np.asfortranarray(rand((30, 16))[::-1])
-    k2 = rand((40, 16))[::-1]
-    v2 = np.asfortranarray(rand((40, 8)))
+    q2 = np.asfortranarray(rand((30, 16), dtype=np.float64)[::-1])
+    k2 = rand((40, 16), dtype=np.float64)[::-1]
+    v2 = np.asfortranarray(rand((40, 8), dtype=np.float64))
     np.testing.assert_allclose(sdpa(q2, k2, v2), ref(q2, k2, v2)[0], rtol=1e-12, atol=1e-12)
 
 
@@ -299,7 +296,7 @@ BAD_INPUTS = [
      lambda q, k, v: _args(q, k, v[:, :5])),
     ("batch-not-broadcastable", ValueError,
      r"batch dimensions .* not broadcastable: query \(2,\), key \(3,\)",
-     lambda q, k, v: _args(q, rand((3, 6, 8)), rand((3, 6, 3)))),
+     lambda q, k, v: _args(q, rand((3, 6, 8), dtype=np.float64), rand((3, 6, 3), dtype=np.float64))),
     ("attn_mask-shape", ValueError,
      r"attn_mask must be broadcastable to \(\.\.\., N, M\) = \(\.\.\., 4, 6\), got shape \(4, 5\)",
      lambda q, k, v: _args(q, k, v, np.ones((4, 5), bool))),

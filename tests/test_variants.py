@@ -7,6 +7,7 @@ import pytest
 import attncore
 
 from reference import attention as ref
+from reference import rand
 
 try:
     import torch
@@ -16,10 +17,6 @@ except ImportError:  # pragma: no cover - torch is a test extra
 
 TOL = {np.float16: dict(rtol=3e-3, atol=3e-3), np.float32: dict(rtol=3e-5, atol=3e-6),
        np.float64: dict(rtol=1e-10, atol=1e-11)}
-
-
-def rand(shape, seed, dtype=np.float64):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def band(N, M, window, causal):
@@ -80,7 +77,7 @@ def make_mask(kind, B, N, M, seed=3):
 @pytest.mark.parametrize("N,M", [(90, 200), (200, 90)])
 def test_window_against_band_reference(path, window, causal, mask_kind, N, M):
     B, H, D = 2, 2, 16
-    q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, 8), 3)
+    q, k, v = rand((B, H, N, D), 1, np.float64), rand((B, H, M, D), 2, np.float64), rand((B, H, M, 8), 3, np.float64)
     mask = make_mask(mask_kind, B, N, M)
     allowed = band(N, M, window, causal)
     if mask is None:
@@ -99,7 +96,8 @@ def test_window_against_band_reference(path, window, causal, mask_kind, N, M):
 
 @pytest.mark.parametrize("Hk", [1, 2])
 def test_window_gqa_float16_threads(path, Hk):
-    q, k, v = rand((1, 4, 300, 32), 1), rand((1, Hk, 300, 32), 2), rand((1, Hk, 300, 32), 3)
+    q, k, v = (rand((1, 4, 300, 32), 1, np.float64), rand((1, Hk, 300, 32), 2, np.float64),
+               rand((1, Hk, 300, 32), 3, np.float64))
     expected = ref(q, k, v, band(300, 300, (50, 0), True), group=4 // Hk)[0]
     for t in (1, 2):
         out = attncore.scaled_dot_product_attention(
@@ -116,16 +114,14 @@ def test_window_gqa_float16_threads(path, Hk):
 def test_window_leaving_rows_empty_gives_zero(path):
     # lower-right with N > M: the first N - M rows see no key; a window
     # (0, 0) under no causal lets row i see only key i, so rows >= M are empty
-    q, k, v = rand((1, 50, 8), 1, np.float32), rand((1, 20, 8), 2, np.float32), rand((1, 20, 8), 3,
-                                                                                     np.float32)
+    q, k, v = rand((1, 50, 8), 1), rand((1, 20, 8), 2), rand((1, 20, 8), 3)
     out, lse = attncore.scaled_dot_product_attention(q, k, v, window=(0, 0), return_lse=True)
     assert np.all(out[0, 20:] == 0) and np.all(np.isneginf(lse[0, 20:]))
     np.testing.assert_allclose(out[0, :20], v[0], rtol=1e-6)
 
 
 def test_window_weights_and_lse(path):
-    q, k, v = rand((2, 60, 16), 1, np.float32), rand((2, 80, 16), 2, np.float32), rand((2, 80, 4), 3,
-                                                                                      np.float32)
+    q, k, v = rand((2, 60, 16), 1), rand((2, 80, 16), 2), rand((2, 80, 4), 3)
     allowed = band(60, 80, (7, 2), "lower_right")
     out, w, lse = attncore.scaled_dot_product_attention(
         q, k, v, is_causal="lower_right", window=(7, 2), return_weights=True, return_lse=True)
@@ -138,7 +134,7 @@ def test_window_weights_and_lse(path):
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 def test_window_matches_torch_with_explicit_mask(path):
-    q, k, v = (rand((2, 4, 128, 32), s, np.float32) for s in (1, 2, 3))
+    q, k, v = (rand((2, 4, 128, 32), s) for s in (1, 2, 3))
     allowed = band(128, 128, (31, 0), True)
     out = attncore.scaled_dot_product_attention(q, k, v, is_causal=True, window=(31, 0))
     with torch.inference_mode():
@@ -153,7 +149,8 @@ def test_window_matches_torch_with_explicit_mask(path):
 @pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
 def test_softcap_against_tanh_reference(path, mask_kind, causal, cap):
     B, N, M = 2, 70, 150
-    q, k, v = rand((B, 2, N, 16), 1) * 3, rand((B, 2, M, 16), 2), rand((B, 2, M, 8), 3)
+    q, k, v = (rand((B, 2, N, 16), 1, np.float64) * 3, rand((B, 2, M, 16), 2, np.float64),
+               rand((B, 2, M, 8), 3, np.float64))
     mask = make_mask(mask_kind, B, N, M)
     allowed = band(N, M, (-1, -1), causal)
     if mask is None:
@@ -172,8 +169,7 @@ def test_softcap_against_tanh_reference(path, mask_kind, causal, cap):
 
 def test_softcap_with_infinite_scores_and_weights(path):
     # +-inf scores from the inputs are capped to +-cap (before the mask)
-    q, k, v = rand((1, 40, 8), 1, np.float32), rand((1, 60, 8), 2, np.float32), rand((1, 60, 4), 3,
-                                                                                     np.float32)
+    q, k, v = rand((1, 40, 8), 1), rand((1, 60, 8), 2), rand((1, 60, 4), 3)
     q[0, 5] = 0
     q[0, 5, 0] = np.inf   # scores +inf / -inf by the sign of k[:, 0]
     out, w = attncore.scaled_dot_product_attention(q, k, v, softcap=2.0, return_weights=True)
@@ -225,7 +221,7 @@ def test_nonfinite_float_mask_outside_the_window_never_leaks(path, bad, return_w
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 def test_lse_of_bfloat16_inputs_stays_float32():
-    t = torch.from_numpy(rand((2, 6, 8), 1, np.float32)).to(torch.bfloat16)
+    t = torch.from_numpy(rand((2, 6, 8), 1)).to(torch.bfloat16)
     out, lse = attncore.scaled_dot_product_attention(t, t, t, return_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
