@@ -16,7 +16,7 @@ import attncore  # noqa: E402
 import attncore.dask as ad  # noqa: E402
 from attncore.alignments import _registry  # noqa: E402
 
-from reference import allowed  # noqa: E402
+from reference import allowed, lse_ref, sdpa_ref  # noqa: E402
 from reference import attention as ref  # noqa: E402
 from reference import rand  # noqa: E402
 
@@ -319,44 +319,6 @@ def test_num_threads_passes_through():
 
 
 # ---------------------------------------------------------------- the core's options
-def band(N, M, window=(-1, -1), causal=0):
-    """bool (N, M): the keys each query may see under the causal mode and
-    the window, written out from the documented rule (absolute positions)."""
-    off = M - N if causal == 2 else 0
-    i = np.arange(N)[:, None]
-    j = np.arange(M)[None, :]
-    ok = np.ones((N, M), bool)
-    if causal:
-        ok &= j <= i + off
-    left, right = window
-    if left >= 0:
-        ok &= j >= i + off - left
-    if right >= 0:
-        ok &= j <= i + off + right
-    return ok
-
-
-def ref_lse(q, k, v, ok, scale=None, softcap=None, group=1):
-    """float64 (out, lse) with soft-capping written out; ``ok`` (..., N, M)
-    says which keys each query attends."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    if group > 1:
-        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
-    s = q @ np.swapaxes(k, -1, -2) * (scale or 1.0 / np.sqrt(q.shape[-1]))
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    ok = np.broadcast_to(ok, s.shape)
-    s = np.where(ok, s, -np.inf)
-    mx = np.max(s, axis=-1, keepdims=True)
-    mx = np.where(np.isfinite(mx), mx, 0.0)
-    e = np.exp(s - mx)
-    tot = e.sum(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(tot > 0, (e / np.where(tot > 0, tot, 1)) @ v, 0.0)
-        lse = np.log(tot[..., 0]) + mx[..., 0]
-    return out, lse
-
-
 def live_pairs(ok, qchunks, kchunks):
     """The (query chunk, key chunk) pairs in which some query sees some key."""
     qb, kb = np.cumsum((0,) + tuple(qchunks)), np.cumsum((0,) + tuple(kchunks))
@@ -376,7 +338,7 @@ def task_pairs(out):
 def test_window_matches_band_and_skips_blocks_outside_it(dtype, causal, window, N, M, qc, kc):
     q, k, v = qkv(2, 2, N, M, dtype=dtype)
     res, out = run(q, k, v, qc=qc, kc=kc, is_causal=causal, window=window)
-    ok = band(N, M, window, CAUSAL[causal])
+    ok = allowed(N, M, causal=CAUSAL[causal], window=window)
     np.testing.assert_allclose(res, ref(q, k, v, ok)[0], **TOL[dtype])
     # the in-memory call agrees too
     core = attncore.scaled_dot_product_attention(q, k, v, is_causal=causal, window=window)
@@ -394,7 +356,7 @@ def test_windowed_causal_graph_has_no_task_outside_the_band():
     q, k, v = (da.zeros((1, 2, N, 16), chunks=(1, 2, 256, 16), dtype=np.float32)
                for _ in range(3))
     out = ad.scaled_dot_product_attention(q, k, v, is_causal=True, window=(300, 0))
-    ok = band(N, M, (300, 0), 1)
+    ok = allowed(N, M, causal=1, window=(300, 0))
     pairs = task_pairs(out)
     assert pairs == live_pairs(ok, q.chunks[-2], k.chunks[-2])
     # rows 256 i .. 256 i + 255 see keys from 256 i - 300: key chunks i, i - 1, i - 2
@@ -407,7 +369,7 @@ def test_softcap(causal):
     q, k, v = qkv(2, 3, 30, 41, D=16)
     q *= 4.0                               # scores of several units: the cap matters
     res, _ = run(q, k, v, qc=8, kc=9, is_causal=causal, softcap=2.5)
-    o, _ = ref_lse(q, k, v, band(30, 41, causal=int(causal)), softcap=2.5)
+    o = sdpa_ref(q, k, v, is_causal=causal, softcap=2.5)
     np.testing.assert_allclose(res, o, rtol=1e-10, atol=1e-11)
     assert not np.allclose(res, ref(q, k, v, causal=int(causal))[0], atol=1e-3)
 
@@ -419,8 +381,7 @@ def test_return_lse(dtype, causal, window):
     mask = rand((2, 1, 1, 37), 9, np.float64) > -0.8
     (res, lse), (out, lse_d) = run(q, k, v, mask, qc=6, kc=7, is_causal=causal, window=window,
                                    return_lse=True, mask_dask=False)
-    ok = band(23, 37, window or (-1, -1), CAUSAL[causal]) & mask
-    o, l_ref = ref_lse(q, k, v, ok)
+    o, l_ref = sdpa_ref(q, k, v, mask, causal, window=window, return_lse=True)
     np.testing.assert_allclose(res, o, **TOL[dtype])
     np.testing.assert_allclose(lse, l_ref, **TOL[dtype])
     core_out, core_lse = attncore.scaled_dot_product_attention(
@@ -435,7 +396,7 @@ def test_return_lse_of_rows_with_nothing_to_attend():
     q, k, v = qkv(1, 1, 20, 8)
     (res, lse), _ = run(q, k, v, qc=5, kc=3, is_causal="lower_right", return_lse=True)
     assert np.all(np.isneginf(lse[..., :12])) and np.all(res[..., :12, :] == 0)
-    np.testing.assert_allclose(lse[..., 12:], ref_lse(q, k, v, band(20, 8, causal=2))[1][..., 12:],
+    np.testing.assert_allclose(lse[..., 12:], lse_ref(q, k, causal=2)[..., 12:],
                                rtol=1e-12)
 
 
@@ -443,7 +404,7 @@ def test_return_lse_with_empty_value_columns():
     q, k, v = qkv(1, 2, 9, 14, Dv=0)
     (res, lse), _ = run(q, k, v, qc=4, kc=5, return_lse=True)
     assert res.shape == (1, 2, 9, 0)
-    np.testing.assert_allclose(lse, ref_lse(q, k, np.zeros((1, 2, 14, 1)), True)[1], rtol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref(q, k), rtol=1e-12)
 
 
 def pair_parts(x, dask_data, dask_scales, kc):
@@ -480,8 +441,7 @@ def test_int8_pairs_match_the_core(which, dask_data, dask_scales):
         if isinstance(p, tuple):
             d, s = mem(p)
             deq[nm] = d.astype(np.float64) * s[..., None]
-    ok = band(26, 35, (20, 0), 2) & mask
-    np.testing.assert_allclose(res, ref_lse(q, deq["key"], deq["value"], ok)[0],
+    np.testing.assert_allclose(res, sdpa_ref(q, deq["key"], deq["value"], mask, "lower_right", window=(20, 0)),
                                rtol=2e-4, atol=2e-5)
 
 

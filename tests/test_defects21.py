@@ -22,7 +22,7 @@ import attncore
 from attncore import quantize_kv
 from attncore import scaled_dot_product_attention as sdpa
 
-from reference import allowed
+from reference import allowed, lse_ref, sdpa_ref
 from reference import attention as ref
 from reference import rand
 
@@ -34,32 +34,6 @@ except ImportError:  # pragma: no cover - torch is a test extra
 TOL32 = dict(rtol=3e-5, atol=3e-6)
 F32_MIN = float(np.finfo(np.float32).min)   # -3.4028235e38
 F32_MAX = float(np.finfo(np.float32).max)
-
-
-def lse_ref(q, k, mask=None, causal=0, scale=None, softcap=None):
-    """float64 log-sum-exp over the attended keys (-inf for none)."""
-    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
-    s = q @ np.swapaxes(k, -1, -2) * (1 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    if mask is not None and np.asarray(mask).dtype != bool:
-        s = s + np.asarray(mask, np.float64)
-    ok = np.broadcast_to(allowed(q.shape[-2], k.shape[-2], mask, causal), s.shape)
-    s = np.where(ok, s, -np.inf)
-    mx = np.max(s, axis=-1, keepdims=True)
-    safe = np.where(np.isfinite(mx), mx, 0.0)
-    with np.errstate(divide="ignore"):
-        return (safe + np.log(np.sum(np.exp(s - safe), axis=-1, keepdims=True)))[..., 0]
-
-
-def capped_ref(q, k, v, cap, scale=None):
-    """float64 attention over the capped scores cap * tanh(s / cap): (out, lse)."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    s = q @ np.swapaxes(k, -1, -2) * (1 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    s = cap * np.tanh(s / cap)
-    mx = s.max(-1, keepdims=True)
-    e = np.exp(s - mx)
-    return (e / e.sum(-1, keepdims=True)) @ v, mx[..., 0] + np.log(e.sum(-1))
 
 
 # ------------------------------------------------------- 1. softcap accuracy
@@ -86,7 +60,7 @@ def test_softcap_attention_any_cap(path, cap):
     documented range of softcap, output and lse against float64."""
     q, k, v = rand((64, 16), 1), rand((64, 16), 2), rand((64, 8), 3)
     out, lse = sdpa(q, k, v, softcap=cap, return_lse=True)
-    eo, el = capped_ref(q, k, v, cap)
+    eo, el = sdpa_ref(q, k, v, softcap=cap, return_lse=True)
     np.testing.assert_allclose(out, eo, **TOL32)
     np.testing.assert_allclose(lse, el, **TOL32)
 
@@ -99,7 +73,7 @@ def test_softcap_attention_scores_near_the_cap(path, cap):
     q, k, v = rand((2, 40, 16), 4), rand((2, 70, 16), 5), rand((2, 70, 8), 6)
     q = q * np.float32(cap / 2)
     out, lse = sdpa(q, k, v, softcap=cap, return_lse=True, scale=0.25)
-    eo, el = capped_ref(q, k, v, cap, scale=0.25)
+    eo, el = sdpa_ref(q, k, v, scale=0.25, softcap=cap, return_lse=True)
     np.testing.assert_allclose(out, eo, **TOL32)
     np.testing.assert_allclose(lse, el, **TOL32)
 
