@@ -171,6 +171,47 @@ def test_nan_in_masked_out_key_does_not_poison_scores():
     np.testing.assert_allclose(out, ref(q, np.nan_to_num(k), v, mask)[0], rtol=1e-12)
 
 
+# ---------------------------------------------------------------- -inf scores from values
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,M,threads", [(3, 5, 1), (1, 5000, 2), (300, 700, 2), (2, 40, 1)])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_all_minus_inf_scores_from_values_give_zero(dtype, N, M, threads, return_weights):
+    """Every attended score of row 0 is -inf because the query holds -inf
+    (and the keys' matching column is > 0): the row comes out 0 (weights
+    0), as for a row with nothing to attend and as PyTorch gives; a row of
+    +inf scores is NaN (inf - inf); the other rows are the reference's."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((N, 4)).astype(dtype)
+    k = (np.abs(rng.standard_normal((M, 4))) + 0.5).astype(dtype)
+    v = rng.standard_normal((M, 3)).astype(dtype)
+    q[0, 0] = -np.inf
+    if N > 1:
+        q[1, 0] = np.inf
+    res = sdpa(q, k, v, return_weights=return_weights, num_threads=threads)
+    out, w = res if return_weights else (res, None)
+    np.testing.assert_array_equal(out[0], 0)
+    if w is not None:
+        np.testing.assert_array_equal(w[0], 0)
+    if N > 1:
+        assert np.isnan(out[1]).all()
+    if N > 2:
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(out[2:], ref(q[2:], k, v)[0], **tol)
+
+
+@needs_torch
+def test_all_minus_inf_scores_match_torch():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)
+    k = (np.abs(rng.standard_normal((2, 3, 9, 8))) + 0.5).astype(np.float32)
+    v = rng.standard_normal((2, 3, 9, 4)).astype(np.float32)
+    q[:, :, 0, 3] = -np.inf
+    q[1, 2, 4, 5] = -np.inf
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
+    np.testing.assert_allclose(sdpa(q, k, v), expected, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- GQA
 @pytest.mark.parametrize("Hk", [1, 2, 4, 8])
 def test_gqa(Hk):
