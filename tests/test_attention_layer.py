@@ -1,6 +1,6 @@
 """attncore.Attention: step vs all at once, spatial keys, masks, empty rows,
-Luong's attentional state, dtypes, bad inputs, plugin output checks,
-plot_alignment and the demo."""
+Luong's attentional state, dtypes, bad inputs, plugin output checks, NaN
+rows of weights, plot_alignment and the demo."""
 import sys
 
 import numpy as np
@@ -265,6 +265,39 @@ def test_plugin_instance_and_nan(seq):
     k[1, 3, 0] = np.nan                        # a NaN key that takes part does
     ctx = att(seq["q"], k, vals, mask=seq["mask"])
     assert np.isnan(ctx[1]).all() and np.isfinite(ctx[0]).all()
+
+
+@pytest.mark.parametrize("kind", ["dot", "scaled_dot", "bilinear", "mlp", "plugin"])
+def test_nan_rows_of_layer_weights_span_the_row(path, kind):
+    """The rule for NaN rows of weights (NaN across the whole row, as
+    scaled_dot_product_attention's, test_kernel_paths.py) in
+    attncore.Attention, whose key mask leaves masked keys at weight 0 in
+    ordinary rows: a NaN row is NaN there too."""
+    rng = np.random.default_rng(41)
+    B, T, S, D = 2, 6, 9, 6
+    q, k, vals = rng.standard_normal((B, T, D)), rng.standard_normal((B, S, D)), \
+        rng.standard_normal((B, S, 4))
+    mask = np.ones((B, S), bool)
+    mask[:, 6:] = False
+    q[1, 2, 0] = np.nan
+    if kind == "bilinear":
+        att = attncore.Attention(kind, weight=rng.standard_normal((D, D)) * 0.3)
+    elif kind == "mlp":
+        att = attncore.Attention(kind, q_weight=rng.standard_normal((5, D)) * 0.4,
+                                 k_weight=rng.standard_normal((5, D)) * 0.4,
+                                 v=rng.standard_normal(5))
+    elif kind == "plugin":
+        class Half(attncore.Alignment):
+            def score(self, query, prepared):
+                return np.matmul(query, np.swapaxes(prepared, -1, -2)) / 2
+        att = attncore.Attention(Half())
+    else:
+        att = attncore.Attention(kind)
+    ctx, w = att(q, k, vals, mask=mask, return_weights=True)
+    assert np.all(np.isnan(w[1, 2])) and np.all(np.isnan(ctx[1, 2]))
+    rest = np.ones((B, T), bool)
+    rest[1, 2] = False
+    assert np.all(np.isfinite(w[rest])) and np.all(w[rest][:, 6:] == 0)
 
 
 # --------------------------------------------------------------------------

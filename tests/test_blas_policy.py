@@ -16,6 +16,7 @@ from attncore import _call, _kernels, functional
 from attncore._core import _sdpa
 from attncore._threads import OPENBLAS_SERIAL_MNK
 from reference import sdpa_ref
+from reference import rand
 
 # positions of the tile sizes and the thread count in the kernels' arguments
 SDPA_BQ, SDPA_BK, SDPA_THREADS = 15, 16, 19
@@ -42,10 +43,6 @@ def _spy(monkeypatch, name):
     return calls
 
 
-def _rand(shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
 def _assert_small_products(args, bq, bk, D):
     assert args[bq] * args[bk] * D <= OPENBLAS_SERIAL_MNK, (args[bq], args[bk], D)
 
@@ -53,7 +50,7 @@ def _assert_small_products(args, bq, bk, D):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", ["int8_dequantize", "float64", "portable", "weights"])
 def test_blas_products_stay_serial(openblas_unheld, monkeypatch, threads, case):
-    q, k, v = _rand((1, 2, 256, 64), 0), _rand((1, 2, 1024, 64), 1), _rand((1, 2, 1024, 64), 2)
+    q, k, v = rand((1, 2, 256, 64), 0), rand((1, 2, 1024, 64), 1), rand((1, 2, 1024, 64), 2)
     kw = {"num_threads": threads}
     if case == "float64":
         q, k, v = (a.astype(np.float64) for a in (q, k, v))
@@ -80,7 +77,7 @@ def test_blas_products_stay_serial(openblas_unheld, monkeypatch, threads, case):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_varlen_blas_products_stay_serial(openblas_unheld, monkeypatch, threads):
     cu = [0, 300, 1000]
-    q, k, v = _rand((1000, 2, 64), 0), _rand((1000, 2, 64), 1), _rand((1000, 2, 64), 2)
+    q, k, v = rand((1000, 2, 64), 0), rand((1000, 2, 64), 1), rand((1000, 2, 64), 2)
     calls = _spy(monkeypatch, "sdpa_varlen")
     with _kernels.forced_kernel_path("portable"):
         out = attncore.varlen_attention(q, k, v, cu, cu, is_causal=True, num_threads=threads)
@@ -99,7 +96,7 @@ def test_other_unheld_blas_gets_one_thread(monkeypatch):
     monkeypatch.setattr(_call, "blas_small_products_ok", lambda: False)
     monkeypatch.setattr(_call, "blas_parallel_threads", lambda n: 1)
     calls = _spy(monkeypatch, "sdpa")
-    q = _rand((1, 4, 128, 32), 0).astype(np.float64)
+    q = rand((1, 4, 128, 32), 0).astype(np.float64)
     attncore.scaled_dot_product_attention(q, q, q, num_threads=2)
     assert calls[0][SDPA_THREADS] == 1
 

@@ -16,8 +16,9 @@ import attncore  # noqa: E402
 import attncore.dask as ad  # noqa: E402
 from attncore.alignments import _registry  # noqa: E402
 
-from reference import allowed  # noqa: E402
+from reference import allowed, lse_ref, sdpa_ref  # noqa: E402
 from reference import attention as ref  # noqa: E402
+from reference import rand  # noqa: E402
 
 TOL = {np.float32: dict(rtol=5e-5, atol=5e-6), np.float64: dict(rtol=1e-11, atol=1e-12)}
 CAUSAL = {False: 0, True: 1, "upper_left": 1, "lower_right": 2}
@@ -29,14 +30,10 @@ def synchronous():
         yield
 
 
-def rand(shape, dtype=np.float64, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
 def qkv(B, H, N, M, D=8, Dv=8, dtype=np.float64, Hk=None):
     Hk = H if Hk is None else Hk
-    return (rand((B, H, N, D), dtype, 1), rand((B, Hk, M, D), dtype, 2),
-            rand((B, Hk, M, Dv), dtype, 3))
+    return (rand((B, H, N, D), 1, dtype), rand((B, Hk, M, D), 2, dtype),
+            rand((B, Hk, M, Dv), 3, dtype))
 
 
 def chunked(x, *chunks):
@@ -232,10 +229,10 @@ def test_gqa(dtype, Hk, hc, causal):
 
 def test_broadcast_batch_dims_and_batch_chunks_unified():
     N, M = 12, 20
-    q = rand((4, 3, N, 8), seed=1)
-    k = rand((1, 3, M, 8), seed=2)                 # shared over the batch
-    v = rand((3, M, 6), seed=3)                    # no batch axis
-    mask = rand((4, 1, 1, M), seed=4) > -1.0
+    q = rand((4, 3, N, 8), 1, np.float64)
+    k = rand((1, 3, M, 8), 2, np.float64)                 # shared over the batch
+    v = rand((3, M, 6), 3, np.float64)                    # no batch axis
+    mask = rand((4, 1, 1, M), 4, np.float64) > -1.0
     Q = chunked(q, (1, 3), (2, 1), 5, -1)
     K = chunked(k, 1, (1, 2), 7, -1)
     V = chunked(v, 3, 7, -1)
@@ -244,7 +241,7 @@ def test_broadcast_batch_dims_and_batch_chunks_unified():
     assert out.chunks[:2] == ((1, 1, 2), (1, 1, 1))
     np.testing.assert_allclose(out.compute(), ref(q, k, v, mask)[0], rtol=1e-11, atol=1e-12)
     # a mask with more dimensions than the operands widens the output
-    m5 = rand((2, 1, 1, N, M), seed=5) > 0
+    m5 = rand((2, 1, 1, N, M), 5, np.float64) > 0
     out5 = ad.scaled_dot_product_attention(Q, K, V, m5)
     assert out5.shape == (2, 4, 3, N, 6)
     np.testing.assert_allclose(out5.compute(), ref(q, k, v, m5)[0], rtol=1e-11, atol=1e-12)
@@ -283,7 +280,7 @@ def test_float16_and_mixed_dtypes():
 
 def test_numpy_operands_are_wrapped_and_not_modified():
     q, k, v = qkv(2, 2, 9, 30)
-    mask = rand((2, 1, 9, 30), seed=4) > -0.5
+    mask = rand((2, 1, 9, 30), 4, np.float64) > -0.5
     copies = [x.copy() for x in (q, k, v, mask)]
     K = chunked(k, 1, 2, 10, -1)
     out = ad.scaled_dot_product_attention(q, K, v, mask, is_causal="lower_right")
@@ -322,44 +319,6 @@ def test_num_threads_passes_through():
 
 
 # ---------------------------------------------------------------- the core's options
-def band(N, M, window=(-1, -1), causal=0):
-    """bool (N, M): the keys each query may see under the causal mode and
-    the window, written out from the documented rule (absolute positions)."""
-    off = M - N if causal == 2 else 0
-    i = np.arange(N)[:, None]
-    j = np.arange(M)[None, :]
-    ok = np.ones((N, M), bool)
-    if causal:
-        ok &= j <= i + off
-    left, right = window
-    if left >= 0:
-        ok &= j >= i + off - left
-    if right >= 0:
-        ok &= j <= i + off + right
-    return ok
-
-
-def ref_lse(q, k, v, ok, scale=None, softcap=None, group=1):
-    """float64 (out, lse) with soft-capping written out; ``ok`` (..., N, M)
-    says which keys each query attends."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    if group > 1:
-        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
-    s = q @ np.swapaxes(k, -1, -2) * (scale or 1.0 / np.sqrt(q.shape[-1]))
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    ok = np.broadcast_to(ok, s.shape)
-    s = np.where(ok, s, -np.inf)
-    mx = np.max(s, axis=-1, keepdims=True)
-    mx = np.where(np.isfinite(mx), mx, 0.0)
-    e = np.exp(s - mx)
-    tot = e.sum(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(tot > 0, (e / np.where(tot > 0, tot, 1)) @ v, 0.0)
-        lse = np.log(tot[..., 0]) + mx[..., 0]
-    return out, lse
-
-
 def live_pairs(ok, qchunks, kchunks):
     """The (query chunk, key chunk) pairs in which some query sees some key."""
     qb, kb = np.cumsum((0,) + tuple(qchunks)), np.cumsum((0,) + tuple(kchunks))
@@ -379,7 +338,7 @@ def task_pairs(out):
 def test_window_matches_band_and_skips_blocks_outside_it(dtype, causal, window, N, M, qc, kc):
     q, k, v = qkv(2, 2, N, M, dtype=dtype)
     res, out = run(q, k, v, qc=qc, kc=kc, is_causal=causal, window=window)
-    ok = band(N, M, window, CAUSAL[causal])
+    ok = allowed(N, M, causal=CAUSAL[causal], window=window)
     np.testing.assert_allclose(res, ref(q, k, v, ok)[0], **TOL[dtype])
     # the in-memory call agrees too
     core = attncore.scaled_dot_product_attention(q, k, v, is_causal=causal, window=window)
@@ -397,7 +356,7 @@ def test_windowed_causal_graph_has_no_task_outside_the_band():
     q, k, v = (da.zeros((1, 2, N, 16), chunks=(1, 2, 256, 16), dtype=np.float32)
                for _ in range(3))
     out = ad.scaled_dot_product_attention(q, k, v, is_causal=True, window=(300, 0))
-    ok = band(N, M, (300, 0), 1)
+    ok = allowed(N, M, causal=1, window=(300, 0))
     pairs = task_pairs(out)
     assert pairs == live_pairs(ok, q.chunks[-2], k.chunks[-2])
     # rows 256 i .. 256 i + 255 see keys from 256 i - 300: key chunks i, i - 1, i - 2
@@ -410,7 +369,7 @@ def test_softcap(causal):
     q, k, v = qkv(2, 3, 30, 41, D=16)
     q *= 4.0                               # scores of several units: the cap matters
     res, _ = run(q, k, v, qc=8, kc=9, is_causal=causal, softcap=2.5)
-    o, _ = ref_lse(q, k, v, band(30, 41, causal=int(causal)), softcap=2.5)
+    o = sdpa_ref(q, k, v, is_causal=causal, softcap=2.5)
     np.testing.assert_allclose(res, o, rtol=1e-10, atol=1e-11)
     assert not np.allclose(res, ref(q, k, v, causal=int(causal))[0], atol=1e-3)
 
@@ -419,11 +378,10 @@ def test_softcap(causal):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, (5, 0)), ("lower_right", None)])
 def test_return_lse(dtype, causal, window):
     q, k, v = qkv(2, 2, 23, 37, dtype=dtype)
-    mask = rand((2, 1, 1, 37), seed=9) > -0.8
+    mask = rand((2, 1, 1, 37), 9, np.float64) > -0.8
     (res, lse), (out, lse_d) = run(q, k, v, mask, qc=6, kc=7, is_causal=causal, window=window,
                                    return_lse=True, mask_dask=False)
-    ok = band(23, 37, window or (-1, -1), CAUSAL[causal]) & mask
-    o, l_ref = ref_lse(q, k, v, ok)
+    o, l_ref = sdpa_ref(q, k, v, mask, causal, window=window, return_lse=True)
     np.testing.assert_allclose(res, o, **TOL[dtype])
     np.testing.assert_allclose(lse, l_ref, **TOL[dtype])
     core_out, core_lse = attncore.scaled_dot_product_attention(
@@ -438,7 +396,7 @@ def test_return_lse_of_rows_with_nothing_to_attend():
     q, k, v = qkv(1, 1, 20, 8)
     (res, lse), _ = run(q, k, v, qc=5, kc=3, is_causal="lower_right", return_lse=True)
     assert np.all(np.isneginf(lse[..., :12])) and np.all(res[..., :12, :] == 0)
-    np.testing.assert_allclose(lse[..., 12:], ref_lse(q, k, v, band(20, 8, causal=2))[1][..., 12:],
+    np.testing.assert_allclose(lse[..., 12:], lse_ref(q, k, causal=2)[..., 12:],
                                rtol=1e-12)
 
 
@@ -446,7 +404,7 @@ def test_return_lse_with_empty_value_columns():
     q, k, v = qkv(1, 2, 9, 14, Dv=0)
     (res, lse), _ = run(q, k, v, qc=4, kc=5, return_lse=True)
     assert res.shape == (1, 2, 9, 0)
-    np.testing.assert_allclose(lse, ref_lse(q, k, np.zeros((1, 2, 14, 1)), True)[1], rtol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref(q, k), rtol=1e-12)
 
 
 def pair_parts(x, dask_data, dask_scales, kc):
@@ -464,7 +422,7 @@ def test_int8_pairs_match_the_core(which, dask_data, dask_scales):
     q, k, v = qkv(2, 2, 26, 35, D=16, Dv=8, dtype=np.float32)
     kk = pair_parts(k, dask_data, dask_scales, 7) if which in ("key", "both") else chunked(k, 1, 2, 7, -1)
     vv = pair_parts(v, dask_data, dask_scales, 7) if which in ("value", "both") else chunked(v, 1, 2, 7, -1)
-    mask = rand((2, 1, 26, 35), seed=3) > -1.0
+    mask = rand((2, 1, 26, 35), 3, np.float64) > -1.0
     out, lse = ad.scaled_dot_product_attention(chunked(q, 1, 2, 9, -1), kk, vv, mask,
                                                is_causal="lower_right", window=(20, 0),
                                                return_lse=True)
@@ -483,8 +441,7 @@ def test_int8_pairs_match_the_core(which, dask_data, dask_scales):
         if isinstance(p, tuple):
             d, s = mem(p)
             deq[nm] = d.astype(np.float64) * s[..., None]
-    ok = band(26, 35, (20, 0), 2) & mask
-    np.testing.assert_allclose(res, ref_lse(q, deq["key"], deq["value"], ok)[0],
+    np.testing.assert_allclose(res, sdpa_ref(q, deq["key"], deq["value"], mask, "lower_right", window=(20, 0)),
                                rtol=2e-4, atol=2e-5)
 
 
@@ -733,7 +690,7 @@ def test_map_batches_attention_layers(name, plugin):
 
 
 def test_map_batches_any_callable_and_errors():
-    x = rand((10, 3))
+    x = rand((10, 3), dtype=np.float64)
     res = ad.map_batches(lambda a, b, *, c: a * b + c, chunked(x, 4, 3), x, c=1.0)
     np.testing.assert_allclose(res.compute(), x * x + 1.0)
     with pytest.raises(TypeError, match="fn must be callable"):
@@ -761,10 +718,10 @@ def test_import_attncore_does_not_import_dask():
 def test_local_cluster_two_processes():
     distributed = pytest.importorskip("distributed")
     q, k, v = qkv(1, 2, 48, 64, D=16, Dv=16, dtype=np.float32)
-    mask = rand((1, 1, 1, 64), seed=4) > -1.0
+    mask = rand((1, 1, 1, 64), 4, np.float64) > -1.0
     mha = attncore.MultiHeadAttention(16, 4, rng=0)
-    x = rand((12, 10, 16), np.float32, 5)
-    valid = rand((12, 10), seed=6) > -0.5
+    x = rand((12, 10, 16), 5)
+    valid = rand((12, 10), 6, np.float64) > -0.5
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                   dashboard_address=None, silence_logs=40) as cluster, \
             distributed.Client(cluster) as client:

@@ -1,17 +1,36 @@
-"""Values near the float32 maximum: float32-computed calls (float32 and
-bfloat16 inputs) give the finite result the float64 reference gives, not
-inf (their unnormalized P.V sums exceed float32 before the division by the
-row sum; such calls are computed again in float64)."""
+"""Values at the limits of the float32 range, on every forced kernel path.
+
+* Values near the float32 maximum: float32-computed calls (float32 and
+  bfloat16 inputs) give the finite result the float64 reference gives, not
+  inf (their unnormalized P.V sums exceed float32 before the division by
+  the row sum; such calls are computed again in float64).
+* Float masks of ``finfo(float32).min`` on every key of a row (the fused
+  paths folded scale * log2(e) into the scores, which overflowed: output 0
+  and lse -inf), and +3e38 mask entries.
+* Scores or ``scale`` near the float32 maximum (NaN on the fused paths).
+"""
 import warnings
 
 import numpy as np
 import pytest
 
 import attncore
-from reference import sdpa_ref
+from attncore import quantize_kv
+from attncore import scaled_dot_product_attention as sdpa
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
+from reference import allowed, lse_ref, rand, sdpa_ref
+from reference import attention as ref
+
 BIG = 3e38
+TOL32 = dict(rtol=3e-5, atol=3e-6)
+F32_MIN = float(np.finfo(np.float32).min)   # -3.4028235e38
+
+
+def _dtype(name):
+    """The dtype of a parameter; bfloat16 needs ml_dtypes (skipped without)."""
+    if name == "bfloat16":
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return np.dtype(name)
 
 
 def _qkv(N, M, D, seed=0, lead=(1, 2)):
@@ -33,7 +52,7 @@ def _near(out, ref):
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
 @pytest.mark.parametrize("N", [1, 3, 40])
 def test_sdpa_values_near_float32_max(path, dtype, N):
-    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    dt = _dtype(dtype)
     q, k, v = (a.astype(dt) for a in _qkv(N, 70, 16))
     for kw in ({}, {"is_causal": "lower_right"}, {"return_lse": True},
                {"return_weights": True}):
@@ -67,7 +86,7 @@ def test_sdpa_nan_inputs_still_propagate(path):
 
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
 def test_varlen_values_near_float32_max(path, dtype):
-    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    dt = _dtype(dtype)
     q, k, v = _qkv(30, 40, 16, lead=())
     q, k, v = (np.repeat(a[:, None, :], 2, axis=1).astype(dt) for a in (q, k, v))
     cq, ck = [0, 10, 30], [0, 15, 40]
@@ -78,3 +97,134 @@ def test_varlen_values_near_float32_max(path, dtype):
         ref = sdpa_ref(*(np.swapaxes(a[s], 0, 1).astype(np.float64)
                          for a, s in ((q, qs), (k, ks), (v, ks))), is_causal="lower_right")
         _near(np.swapaxes(out[qs], 0, 1), ref)
+
+
+# ------------------------------------------ float masks of finfo(float32).min
+def test_issue_reproducer_min_mask(path):
+    rng = np.random.default_rng(0)
+    m = np.full((8, 3), F32_MIN, np.float32)
+    out, lse = sdpa(rng.random((8, 4)).astype(np.float32), rng.random((3, 4)).astype(np.float32),
+                    np.array([[1.0], [2.0], [3.0]], np.float32), m, return_lse=True)
+    np.testing.assert_allclose(out, 2.0, rtol=1e-6)
+    np.testing.assert_allclose(lse, F32_MIN + np.log(3), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["rows", "keypad"])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_min_mask_rows_average(path, layout, causal):
+    """Rows whose every key carries finfo(float32).min: in float32,
+    s + min rounds to min for every |s| < 2**103, so the row is the plain
+    average of the values it attends, and its lse min + log(count).  Rows
+    with min on some keys only match float64 (those keys weigh 0)."""
+    B, H, N, M = 2, 2, 70, 300
+    rng = np.random.default_rng(1)
+    q, k, v = rand((B, H, N, 16), 2), rand((B, H, M, 16), 3), rand((B, H, M, 8), 4)
+    if layout == "rows":
+        mask = rand((B, 1, N, M), 5)
+        mask[rng.random((B, 1, N, M)) < 0.3] = F32_MIN
+        full = rng.random((B, 1, N)) < 0.3          # rows masked with min on every key
+        mask[full] = F32_MIN
+    else:
+        mask = np.zeros((B, 1, 1, M), np.float32)
+        mask[0] = F32_MIN                           # batch element 0: every key
+        mask[1, ..., ::3] = F32_MIN                 # batch element 1: a third of the keys
+        full = np.zeros((B, 1, N), bool)
+        full[0] = True
+    full = np.broadcast_to(full, (B, H, N))
+    out, lse = sdpa(q, k, v, mask, is_causal=bool(causal), return_lse=True)
+    e_out, _ = ref(q, k, v, mask, causal=causal)
+    e_lse = lse_ref(q, k, mask, causal=causal)
+    ok = allowed(N, M, None, causal)                # (N, M): the band
+    avg = (ok / ok.sum(-1, keepdims=True)) @ v.astype(np.float64)
+    e_out = np.where(full[..., None], avg, e_out)
+    e_lse = np.where(full, F32_MIN + np.log(ok.sum(-1)), e_lse)
+    assert np.all(np.isfinite(lse))
+    np.testing.assert_allclose(out, e_out, **TOL32)
+    np.testing.assert_allclose(lse, e_lse, rtol=1e-6, atol=3e-6)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_min_mask_rows_split_keys_and_int8(path, int8):
+    """The same with the keys split over threads (flash decoding: one work
+    item, 2048 keys) and with int8 keys / values."""
+    N, M = 8, 2048
+    q, k, v = rand((1, 1, N, 16), 37), rand((1, 1, M, 16), 38), rand((1, 1, M, 8), 39)
+    mask = rand((1, 1, N, M), 40)
+    mask[..., ::2, :] = F32_MIN                       # even rows: every key
+    mask[..., 1::2, : M // 2] = F32_MIN               # odd rows: the first half
+    kk, vv = k, v
+    if int8:
+        (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+        kk, vv = (k8, ks), (v8, vs)
+        k = k8.astype(np.float64) * ks.astype(np.float64)[..., None]
+        v = v8.astype(np.float64) * vs.astype(np.float64)[..., None]
+    e_out, _ = ref(q, k, v, mask)
+    e_lse = lse_ref(q, k, mask)
+    e_out[..., ::2, :] = v.astype(np.float64).mean(-2)[..., None, :]
+    e_lse[..., ::2] = F32_MIN + np.log(M)
+    for t in (1, 2):
+        out, lse = sdpa(q, kk, vv, mask, return_lse=True, num_threads=t)
+        np.testing.assert_allclose(out, e_out, **TOL32)
+        np.testing.assert_allclose(lse, e_lse, rtol=1e-6, atol=3e-6)
+
+
+def test_huge_positive_mask_entry(path):
+    """+3e38 on one key of each row: that key takes all the weight (the
+    fused kernel turned it into +inf, then NaN)."""
+    q, k, v = rand((40, 16), 6), rand((50, 16), 7), rand((50, 8), 8)
+    mask = np.zeros((40, 50), np.float32)
+    hot = np.arange(40) % 50
+    mask[np.arange(40), hot] = 3e38
+    out, lse = sdpa(q, k, v, mask, return_lse=True)
+    np.testing.assert_allclose(out, v[hot], **TOL32)
+    np.testing.assert_allclose(lse, lse_ref(q, k, mask), rtol=1e-6)
+
+
+# ---------------------------------------------- scores or scale near the max
+def test_huge_scale_zero_queries(path):
+    v = rand((3, 5), 9)
+    out, lse = sdpa(np.zeros((8, 4), np.float32), np.ones((3, 4), np.float32), v, scale=3e38,
+                    return_lse=True)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(0), (8, 5)), **TOL32)
+    np.testing.assert_allclose(lse, np.log(3), rtol=1e-6)
+
+
+@pytest.mark.parametrize("keys", [(1.0, 0.5, -1.0, 0.25), (-1.0, -0.5, 1.0, 0.0),
+                                  (-1.0, -0.9, -0.95, -0.99)],
+                         ids=["largest-first", "negated", "all-negative"])
+def test_scores_near_float32_max(path, keys):
+    """q, k of sqrt(3e38), scale 1: scores of +-3e38; the largest wins (in
+    the last case every score is below -2.36e38, beyond the base-2 range)."""
+    a = np.float32(np.sqrt(3e38))
+    q = np.full((8, 1), a, np.float32)
+    k = (np.array(keys, np.float64)[:, None] * a).astype(np.float32)
+    v = rand((len(keys), 5), 10)
+    out, lse = sdpa(q, k, v, scale=1.0, return_lse=True)
+    np.testing.assert_allclose(out, ref(q, k, v, scale=1.0)[0], **TOL32)
+    np.testing.assert_allclose(lse, lse_ref(q, k, scale=1.0), rtol=1e-6)
+
+
+def test_scores_spread_over_the_float32_range(path):
+    """Random scores up to 3e38 in magnitude (most beyond the base-2 range
+    of 2.36e38), with key padding and causal: float64 says."""
+    q, k, v = rand((2, 40, 16), 11), rand((2, 60, 16), 12), rand((2, 60, 8), 13)
+    s = np.abs(q.astype(np.float64) @ np.swapaxes(k, -1, -2)).max()
+    f = np.float32(np.sqrt(3e38 / s))
+    q, k = q * f, k * f
+    mask = np.ones((2, 1, 60), bool)
+    mask[1, :, 45:] = False
+    for causal in (0, 1):
+        out, lse = sdpa(q, k, v, mask, scale=1.0, is_causal=bool(causal), return_lse=True)
+        np.testing.assert_allclose(out, ref(q, k, v, mask, causal=causal, scale=1.0)[0], **TOL32)
+        np.testing.assert_allclose(lse, lse_ref(q, k, mask, causal=causal, scale=1.0), rtol=1e-6)
+
+
+def test_huge_scale_tiny_keys(path):
+    """scale 2e38 times queries of a few units overflows once scale and
+    query are multiplied first; the scores themselves are O(1)."""
+    q, k, v = rand((40, 16), 14) * 3, rand((30, 16), 15) * np.float32(1e-38), rand((30, 8), 16)
+    out, lse = sdpa(q, k, v, scale=2e38, return_lse=True)
+    np.testing.assert_allclose(out, ref(q, k, v, scale=2e38)[0], **TOL32)
+    np.testing.assert_allclose(lse, lse_ref(q, k, scale=2e38), rtol=1e-5, atol=1e-5)
+
+

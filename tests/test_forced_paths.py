@@ -17,12 +17,9 @@ from attncore import _kernels
 from attncore._core import _linalg, _sdpa
 
 from reference import attention as ref
+from reference import rand
 
 PATHS = _kernels.available_kernel_paths()
-
-
-def rand(shape, seed=0, dtype=np.float64):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 @pytest.fixture(params=PATHS)
@@ -39,14 +36,15 @@ def only(kernel, path):
 
 
 def test_sdpa_blas_path_float64(forced):
-    q, k, v = rand((2, 3, 37, 16), 1), rand((2, 3, 45, 16), 2), rand((2, 3, 45, 8), 3)
+    q, k, v = (rand((2, 3, 37, 16), 1, np.float64), rand((2, 3, 45, 16), 2, np.float64),
+               rand((2, 3, 45, 8), 3, np.float64))
     out = attncore.scaled_dot_product_attention(q, k, v, is_causal="lower_right", num_threads=1)
     only("sdpa", forced)
     np.testing.assert_allclose(out, ref(q, k, v, causal=2)[0], rtol=1e-12, atol=1e-13)
 
 
 def test_weights_path_float32(forced):
-    q, k, v = (rand((2, 20, 16), s, np.float32) for s in (4, 5, 6))
+    q, k, v = (rand((2, 20, 16), s) for s in (4, 5, 6))
     mask = np.random.default_rng(7).random((2, 20, 20)) > 0.3
     out, w = attncore.scaled_dot_product_attention(q, k, v, mask, return_weights=True,
                                                    num_threads=1)
@@ -67,8 +65,8 @@ def test_exp(forced, dtype, tol):
 @pytest.mark.parametrize("masked", [False, True])
 def test_additive_kernel(forced, masked):
     rng = np.random.default_rng(8)
-    q, k, vals = rand((2, 5, 6), 9), rand((2, 7, 6), 10), rand((2, 7, 3), 11)
-    wq, wk, v = rand((8, 6), 12) * 0.5, rand((8, 6), 13) * 0.5, rand(8, 14)
+    q, k, vals = rand((2, 5, 6), 9, np.float64), rand((2, 7, 6), 10, np.float64), rand((2, 7, 3), 11, np.float64)
+    wq, wk, v = rand((8, 6), 12, np.float64) * 0.5, rand((8, 6), 13, np.float64) * 0.5, rand(8, 14, np.float64)
     mask = rng.random((2, 7)) > 0.3 if masked else None
     att = attncore.Attention("mlp", q_weight=wq, k_weight=wk, v=v)
     ctx, w = att(q, k, vals, mask=mask, return_weights=True)
@@ -102,7 +100,7 @@ def test_one_home_for_the_kernel_path():
         assert _linalg.set_kernel_path(0)
         assert _sdpa.kernel_path() == "portable"
         _sdpa._variants_ran(reset=True)
-        attncore.rotary_embedding(rand((1, 3, 4)), np.arange(3))
+        attncore.rotary_embedding(rand((1, 3, 4), dtype=np.float64), np.arange(3))
         assert _sdpa._variants_ran()["rotary"] == ("portable",)
         assert _sdpa.set_kernel_path(best) == "portable"
         assert _kernels.kernel_path() == best

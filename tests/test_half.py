@@ -13,6 +13,7 @@ import pytest
 import attncore
 from attncore._core import _sdpa
 from reference import sdpa_ref
+from reference import rand
 
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -42,10 +43,6 @@ def path(request):
     _sdpa.set_kernel_path(prev)
     _sdpa.set_bf16_mode(None)
     del prev_mode
-
-
-def _rand(rng, shape, dt, offset=0.0):
-    return (rng.standard_normal(shape) + offset).astype(np.float32).astype(dt)
 
 
 def _f64(*xs):
@@ -78,7 +75,7 @@ SHAPES = [
 def test_half_matches_reference_of_rounded_inputs(path, dt, shape, causal):
     B, H, N, M, D, Dv = shape
     rng = np.random.default_rng(hash(shape) % 2**32)
-    q, k, v = _rand(rng, (B, H, N, D), dt), _rand(rng, (B, H, M, D), dt), _rand(rng, (B, H, M, Dv), dt)
+    q, k, v = (rand(s, rng).astype(dt) for s in ((B, H, N, D), (B, H, M, D), (B, H, M, Dv)))
     out, lse = sd(q, k, v, is_causal=causal, return_lse=True)
     assert out.dtype == dt and out.shape == (B, H, N, Dv)
     assert lse.dtype == np.float32
@@ -99,7 +96,7 @@ def test_half_matches_reference_of_rounded_inputs(path, dt, shape, causal):
 def test_half_masks_window_softcap_gqa(path, dt):
     rng = np.random.default_rng(1)
     B, Hq, Hk, N, M, D = 2, 4, 2, 40, 150, 32
-    q, k, v = _rand(rng, (B, Hq, N, D), dt), _rand(rng, (B, Hk, M, D), dt), _rand(rng, (B, Hk, M, D), dt)
+    q, k, v = (rand(s, rng).astype(dt) for s in ((B, Hq, N, D), (B, Hk, M, D), (B, Hk, M, D)))
     bmask = rng.random((B, 1, N, M)) > 0.3
     fmask = np.where(rng.random((B, 1, 1, M)) > 0.2, rng.standard_normal((B, 1, 1, M)), -np.inf)
     kr, vr = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
@@ -122,8 +119,8 @@ def test_half_masks_window_softcap_gqa(path, dt):
 def test_half_long_rows_and_key_splits(dt, nthreads):
     """M = 32768: float32 accumulation over a long row, split over threads."""
     rng = np.random.default_rng(2)
-    q, k, v = _rand(rng, (1, 2, 1, 64), dt), _rand(rng, (1, 2, 32768, 64), dt), \
-        _rand(rng, (1, 2, 32768, 64), dt)
+    q, k, v = rand((1, 2, 1, 64), rng).astype(dt), rand((1, 2, 32768, 64), rng).astype(dt), \
+        rand((1, 2, 32768, 64), rng).astype(dt)
     out = sd(q, k, v, num_threads=nthreads)
     rout = sdpa_ref(*_f64(q, k, v))
     err = np.abs(out.astype(np.float64) - rout).max()
@@ -133,8 +130,8 @@ def test_half_long_rows_and_key_splits(dt, nthreads):
 @pytest.mark.parametrize("dt", HALF)
 def test_half_agrees_across_paths_and_threads(dt):
     rng = np.random.default_rng(3)
-    q, k, v = _rand(rng, (2, 3, 50, 48), dt), _rand(rng, (2, 3, 700, 48), dt), \
-        _rand(rng, (2, 3, 700, 48), dt)
+    q, k, v = rand((2, 3, 50, 48), rng).astype(dt), rand((2, 3, 700, 48), rng).astype(dt), \
+        rand((2, 3, 700, 48), rng).astype(dt)
     outs = []
     for p in PATHS:
         prev = _sdpa.set_kernel_path(p)
@@ -149,7 +146,7 @@ def test_half_agrees_across_paths_and_threads(dt):
 
 def test_float16_with_float32_and_float64_promotes():
     rng = np.random.default_rng(4)
-    q16 = _rand(rng, (2, 5, 16), F16)
+    q16 = rand((2, 5, 16), rng).astype(F16)
     k32 = rng.standard_normal((2, 9, 16), dtype=np.float32)
     v64 = rng.standard_normal((2, 9, 16))
     assert sd(q16, k32, k32).dtype == np.float32
@@ -216,7 +213,7 @@ def test_precision_argument():
 @pytest.mark.parametrize("dt", HALF)
 def test_return_weights_with_half_inputs(dt):
     rng = np.random.default_rng(6)
-    q, k, v = _rand(rng, (2, 6, 8), dt), _rand(rng, (2, 9, 8), dt), _rand(rng, (2, 9, 8), dt)
+    q, k, v = rand((2, 6, 8), rng).astype(dt), rand((2, 9, 8), rng).astype(dt), rand((2, 9, 8), rng).astype(dt)
     out, w, lse = sd(q, k, v, return_weights=True, return_lse=True)
     rout, rw, rlse = sdpa_ref(*_f64(q, k, v), return_weights=True, return_lse=True)
     assert out.dtype == dt and w.dtype == dt and lse.dtype == np.float32
@@ -230,7 +227,7 @@ def test_inputs_not_modified_and_no_float32_copy(dt):
     float32 copy of K (tracemalloc sees NumPy's allocations)."""
     rng = np.random.default_rng(7)
     M, D = 1 << 17, 64
-    q, k, v = _rand(rng, (1, 2, 1, D), dt), _rand(rng, (1, 2, M, D), dt), _rand(rng, (1, 2, M, D), dt)
+    q, k, v = rand((1, 2, 1, D), rng).astype(dt), rand((1, 2, M, D), rng).astype(dt), rand((1, 2, M, D), rng).astype(dt)
     k0, v0 = k.copy(), v.copy()
     tracemalloc.start()
     sd(q, k, v)
@@ -273,7 +270,7 @@ def test_torch_bf16_non_contiguous_and_gqa():
 def test_jax_bf16():
     jnp = pytest.importorskip("jax.numpy")
     rng = np.random.default_rng(8)
-    q = _rand(rng, (2, 10, 16), BF16)
+    q = rand((2, 10, 16), rng).astype(BF16)
     out = sd(jnp.asarray(q), jnp.asarray(q), jnp.asarray(q))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out).astype(np.float64), sdpa_ref(*_f64(q, q, q)),
@@ -282,7 +279,7 @@ def test_jax_bf16():
 
 def test_half_int8_values_mix():
     rng = np.random.default_rng(9)
-    q, k = _rand(rng, (2, 12, 16), BF16), _rand(rng, (2, 40, 16), BF16)
+    q, k = rand((2, 12, 16), rng).astype(BF16), rand((2, 40, 16), rng).astype(BF16)
     v = rng.standard_normal((2, 40, 8)).astype(np.float32)
     v8, vs = attncore.quantize_kv(v)
     out = sd(q, k, (v8, vs))

@@ -10,6 +10,8 @@ from attncore import _kernels
 from attncore._core import _sdpa
 from attncore._linear import linear
 
+from reference import sdpa_ref
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -166,11 +168,7 @@ def test_attention_layer_with_half_memory_and_query(dt):
     q = rng.standard_normal((2, 3, 32)).astype(dt)
     att = attncore.Attention("scaled_dot")
     out = att(q, keys)
-    k64, q64 = keys.astype(np.float64), q.astype(np.float64)
-    s = q64 @ np.swapaxes(k64, -1, -2) / np.sqrt(32)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    r = p @ k64
+    r = sdpa_ref(q, keys, keys)
     assert out.dtype == dt
     np.testing.assert_allclose(out.astype(np.float64), r, atol=2 * ULP[dt] * np.abs(r).max())
     mem = att.prepare(keys)
@@ -196,13 +194,8 @@ def test_mha_alibi_and_precision():
     q = (x @ mha.q_weight.T + mha.q_bias).reshape(2, 7, 4, 8).transpose(0, 2, 1, 3)
     k = (x @ mha.k_weight.T + mha.k_bias).reshape(2, 7, 4, 8).transpose(0, 2, 1, 3)
     v = (x @ mha.v_weight.T + mha.v_bias).reshape(2, 7, 4, 8).transpose(0, 2, 1, 3)
-    i, j = np.arange(7)[:, None], np.arange(7)[None, :]
-    s = q.astype(np.float64) @ np.swapaxes(k, -1, -2) / np.sqrt(8)
-    s = s - mha.alibi_slopes[:, None, None] * np.abs(i - j)
-    s = np.where(j <= i, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    o = (p @ v).transpose(0, 2, 1, 3).reshape(2, 7, 32) @ mha.out_weight.T + mha.out_bias
+    p_v = sdpa_ref(q, k, v, is_causal=True, alibi_slopes=mha.alibi_slopes)
+    o = p_v.transpose(0, 2, 1, 3).reshape(2, 7, 32) @ mha.out_weight.T + mha.out_bias
     np.testing.assert_allclose(out, o, atol=2e-5)
     cache = mha.new_cache(2, 8)
     steps = [mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")[0] for t in range(7)]

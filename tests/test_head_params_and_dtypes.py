@@ -25,16 +25,13 @@ import pytest
 from attncore import MultiHeadAttention, varlen_attention
 from attncore import scaled_dot_product_attention as sdpa
 
-from reference import alibi_sinks as ref
+from reference import sdpa_ref
+from reference import rand
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32_MAX = float(np.finfo(np.float32).max)
 HALF = [np.dtype(np.float32), BF16, np.dtype(np.float16)]   # the float32-compute dtypes
-
-
-def rand(shape, seed=0, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def qkv(N=5, M=7, dtype=np.float32, H=2, D=8):
@@ -67,7 +64,7 @@ def test_sinks_beyond_float32_are_refused(path, dtype, sink):
     # the float64 call: the documented result (a 1e300 sink takes the whole
     # softmax: output 0, lse = the sink), as the reference
     out, lse = sdpa(q64, k64, v64, sinks=sinks, return_lse=True)
-    rout, rlse = ref(q64, k64, v64, sinks=sinks)
+    rout, rlse = sdpa_ref(q64, k64, v64, sinks=sinks, return_lse=True)
     np.testing.assert_allclose(out, rout, atol=1e-12)
     np.testing.assert_allclose(lse, rlse, rtol=1e-12)
     if sink == 1e300:
@@ -83,7 +80,7 @@ def test_slopes_beyond_float32_are_refused(path, dtype):
             sdpa(q, k, v, alibi_slopes=[s, 0.5])
     # the float64 call gives the ALiBi diagonal (query i: key i + M - N)
     out, lse = sdpa(q64, k64, v64, alibi_slopes=[1e300, 0.5], return_lse=True)
-    rout, rlse = ref(q64, k64, v64, slopes=[1e300, 0.5])
+    rout, rlse = sdpa_ref(q64, k64, v64, alibi_slopes=[1e300, 0.5], return_lse=True)
     np.testing.assert_allclose(out, rout, atol=1e-12)
     np.testing.assert_allclose(out[0, 0], v64[0, 0, 2:], atol=1e-12)
     np.testing.assert_allclose(lse, rlse, rtol=1e-12)
@@ -97,7 +94,7 @@ def test_slope_limit_is_the_largest_distance(path, dtype):
     lim = F32_MAX / 6
     for s in (lim, -lim):
         out, lse = sdpa(q, k, v, alibi_slopes=[s, 0.5], return_lse=True)
-        rout, rlse = ref(q64, k64, v64, slopes=[s, 0.5])
+        rout, rlse = sdpa_ref(q64, k64, v64, alibi_slopes=[s, 0.5], return_lse=True)
         assert np.isfinite(out.astype(np.float64)).all() and np.isfinite(lse).all()
         atol, rtol = tol(dtype)
         np.testing.assert_allclose(out.astype(np.float64), rout, atol=atol)
@@ -137,8 +134,7 @@ def test_large_values_within_float32_match_float64(path, dtype, N, M, case):
         out = out.astype(np.float64)
         assert not np.isnan(out).any() and not np.isnan(lse).any(), t
         o64, l64 = sdpa(q64, k64, v64, **call, **t)
-        rout, rlse = ref(q64, k64, v64, slopes=t.get("alibi_slopes"), sinks=t.get("sinks"),
-                         causal=bool(c), window=kw.get("window"), softcap=kw.get("softcap"))
+        rout, rlse = sdpa_ref(q64, k64, v64, **call, **t)
         np.testing.assert_allclose(o64, rout, atol=1e-9, err_msg=str(t))
         np.testing.assert_allclose(out, rout, atol=atol, err_msg=str(t))
         np.testing.assert_allclose(lse, rlse, rtol=rtol, atol=atol, err_msg=str(t))
@@ -149,7 +145,7 @@ def test_return_weights_and_empty_rows_with_large_values(path, dtype):
     (q, k, v), (q64, k64, v64) = qkv(4, 6, dtype)
     atol, rtol = tol(dtype)
     o, w = sdpa(q, k, v, alibi_slopes=[1e30, -1e30], sinks=[3e38, 0.0], return_weights=True)
-    rout, _ = ref(q64, k64, v64, slopes=[1e30, -1e30], sinks=[3e38, 0.0])
+    rout = sdpa_ref(q64, k64, v64, alibi_slopes=[1e30, -1e30], sinks=[3e38, 0.0])
     np.testing.assert_allclose(o.astype(np.float64), rout, atol=atol)
     assert (w[0, 0] == 0).all()             # the 3e38 sink takes the whole softmax
     # no key: lse = the sink, as float32 holds it
@@ -175,7 +171,7 @@ def test_varlen_slopes_and_the_float32_range(path, dtype):
             for b in range(3):
                 s = slice(cu[b], cu[b + 1])
                 xb = x64[s].transpose(1, 0, 2)
-                rout, _ = ref(xb, xb, xb, slopes=slopes, causal=causal)
+                rout = sdpa_ref(xb, xb, xb, is_causal=causal, alibi_slopes=slopes, diagonal="lower_right")
                 np.testing.assert_allclose(got64[s].transpose(1, 0, 2), rout, atol=1e-9)
             if slopes[0] == 1e300:
                 continue
@@ -224,7 +220,8 @@ def test_torch_bfloat16_slopes_and_sinks(path):
     torch = pytest.importorskip("torch")
     (q, k, v), (q64, k64, v64) = qkv(6, 9)
     vals = [0.5, -1.25]                                   # exact in bfloat16
-    expect_out, expect_lse = ref(q64, k64, v64, slopes=vals, sinks=vals, causal=True)
+    expect_out, expect_lse = sdpa_ref(q64, k64, v64, is_causal="lower_right", alibi_slopes=vals, sinks=vals,
+                                      return_lse=True)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     tb = torch.tensor(vals, dtype=torch.bfloat16)
     nb = np.array(vals, BF16)
@@ -313,7 +310,7 @@ def test_dask_16_bit_results(path, dtype):
     q, k, v = (rand(s, i, dtype) for i, s in enumerate(((2, 3, 40, 16), (2, 3, 50, 16),
                                                           (2, 3, 50, 8))))
     core, core_lse = sdpa(q, k, v, return_lse=True)
-    rout, rlse = ref(q, k, v)
+    rout, rlse = sdpa_ref(q, k, v, return_lse=True)
     eps = float(ml_dtypes.finfo(dtype).eps)
     with dask.config.set(scheduler="synchronous"):
         for qc, kc, bc, hc in ((40, 50, 2, 3), (13, 50, 1, 3), (40, 20, 1, 1), (9, 16, 1, 2)):

@@ -15,6 +15,7 @@ import pytest
 import attncore
 from attncore._core import _sdpa
 from reference import sdpa_ref
+from reference import rand
 
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
@@ -42,10 +43,6 @@ def _cos_err(a, b):
     a = np.asarray(a, np.float64).ravel()
     b = np.asarray(b, np.float64).ravel()
     return 1 - a @ b / np.linalg.norm(a) / np.linalg.norm(b)
-
-
-def _rand(shape, seed=0, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def _offset_keys(shape, seed=1):
@@ -109,7 +106,7 @@ def method_model(q, k, v, group=1, **kw):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("D", [64, 128])
 def test_normal_inputs_bar(i8mode, D):
-    q, k, v = (_rand((1, 8, 1024, D), s) for s in range(3))
+    q, k, v = (rand((1, 8, 1024, D), s) for s in range(3))
     out = sd(q, k, v, precision="int8")
     err = _cos_err(out, sdpa_ref(q, k, v))
     assert err <= 1e-4, err
@@ -119,14 +116,14 @@ def test_normal_inputs_bar(i8mode, D):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_offset_outlier_keys_bar(i8mode, D):
-    q, v = _rand((1, 4, 512, D), 0), _rand((1, 4, 512, D), 2)
+    q, v = rand((1, 4, 512, D), 0), rand((1, 4, 512, D), 2)
     k = _offset_keys((1, 4, 512, D))
     err = _cos_err(sd(q, k, v, precision="int8"), sdpa_ref(q, k, v))
     assert err <= 5e-4, err
 
 
 def test_causal_long_rows(i8mode):
-    q, k, v = (_rand((1, 1, 8192, 64), s) for s in range(3))
+    q, k, v = (rand((1, 1, 8192, 64), s) for s in range(3))
     q = q[:, :, -256:]
     out = sd(q, k, v, is_causal="lower_right", precision="int8")
     assert _cos_err(out, sdpa_ref(q, k, v, is_causal="lower_right")) <= 1e-4
@@ -135,7 +132,7 @@ def test_causal_long_rows(i8mode):
 def test_matches_the_method(i8mode, path):
     """The kernel computes the documented method (a float64 NumPy model of
     it), whichever path and int8 mode runs."""
-    q, v = _rand((2, 4, 200, 48), 0), _rand((2, 2, 300, 48), 2)
+    q, v = rand((2, 4, 200, 48), 0), rand((2, 2, 300, 48), 2)
     k = _offset_keys((2, 2, 300, 48))
     out = sd(q, k, v, precision="int8", enable_gqa=True)
     ref = method_model(q, k, v, group=2)
@@ -151,7 +148,7 @@ def test_vnni_and_emulation_agree():
     bits."""
     if "avx512" not in PATHS or not _sdpa.cpu_features()["int8_dot"]:
         pytest.skip("needs AVX512_VNNI")
-    q, k, v = (_rand((1, 4, 300, 72), s) for s in range(3))
+    q, k, v = (rand((1, 4, 300, 72), s) for s in range(3))
     outs = []
     for mode in ("native", "emulate"):
         prev = _sdpa.set_int8_mode(mode)
@@ -172,7 +169,7 @@ def test_bf16_pv_with_int8_scores(bf16):
     if bf16 == "native" and not (_sdpa.cpu_features()["bf16_dot"]
                                  and _sdpa.cpu_features()["int8_dot"]):
         pytest.skip("needs AVX512_BF16 and AVX512_VNNI")
-    q, v = _rand((1, 4, 300, 64), 0), _rand((1, 4, 400, 64), 2)
+    q, v = rand((1, 4, 300, 64), 0), rand((1, 4, 400, 64), 2)
     k = _offset_keys((1, 4, 400, 64))
     prev_path = _sdpa.set_kernel_path("avx512")
     prev8 = _sdpa.set_int8_mode("emulate" if bf16 == "emulate" else "native")
@@ -210,7 +207,7 @@ CASES = {
 def test_combinations(i8mode, path, case):
     kw = dict(CASES[case])
     N, M, D = 150, 230, 40
-    q, v = _rand((2, 3, N, D), 0), _rand((2, 3, M, D), 2)
+    q, v = rand((2, 3, N, D), 0), rand((2, 3, M, D), 2)
     k = _offset_keys((2, 3, M, D))
     mask = kw.pop("mask", None)
     if mask == "bool":
@@ -244,7 +241,7 @@ def test_combinations(i8mode, path, case):
 
 
 def test_sinks_and_alibi(i8mode):
-    q, k, v = (_rand((1, 4, 100, 32), s) for s in range(3))
+    q, k, v = (rand((1, 4, 100, 32), s) for s in range(3))
     sinks = np.array([0.5, -1.0, 2.0, 0.0])
     slopes = np.array([0.5, 0.25, 0.125, 0.0625])
     for kw in (dict(sinks=sinks), dict(alibi_slopes=slopes, is_causal=True)):
@@ -260,22 +257,22 @@ def test_gqa_and_key_splits(i8mode):
     # in two (attncore.functional.plan) and the parts merged
     N = min(20, _sdpa.PANEL_ROWS.get(_sdpa.kernel_path(), 20))
     assert attncore.functional.plan(np.float32, N, 5000, 64, 64, 0, 1, 2).nsplit == 2
-    q = _rand((1, 1, N, 64), 0)
-    k, v = _offset_keys((1, 1, 5000, 64)), _rand((1, 1, 5000, 64), 2)
+    q = rand((1, 1, N, 64), 0)
+    k, v = _offset_keys((1, 1, 5000, 64)), rand((1, 1, 5000, 64), 2)
     out, lse = sd(q, k, v, precision="int8", num_threads=2, return_lse=True)
     ref, rlse = method_model(q, k, v, return_lse=True)
     assert _cos_err(out, ref) < 2e-6
     np.testing.assert_allclose(lse, rlse, rtol=1e-4, atol=1e-3)
     # grouped-query heads
-    q = _rand((1, 4, 40, 64), 0)
-    k, v = _offset_keys((1, 2, 500, 64)), _rand((1, 2, 500, 64), 2)
+    q = rand((1, 4, 40, 64), 0)
+    k, v = _offset_keys((1, 2, 500, 64)), rand((1, 2, 500, 64), 2)
     out = sd(q, k, v, enable_gqa=True, precision="int8", num_threads=2)
     assert _cos_err(out, method_model(q, k, v, group=2)) < 2e-6
 
 
 @pytest.mark.parametrize("D", [1, 2, 3, 5, 130, 1100])
 def test_odd_head_sizes(i8mode, D):
-    q, k, v = (_rand((1, 2, 70, D), s) for s in range(3))
+    q, k, v = (rand((1, 2, 70, D), s) for s in range(3))
     out = sd(q, k, v, precision="int8", is_causal=True)
     assert _cos_err(out, method_model(q, k, v, is_causal=True)) < 2e-6
 
@@ -283,7 +280,7 @@ def test_odd_head_sizes(i8mode, D):
 def test_half_inputs(i8mode):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     for dt in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
-        q, k, v = (_rand((1, 4, 200, 64), s).astype(dt) for s in range(3))
+        q, k, v = (rand((1, 4, 200, 64), s).astype(dt) for s in range(3))
         out = sd(q, k, v, precision="int8", is_causal=True)
         assert out.dtype == dt
         ref = sdpa_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
@@ -293,7 +290,7 @@ def test_half_inputs(i8mode):
 
 def test_int8_kv_cache_keys(i8mode):
     """int8 keys from quantize_kv are used as they are (no smoothing)."""
-    q, k, v = (_rand((1, 4, 100, 62), s) for s in range(3))
+    q, k, v = (rand((1, 4, 100, 62), s) for s in range(3))
     k8 = attncore.quantize_kv(k)
     out = sd(q, k8, v, precision="int8")
     kd = k8[0] * k8[1][..., None].astype(np.float64)
@@ -306,7 +303,7 @@ def test_int8_kv_cache_keys(i8mode):
 
 
 def test_int8_values_with_int8_products(i8mode):
-    q, k, v = (_rand((1, 2, 120, 32), s) for s in range(3))
+    q, k, v = (rand((1, 2, 120, 32), s) for s in range(3))
     v8 = attncore.quantize_kv(v)
     out = sd(q, k, v8, precision="int8")
     vd = v8[0] * v8[1][..., None].astype(np.float64)
@@ -317,7 +314,7 @@ def test_int8_values_with_int8_products(i8mode):
 # non-finite values, inputs untouched, errors
 # ---------------------------------------------------------------------------
 def test_nan_rows_and_masked_keys(i8mode):
-    q, k, v = (_rand((1, 1, 64, 16), s) for s in range(3))
+    q, k, v = (rand((1, 1, 64, 16), s) for s in range(3))
     q[0, 0, 3, 2] = np.nan
     k[0, 0, 10, 0] = np.inf            # a key only rows < 10 do not see
     out = sd(q, k, v, precision="int8", is_causal=True)
@@ -334,7 +331,7 @@ def test_tiny_and_huge_rows(i8mode):
     q = (rng.standard_normal((1, 2, 40, 16)) * 1e-39).astype(np.float32)
     k = (rng.standard_normal((1, 2, 40, 16)) * 5e37).astype(np.float32)
     assert np.isfinite(k).all()
-    v = _rand((1, 2, 40, 16), 2)
+    v = rand((1, 2, 40, 16), 2)
     k8 = attncore.quantize_kv(k)
     kd = k8[0] * k8[1][..., None].astype(np.float64)
     out = sd(q, k8, v, precision="int8")
@@ -347,8 +344,8 @@ def test_tiny_and_huge_rows(i8mode):
 def test_one_outlier_query_leaves_other_rows_alone(i8mode):
     """An inf (that row: NaN) or a large value in one query row must not
     degrade the other rows, heads or batch elements sharing the keys."""
-    q = _rand((4, 2, 64, 64), 0)
-    k, v = _rand((1, 2, 256, 64), 1), _rand((1, 2, 256, 64), 2)
+    q = rand((4, 2, 64, 64), 0)
+    k, v = rand((1, 2, 256, 64), 1), rand((1, 2, 256, 64), 2)
     ref = sdpa_ref(q, k, v)
     for bad in (np.inf, 1e3):
         q2 = q.copy()
@@ -361,7 +358,7 @@ def test_one_outlier_query_leaves_other_rows_alone(i8mode):
 
 
 def test_inputs_not_modified(i8mode):
-    q, k, v = (_rand((1, 2, 80, 24), s) for s in range(3))
+    q, k, v = (rand((1, 2, 80, 24), s) for s in range(3))
     copies = [x.copy() for x in (q, k, v)]
     sd(q, k, v, precision="int8", is_causal=True)
     for a, b in zip((q, k, v), copies):
@@ -369,7 +366,7 @@ def test_inputs_not_modified(i8mode):
 
 
 def test_bad_precision():
-    q = _rand((1, 1, 4, 8))
+    q = rand((1, 1, 4, 8))
     with pytest.raises(ValueError, match="precision='int8' is for float32"):
         sd(q.astype(np.float64), q, q, precision="int8")
     with pytest.raises(ValueError, match="'int8', got 'int4'"):
@@ -390,7 +387,7 @@ def test_layer_precision_float64_is_refused():
 def test_layer_precision():
     rng = np.random.default_rng(0)
     mha = attncore.MultiHeadAttention(64, 4, precision="int8", rng=rng)
-    x = _rand((2, 90, 64))
+    x = rand((2, 90, 64))
     out8 = mha(x, x, x, is_causal=True)[0]
     mha.precision = None
     out32 = mha(x, x, x, is_causal=True)[0]
@@ -405,7 +402,7 @@ def test_layer_int8_cache_decoding():
     """Decoding steps of a layer with an int8 cache and precision="int8":
     the cache's int8 keys feed the integer dot products."""
     mha = attncore.MultiHeadAttention(64, 4, rng=1)
-    x = _rand((1, 40, 64), 3)
+    x = rand((1, 40, 64), 3)
     outs = {}
     for prec in (None, "int8"):
         mha.precision = prec
@@ -432,7 +429,7 @@ def test_no_int8_kernel_takes_float32_products(mode, path):
     try:
         if int8_in_use():
             pytest.skip("an int8 kernel runs here")
-        q, k, v = (_rand((1, 4, 150, 64), s) for s in range(3))
+        q, k, v = (rand((1, 4, 150, 64), s) for s in range(3))
         for kw in ({}, {"is_causal": True}, {"return_lse": True}):
             a = sd(q, k, v, precision="int8", **kw)
             b = sd(q, k, v, **kw)

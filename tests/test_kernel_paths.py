@@ -10,17 +10,15 @@ import numpy as np
 import pytest
 
 import attncore
+from attncore import scaled_dot_product_attention as sdpa
 from attncore import _kernels
 from attncore._core import _sdpa
 from attncore._linear import linear
 
 from reference import attention as ref
+from reference import rand
 
 TOL32 = dict(rtol=3e-5, atol=3e-6)
-
-
-def rand(shape, seed=0, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def check(q, k, v, mask=None, causal=0, group=1, scale=None, **kw):
@@ -177,6 +175,31 @@ def test_special_values_agree_with_portable_path(path):
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
     fin = np.isfinite(expected)
     np.testing.assert_allclose(out[fin], expected[fin], **TOL32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("band", [dict(is_causal=True), dict(window=(2, 1)),
+                                  dict(is_causal="lower_right", window=(-1, 0))],
+                         ids=["causal", "window", "lower-right"])
+def test_nan_rows_of_weights_span_the_row(path, dtype, band):
+    """A row NaN because of a +inf mask entry is NaN across the whole row,
+    as a row NaN because of a NaN score is (the rule of the docstring);
+    output and lse of the row are NaN on the flash path too."""
+    N = M = 9
+    q, k, v = rand((2, N, 4), 34, dtype), rand((2, M, 4), 35, dtype), rand((2, M, 3), 36, dtype)
+    mask = np.zeros((2, N, M), dtype)
+    mask[0, 3, 2] = np.inf                 # attended by row 3 under every band here
+    q[1, 5, 0] = np.nan                    # a NaN score row
+    out_w, w, lse_w = sdpa(q, k, v, mask, return_weights=True, return_lse=True, **band)
+    out, lse = sdpa(q, k, v, mask, return_lse=True, **band)
+    nan_rows = np.zeros((2, N), bool)
+    nan_rows[0, 3] = nan_rows[1, 5] = True
+    assert np.all(np.isnan(w[nan_rows]))                        # whole rows, every column
+    assert not np.any(np.isnan(w[~nan_rows]))
+    for o, ls in ((out_w, lse_w), (out, lse)):
+        assert np.all(np.isnan(o[nan_rows])) and np.all(np.isnan(ls[nan_rows]))
+        assert not np.any(np.isnan(o[~nan_rows])) and not np.any(np.isnan(ls[~nan_rows]))
+    np.testing.assert_allclose(w[~nan_rows].sum(-1), 1, rtol=1e-5)
 
 
 # ------------------------------------------------------------ threads

@@ -11,6 +11,7 @@ import attncore  # noqa: E402
 from attncore import MultiHeadAttention  # noqa: E402
 
 from reference import attention as ref_attention  # noqa: E402
+from reference import rand  # noqa: E402
 
 try:
     import torch
@@ -29,10 +30,6 @@ needs_keras = pytest.mark.skipif(keras is None, reason="keras (torch backend) no
 
 TOL32 = dict(rtol=2e-5, atol=2e-6)
 TOL64 = dict(rtol=1e-11, atol=1e-12)
-
-
-def rand(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def reference_mha(m, query, key=None, value=None, mask=None, causal=0):
@@ -84,7 +81,7 @@ def tcall(tm, q, k, v, **kw):
 def test_self_attention_vs_torch(dtype, average):
     tm, m = torch_pair(dtype=dtype)
     assert m.dtype == dtype
-    x = rand((3, 9, 32), dtype)
+    x = rand((3, 9, 32), dtype=dtype)
     out, w = m(x, need_weights=True, average_attn_weights=average)
     to, tw = tcall(tm, x, x, x, need_weights=True, average_attn_weights=average)
     tol = TOL32 if dtype == np.float32 else TOL64
@@ -103,7 +100,7 @@ def test_cross_attention_kdim_vdim_vs_torch(bias):
     tm, m = torch_pair(E=48, H=6, kdim=20, vdim=12, bias=bias)
     assert (m.kdim, m.vdim, m.head_dim) == (20, 12, 8)
     assert (m.q_bias is None) == (not bias) and (m.out_bias is None) == (not bias)
-    q, k, v = rand((2, 5, 48)), rand((2, 11, 20), seed=1), rand((2, 11, 12), seed=2)
+    q, k, v = rand((2, 5, 48)), rand((2, 11, 20), 1), rand((2, 11, 12), 2)
     out, w = m(q, k, v, need_weights=True, average_attn_weights=False)
     to, tw = tcall(tm, q, k, v, need_weights=True, average_attn_weights=False)
     np.testing.assert_allclose(out, to, **TOL32)
@@ -113,7 +110,7 @@ def test_cross_attention_kdim_vdim_vs_torch(bias):
 @needs_torch
 def test_cross_attention_same_memory_vs_torch():
     tm, m = torch_pair()
-    q, mem = rand((2, 5, 32)), rand((2, 13, 32), seed=1)
+    q, mem = rand((2, 5, 32)), rand((2, 13, 32), 1)
     out, _ = m(q, mem)                      # value defaults to key: fused K/V projection
     np.testing.assert_allclose(out, tcall(tm, q, mem, mem)[0], **TOL32)
     out2, _ = m(q, mem, mem.copy())         # separate K and V projections
@@ -124,7 +121,7 @@ def test_cross_attention_same_memory_vs_torch():
 def test_key_mask_polarity_conversion_from_torch():
     """torch's key_padding_mask True = ignore; attncore's key_mask True = take part."""
     tm, m = torch_pair()
-    q, mem = rand((3, 6, 32)), rand((3, 10, 32), seed=1)
+    q, mem = rand((3, 6, 32)), rand((3, 10, 32), 1)
     key_padding_mask = np.zeros((3, 10), dtype=bool)
     key_padding_mask[1, 7:] = True           # torch: these keys are padding
     key_padding_mask[2, :3] = True
@@ -159,7 +156,7 @@ def test_causal_vs_torch():
 def test_attn_masks_vs_torch(kind):
     tm, m = torch_pair()
     B, H, L, S = 2, 4, 7, 9
-    q, mem = rand((B, L, 32)), rand((B, S, 32), seed=1)
+    q, mem = rand((B, L, 32)), rand((B, S, 32), 1)
     rng = np.random.default_rng(5)
     shape = (L, S) if kind.endswith("2d") else (B * H, L, S)
     allowed = rng.random(shape) < 0.7
@@ -185,7 +182,7 @@ def test_attn_masks_vs_torch(kind):
 @needs_torch
 def test_batched_3d_attn_mask_and_unbatched_vs_torch():
     tm, m = torch_pair()
-    q, mem = rand((5, 32)), rand((8, 32), seed=1)
+    q, mem = rand((5, 32)), rand((8, 32), 1)
     allowed = np.random.default_rng(1).random((4, 5, 8)) < 0.6
     allowed[..., 3] = True
     to, tw = tcall(tm, q, mem, mem, attn_mask=torch.from_numpy(~allowed), need_weights=True)
@@ -194,7 +191,7 @@ def test_batched_3d_attn_mask_and_unbatched_vs_torch():
     np.testing.assert_allclose(out, to, **TOL32)
     np.testing.assert_allclose(w, tw, **TOL32)
     # (B, L, S) mask on batched input
-    qb, mb = rand((2, 5, 32)), rand((2, 8, 32), seed=3)
+    qb, mb = rand((2, 5, 32)), rand((2, 8, 32), 3)
     am = np.random.default_rng(2).random((2, 5, 8)) < 0.6
     am[..., 0] = True
     tmask = torch.from_numpy(np.repeat(~am, 4, axis=0))
@@ -218,7 +215,7 @@ def test_from_torch_state_dicts():
     sd2 = tm2.state_dict()
     assert set(sd2) == {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"}
     m2 = MultiHeadAttention.from_torch(sd2, num_heads=4)
-    k, v = rand((2, 7, 16), seed=1), rand((2, 7, 24), seed=2)
+    k, v = rand((2, 7, 16), 1), rand((2, 7, 24), 2)
     np.testing.assert_allclose(m2(x, k, v)[0], tcall(tm2, x, k, v)[0], **TOL32)
     # the loaded arrays are copies: changing the module later does not change the layer
     with torch.no_grad():
@@ -296,7 +293,7 @@ def test_keras_cross_attention(kw):
     assert m.head_dim == 4 and m.num_heads == 3 and m.kdim == 6
     assert m.v_head_dim == kw.get("value_dim", 4)
     assert (m.q_bias is None) == (kw.get("use_bias") is False)
-    q, v = rand((2, 5, 10)), rand((2, 8, 6), seed=1)
+    q, v = rand((2, 5, 10)), rand((2, 8, 6), 1)
     ko, ks = kcall(layer, q, v, return_attention_scores=True)
     out, w = m(q, v, need_weights=True, average_attn_weights=False)
     assert out.shape == ko.shape
@@ -312,7 +309,7 @@ def test_keras_separate_key_input():
     """Keras layer(query, value, key=key) is attncore's mha(query, key, value)."""
     keras.utils.set_random_seed(1)
     layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, value_dim=4)
-    q, k, v = rand((2, 5, 6)), rand((2, 7, 9), seed=1), rand((2, 7, 8), seed=2)
+    q, k, v = rand((2, 5, 6)), rand((2, 7, 9), 1), rand((2, 7, 8), 2)
     ko = kcall(layer, q, v, key=k)
     m = MultiHeadAttention.from_keras(layer)
     assert (m.embed_dim, m.kdim, m.vdim, m.out_dim) == (6, 9, 8, 6)
@@ -331,7 +328,7 @@ def test_keras_self_attention_masks_and_causal():
     ko = kcall(layer, x, x, use_causal_mask=True)
     np.testing.assert_allclose(m(x, is_causal=True)[0], ko, rtol=1e-5, atol=1e-5)
     # value_mask (Keras) = key_mask (attncore)
-    mem = rand((2, 9, 16), seed=4)
+    mem = rand((2, 9, 16), 4)
     vmask = np.ones((2, 9), dtype=bool)
     vmask[0, 5:] = False
     ko = kcall(layer, x, mem, value_mask=vmask)
@@ -363,7 +360,7 @@ def test_from_keras_weights_without_keras():
     qb, kb, vb, ob = (rng.standard_normal(s) for s in ((H, kd), (H, kd), (H, vd), (out,)))
     m = MultiHeadAttention.from_keras([qk, qb, kk, kb, vk, vb, ok, ob])
     assert m.dtype == np.float64
-    q, v = rand((2, 3, E), np.float64), rand((2, 4, kdim), np.float64, 1)
+    q, v = rand((2, 3, E), dtype=np.float64), rand((2, 4, kdim), 1, np.float64)
     # Keras' einsums written out
     Q = np.einsum("bte,ehd->bthd", q, qk) + qb
     K = np.einsum("bse,ehd->bshd", v, kk) + kb
@@ -402,8 +399,8 @@ def gqa_pair(H=8, Hkv=2, E=64, seed=0, dtype=np.float64):
 def test_gqa_vs_repeated_kv(Hkv):
     m, full = gqa_pair(Hkv=Hkv)
     assert m.k_weight.shape == (Hkv * 8, 64) and full.k_weight.shape == (64, 64)
-    x = rand((2, 9, 64), np.float64)
-    mem = rand((2, 11, 64), np.float64, 1)
+    x = rand((2, 9, 64), dtype=np.float64)
+    mem = rand((2, 11, 64), 1, np.float64)
     for args in ((x,), (x, mem)):
         out, w = m(*args, is_causal=len(args) == 1, need_weights=True, average_attn_weights=False)
         out_f, w_f = full(*args, is_causal=len(args) == 1, need_weights=True,
@@ -425,8 +422,8 @@ def test_from_arrays_general_head_sizes():
     assert (m.head_dim, m.v_head_dim, m.out_dim) == (hd, hdv, out)
     assert m.q_bias is None and m.k_bias is not None and m.out_bias is None
     assert m.k_weight is not w["k_weight"]
-    q, k, v = rand((2, 3, E), np.float64), rand((2, 4, kdim), np.float64, 1), \
-        rand((2, 4, vdim), np.float64, 2)
+    q, k, v = rand((2, 3, E), dtype=np.float64), rand((2, 4, kdim), 1, np.float64), \
+        rand((2, 4, vdim), 2, np.float64)
     np.testing.assert_allclose(m(q, k, v)[0], reference_mha(m, q, k, v)[0], **TOL64)
     for key in w:
         np.testing.assert_array_equal(w[key], copies[key])
@@ -440,7 +437,7 @@ def test_from_arrays_general_head_sizes():
 
 def test_weight_attributes_are_live_and_checked():
     m = MultiHeadAttention(16, 2, rng=0, dtype=np.float64)
-    x = rand((1, 4, 16), np.float64)
+    x = rand((1, 4, 16), dtype=np.float64)
     before = m(x)[0]
     m.q_weight = np.zeros((16, 16))                 # replaces the values in the fused buffer
     assert np.all(m.q_weight == 0)
@@ -469,7 +466,7 @@ def test_constructor():
                                        rng=3).q_weight)
     assert MultiHeadAttention(8, 2, bias=False).out_bias is None
     assert "num_kv_heads=2" in repr(m)
-    q, k, v = rand((2, 3, 24)), rand((2, 5, 10), seed=1), rand((2, 5, 6), seed=2)
+    q, k, v = rand((2, 3, 24)), rand((2, 5, 10), 1), rand((2, 5, 6), 2)
     out, _ = m(q, k, v)
     assert out.shape == (2, 3, 5) and out.dtype == np.float32
     np.testing.assert_allclose(out, reference_mha(m, q, k, v)[0], rtol=1e-4, atol=1e-5)
@@ -479,8 +476,8 @@ def test_constructor():
 
 def test_inputs_not_modified_and_dtypes():
     m = MultiHeadAttention(16, 4, rng=0)
-    x = rand((2, 5, 16), np.float64)
-    mem = np.asfortranarray(rand((2, 6, 16), np.float16, 1))
+    x = rand((2, 5, 16), dtype=np.float64)
+    mem = np.asfortranarray(rand((2, 6, 16), 1, np.float16))
     key_mask = np.ones((2, 6), bool)
     key_mask[0, 4:] = False
     copies = [a.copy() for a in (x, mem, key_mask)]
@@ -587,7 +584,7 @@ def test_bad_inputs(exc, pattern, make):
 def test_cache_token_by_token_equals_full_causal(dtype):
     m = MultiHeadAttention(32, 4, rng=1, dtype=dtype)
     m.q_bias = m.k_bias = m.v_bias = m.out_bias = np.linspace(-1, 1, 32)
-    x = rand((3, 13, 32), dtype)
+    x = rand((3, 13, 32), dtype=dtype)
     full, _ = m(x, is_causal=True)
     cache = m.new_cache(batch_size=3, max_length=16)
     assert len(cache) == 0 and cache.mode is None
@@ -607,7 +604,7 @@ def test_cache_token_by_token_equals_full_causal(dtype):
 
 def test_cache_chunked_prefill_gqa_and_reset():
     m, full = gqa_pair(H=8, Hkv=2, E=64)
-    x = rand((2, 20, 64), np.float64)
+    x = rand((2, 20, 64), dtype=np.float64)
     expected, _ = full(x, is_causal=True)
     cache = m.new_cache(2, 32)
     outs = []
@@ -625,7 +622,7 @@ def test_cache_chunked_prefill_gqa_and_reset():
 
 def test_cache_key_mask_left_padding():
     m = MultiHeadAttention(16, 2, rng=0, dtype=np.float64)
-    x = rand((2, 9, 16), np.float64)
+    x = rand((2, 9, 16), dtype=np.float64)
     valid = np.ones((2, 9), bool)
     valid[1, :3] = False                              # batch 1 left-padded by 3 tokens
     full, _ = m(x, key_mask=valid, is_causal=True)
@@ -638,10 +635,10 @@ def test_cache_key_mask_left_padding():
 
 def test_cross_attention_cache_projects_memory_once():
     m = MultiHeadAttention(32, 4, kdim=12, vdim=12, rng=2, dtype=np.float64)
-    mem = rand((2, 10, 12), np.float64, 3)
+    mem = rand((2, 10, 12), 3, np.float64)
     mem_ok = np.ones((2, 10), bool)
     mem_ok[0, 8:] = False
-    y = rand((2, 6, 32), np.float64, 4)
+    y = rand((2, 6, 32), 4, np.float64)
     expected, _ = m(y, mem, key_mask=mem_ok)
     cache = m.new_cache(2, 10)
     first, _ = m(y[:, :1], mem, cache=cache, key_mask=mem_ok)
@@ -687,7 +684,7 @@ def test_cache_errors():
 
 def test_unbatched_with_cache():
     m = MultiHeadAttention(16, 4, rng=0, dtype=np.float64)
-    x = rand((7, 16), np.float64)
+    x = rand((7, 16), dtype=np.float64)
     full, _ = m(x, is_causal=True)
     assert full.shape == (7, 16)
     cache = m.new_cache(1, 7)

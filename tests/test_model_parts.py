@@ -11,6 +11,7 @@ from attncore import Attention, MultiHeadAttention
 from attncore import _mha
 
 from reference import attention as ref_attention
+from reference import rand
 
 try:
     import torch
@@ -23,10 +24,6 @@ needs_hf = pytest.mark.skipif(torch is None, reason="torch / transformers not in
 
 TOL32 = dict(rtol=2e-5, atol=2e-5)
 TOL64 = dict(rtol=1e-10, atol=1e-10)
-
-
-def rand(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def tol(dtype):
@@ -83,7 +80,7 @@ def reference_rotary_mha(m, x, pos, causal=True):
 def test_rotary_layer_matches_reference(dtype, rotary):
     m = MultiHeadAttention(48, 4, num_kv_heads=2, rng=1, dtype=dtype, rotary=rotary)
     m.q_bias = np.linspace(-1, 1, 48)
-    x = rand((2, 11, 48), dtype, 2)
+    x = rand((2, 11, 48), 2, dtype)
     out, _ = m(x, is_causal=True)
     np.testing.assert_allclose(out, reference_rotary_mha(m, x, np.arange(11)), **tol(dtype))
     assert m.rotary["rotary_dim"] == (8 if isinstance(rotary, dict) and "rotary_dim" in rotary
@@ -94,7 +91,7 @@ def test_rotary_layer_matches_reference(dtype, rotary):
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
 def test_rotary_cached_decoding_equals_full_call(dtype, cache_dtype):
     m = MultiHeadAttention(32, 4, num_kv_heads=2, rng=3, dtype=dtype, rotary=True)
-    x = rand((3, 14, 32), dtype, 4)
+    x = rand((3, 14, 32), 4, dtype)
     full, _ = m(x, is_causal=True)
     cache = m.new_cache(3, 20, dtype=cache_dtype)
     outs = [m(x[:, :5], cache=cache, is_causal="lower_right")[0]]       # prompt
@@ -115,7 +112,7 @@ def test_rotary_cached_decoding_equals_full_call(dtype, cache_dtype):
 def test_rotary_positions_per_row():
     """Left-padded batch: (B, L) positions equal each row run on its own."""
     m = MultiHeadAttention(32, 2, rng=5, rotary=True)
-    x = rand((2, 6, 32), seed=6)
+    x = rand((2, 6, 32), 6)
     pos = np.array([[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])
     km = pos > 0
     km[0, 2], km[1, 0] = True, True
@@ -129,7 +126,7 @@ def test_rotary_positions_per_row():
     # decoding continues each row at the position given
     cache = m.new_cache(2, 8)
     m(x, positions=pos, key_mask=km, is_causal=True, cache=cache)
-    y = rand((2, 1, 32), seed=7)
+    y = rand((2, 1, 32), 7)
     step, _ = m(y, positions=np.array([[4], [6]]), cache=cache,
                 key_mask=np.concatenate([km, [[True], [True]]], 1), is_causal="lower_right")
     full, _ = m(np.concatenate([x[1:], y[1:]], 1), is_causal=True)
@@ -206,7 +203,7 @@ def test_rotary_attribute_and_errors():
             MultiHeadAttention(32, 4, rotary=spec)
     m.rotary = True
     with pytest.raises(ValueError, match="rotary embeddings apply to self-attention"):
-        m(x, rand((1, 5, 32), seed=1))
+        m(x, rand((1, 5, 32), 1))
     for pos, pattern in [(np.arange(4), r"positions must have shape \(L,\) = \(3,\) or "
                                         r"\(B, L\) = \(1, 3\)"),
                          (np.arange(3.0), "positions must be an integer array"),
@@ -230,8 +227,8 @@ def _decode(m, cache, xs, start_causal="lower_right"):
 def test_reorder_then_decode_equals_recompute(cache_dtype, rotary):
     m = MultiHeadAttention(32, 4, num_kv_heads=2, rng=8, rotary=rotary)
     B = 4
-    hist = rand((B, 7, 32), seed=9)
-    new = rand((B, 3, 32), seed=10)
+    hist = rand((B, 7, 32), 9)
+    new = rand((B, 3, 32), 10)
     cache = m.new_cache(B, 12, dtype=cache_dtype)
     m(hist, cache=cache, is_causal=True)
     idx = np.array([2, 0, 0, 3])
@@ -250,14 +247,14 @@ def test_reorder_then_decode_equals_recompute(cache_dtype, rotary):
 @pytest.mark.parametrize("rotary", [None, True])
 def test_crop_then_decode_equals_recompute(cache_dtype, rotary):
     m = MultiHeadAttention(32, 4, rng=11, rotary=rotary)
-    x = rand((2, 9, 32), seed=12)
-    draft = rand((2, 4, 32), seed=13)
+    x = rand((2, 9, 32), 12)
+    draft = rand((2, 4, 32), 13)
     cache = m.new_cache(2, 16, dtype=cache_dtype)
     m(x, cache=cache, is_causal=True)
     m(draft, cache=cache, is_causal="lower_right")          # 4 draft tokens
     cache.crop(10)                                         # keep one of them
     assert len(cache) == 10
-    new = rand((2, 2, 32), seed=14)
+    new = rand((2, 2, 32), 14)
     got = _decode(m, cache, [new])
     fresh = m.new_cache(2, 16, dtype=cache_dtype)
     m(np.concatenate([x, draft[:, :1]], 1), cache=fresh, is_causal=True)
@@ -269,12 +266,12 @@ def test_crop_then_decode_equals_recompute(cache_dtype, rotary):
 
 def test_reorder_cross_cache_and_key_mask():
     m = MultiHeadAttention(16, 2, rng=15)
-    mem = rand((3, 6, 16), seed=16)
+    mem = rand((3, 6, 16), 16)
     km = np.ones((3, 6), bool)
     km[0, 4:] = False
     km[2, :2] = False
     cache = m.new_cache(3, 6)
-    y = rand((3, 1, 16), seed=17)
+    y = rand((3, 1, 16), 17)
     m(y, mem, key_mask=km, cache=cache)
     idx = np.array([2, 2, 0])
     cache.reorder(idx)
@@ -326,8 +323,8 @@ def test_reorder_covers_every_stored_array():
 # ---------------------------------------------------------------- num_threads
 def test_num_threads_results_match():
     m = MultiHeadAttention(64, 4, num_kv_heads=2, rng=18, rotary=True)
-    x = rand((3, 40, 64), seed=19)
-    mem = rand((40, 64), seed=20)
+    x = rand((3, 40, 64), 19)
+    mem = rand((40, 64), 20)
     cross = MultiHeadAttention(64, 4, num_kv_heads=2, rng=18)
     ref, _ = m(x, is_causal=True, num_threads=1)
     ref_x, _ = cross(x, mem, num_threads=1)
@@ -398,8 +395,8 @@ def test_shared_memory_equals_broadcast(dtype, kv):
     m = MultiHeadAttention(32, 4, num_kv_heads=kv, kdim=24, vdim=24, rng=21, dtype=dtype)
     m.k_bias = np.linspace(0, 1, m.k_weight.shape[0])
     B, L, S = 5, 3, 10
-    x = rand((B, L, 32), dtype, 22)
-    mem = rand((S, 24), dtype, 23)
+    x = rand((B, L, 32), 22, dtype)
+    mem = rand((S, 24), 23, dtype)
     km = np.random.default_rng(24).random(S) > 0.3
     kmB = np.random.default_rng(25).random((B, S)) > 0.3
     am = np.random.default_rng(26).random((L, S)) > 0.2
@@ -430,7 +427,7 @@ def test_shared_memory_is_projected_once(monkeypatch):
     monkeypatch.setattr(_mha, "linear", spy)
     m = MultiHeadAttention(32, 4, rng=0)
     B, L, S = 64, 1, 10
-    m(rand((B, L, 32)), rand((S, 32), seed=1))
+    m(rand((B, L, 32)), rand((S, 32), 1))
     assert sorted(rows) == sorted([B * L, S, B * L]), rows   # q, fused k|v, out
 
 
@@ -438,10 +435,10 @@ def test_shared_memory_is_projected_once(monkeypatch):
 def test_shared_memory_cross_cache(cache_dtype):
     m = MultiHeadAttention(32, 4, num_kv_heads=2, rng=27)
     B, S = 6, 9
-    mem = rand((S, 32), seed=28)
+    mem = rand((S, 32), 28)
     km = np.arange(S) < 7
     cache = m.new_cache(B, S, dtype=cache_dtype)
-    ys = rand((B, 4, 32), seed=29)
+    ys = rand((B, 4, 32), 29)
     outs = [m(ys[:, :1], mem, key_mask=km, cache=cache)[0]]
     assert cache.mode == "cross" and cache.shared and len(cache) == S
     assert not cache._k[1:].any()                           # stored once, in row 0
@@ -477,9 +474,9 @@ def test_shared_memory_errors():
 # ---------------------------------------------------------------- Attention layer
 ALIGNMENTS = {
     "dot": {}, "scaled_dot": {},
-    "bilinear": {"weight": rand((8, 6), np.float64, 30)},
-    "mlp": {"q_weight": rand((5, 8), np.float64, 31), "k_weight": rand((5, 6), np.float64, 32),
-            "v": rand((5,), np.float64, 33)},
+    "bilinear": {"weight": rand((8, 6), 30, np.float64)},
+    "mlp": {"q_weight": rand((5, 8), 31, np.float64), "k_weight": rand((5, 6), 32, np.float64),
+            "v": rand((5,), 33, np.float64)},
 }
 
 
@@ -489,9 +486,9 @@ def test_attention_layer_shared_memory(name, dtype):
     B, T, S = 4, 3, 7
     Dq = 6 if name in ("dot", "scaled_dot") else 8
     att = Attention(name, **ALIGNMENTS[name])
-    q = rand((B, T, Dq), dtype, 34)
-    keys = rand((S, 6), dtype, 35)
-    vals = rand((S, 5), dtype, 36)
+    q = rand((B, T, Dq), 34, dtype)
+    keys = rand((S, 6), 35, dtype)
+    vals = rand((S, 5), 36, dtype)
     mask = np.arange(S) % 3 != 1
     kB = np.broadcast_to(keys, (B, S, 6))
     vB = np.broadcast_to(vals, (B, S, 5))
@@ -515,8 +512,8 @@ def test_attention_layer_shared_memory_plugin_and_errors():
             return -((query[:, :, None, :] - prepared[:, None, :, :]) ** 2).sum(-1)
 
     att = Attention(NegDist())
-    q = rand((3, 2, 4), seed=37)
-    keys = rand((5, 4), seed=38)
+    q = rand((3, 2, 4), 37)
+    keys = rand((5, 4), 38)
     c = att(q, keys)
     np.testing.assert_allclose(c, att(q, np.broadcast_to(keys, (3, 5, 4))), **TOL32)
     dot = Attention("dot")

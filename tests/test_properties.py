@@ -88,8 +88,8 @@ def tolerance(result_dtype, compute_dtype, scale_of_values):
 
 
 def reference(q, k, v, mask, causal, scale, group):
-    """(out, weights) in float64; handles the empty sizes the plain
-    reference cannot reduce over."""
+    """(out, weights) in float64, broadcast to the batch shape of every
+    operand (the mask's included)."""
     N, M, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     if group > 1:
         k = np.repeat(np.asarray(k, np.float64), group, axis=-3)
@@ -99,8 +99,6 @@ def reference(q, k, v, mask, causal, scale, group):
         m = np.asarray(mask)
         shapes.append(m.reshape((1,) * max(0, 2 - m.ndim) + m.shape).shape[:-2])
     bshape = np.broadcast_shapes(*shapes)
-    if M == 0 or 0 in bshape or N == 0:
-        return np.zeros(bshape + (N, Dv)), np.zeros(bshape + (N, M))
     out, w = ref(q, k, v, mask, causal, scale)
     return (np.broadcast_to(out, bshape + (N, Dv)), np.broadcast_to(w, bshape + (N, M)))
 

@@ -1,7 +1,9 @@
-"""int8 keys / values: quantize_kv's round-trip bound, the kernel with
-quantized K, V or both against float64 attention over the dequantized
-arrays (every path, decode and prefill shapes, masks, causal, windows,
-GQA, threads), the int8 KV cache of MultiHeadAttention, and bad inputs."""
+"""int8 keys / values: quantize_kv's round-trip bound (also for values at
+the ends of the float32 range), the kernel with quantized K, V or both
+against float64 attention over the dequantized arrays (every path, decode
+and prefill shapes, masks, causal, windows, GQA, threads, values of width
+0), the int8 KV cache of MultiHeadAttention, what is read as an int8
+``(data, scales)`` pair, and bad inputs."""
 import os
 import re
 import sys
@@ -11,14 +13,19 @@ import pytest
 
 import attncore
 from attncore import quantize_kv
+from attncore import scaled_dot_product_attention as sdpa
 
 from reference import attention as ref
+from reference import lse_ref
+from reference import rand
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is a test extra
+    torch = None
 
 TOL32 = dict(rtol=3e-5, atol=3e-6)
-
-
-def rand(shape, seed, dtype=np.float32):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def deq(pair):
@@ -170,3 +177,117 @@ def test_bad_quantize_kv_inputs():
     mha = attncore.MultiHeadAttention(16, 2)
     with pytest.raises(ValueError, match="int8"):
         mha.new_cache(1, 8, dtype="int4")
+
+
+# ------------------------------------------------ int8 key, value of width 0
+@pytest.mark.parametrize("N", [3, 9])
+def test_int8_key_empty_value_lse(path, N):
+    q, k = rand((2, 3, N, 16), 17), rand((2, 3, 20, 16), 18)
+    kq = quantize_kv(k)
+    kd = kq[0].astype(np.float64) * kq[1].astype(np.float64)[..., None]
+    v0 = np.zeros((2, 3, 20, 0), np.float32)
+    out, lse = sdpa(q, kq, v0, return_lse=True, is_causal="lower_right")
+    assert out.shape == (2, 3, N, 0)
+    np.testing.assert_allclose(lse, lse_ref(q, kd, causal=2), **TOL32)
+    # and the float key's lse, up to the quantization
+    np.testing.assert_allclose(lse, sdpa(q, k, v0, return_lse=True, is_causal="lower_right")[1],
+                               atol=0.05)
+    out, w, lse_w = sdpa(q, kq, v0, return_weights=True, return_lse=True)
+    np.testing.assert_allclose(lse_w, lse_ref(q, kd), **TOL32)
+    np.testing.assert_allclose(w, ref(q, kd, np.zeros((2, 3, 20, 1)))[1], **TOL32)
+
+
+# ------------------------------------------------ quantize_kv's value range
+@pytest.mark.parametrize("big", [1e41, 3.5e38])
+def test_quantize_kv_beyond_float32_range(big):
+    x = np.array([[1.0, -2.0], [big, 1.0]])
+    with pytest.raises(ValueError, match=r"x must lie within the float32 range.*max \|x\|"):
+        quantize_kv(x)
+
+
+def _check_bound(x, q, s):
+    se = s.astype(np.float64)[..., None]
+    assert np.all(np.abs(q.astype(np.float64) * se - x) <= se / 2)
+    assert np.all(np.abs(q.astype(np.int16)) <= 127)
+    assert np.all(s[np.max(np.abs(x), axis=-1) > 0] > 0)
+
+
+def test_quantize_kv_at_float32_max():
+    x = np.array([[F32_MAX, 1.0, -3e38], [-F32_MAX, F32_MAX, 0.0]])
+    q, s = quantize_kv(x)
+    _check_bound(x, q, s)
+    deq = q.astype(np.float32) * s[:, None]        # what the kernel computes
+    assert np.all(np.isfinite(deq))
+    assert abs(int(q[0, 0])) == 127 and np.all(np.abs(q[1, :2]) == 127)
+
+
+@pytest.mark.parametrize("mag", [1e-36, 1e-40, 2.5e-43, 1e-44, 5e-46, 1e-300])
+def test_quantize_kv_tiny_values(mag):
+    """Scales below float32's normal range: rounded up, the half-step bound
+    still holds and no slice but an all-zero one gets scale 0."""
+    x = rand((6, 33), 19, np.float64) * mag
+    x[2] = 0
+    x[3, 5] = mag * 7                     # a larger outlier
+    q, s = quantize_kv(x)
+    _check_bound(x, q, s)
+    assert s[2] == 0 and np.all(q[2] == 0)
+
+
+def test_quantize_kv_tiny_values_in_attention(path):
+    q = rand((6, 8), 20)
+    k = rand((10, 8), 21, np.float64) * 1e-40
+    v = rand((10, 8), 22, np.float64) * 1e-40
+    kq, vq = quantize_kv(k), quantize_kv(v)
+    kd = kq[0].astype(np.float64) * kq[1].astype(np.float64)[:, None]
+    vd = vq[0].astype(np.float64) * vq[1].astype(np.float64)[:, None]
+    out = sdpa(q, kq, vq)
+    expected = ref(q, kd, vd)[0]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+# ------------------------------------------- what is read as an int8 pair
+def test_issue_reproducer_tuple_key(path):
+    out = sdpa(np.ones((1, 2)), (np.array([1.0, 0.0]), np.array([0.0, 1.0])), np.eye(2))
+    np.testing.assert_allclose(out, ref(np.ones((1, 2)), np.eye(2), np.eye(2))[0])
+
+
+@pytest.mark.parametrize("container", [tuple, list])
+def test_two_float_rows_are_an_array_like(path, container):
+    q, k, v = rand((7, 4), 23), rand((2, 4), 24), rand((2, 3), 25)
+    expected = ref(q, k, v)[0]
+    for key, value in [(container(k), v), (k, container(v)), (container(k), container(v)),
+                       (container([list(k[0]), list(k[1])]), v)]:
+        np.testing.assert_allclose(sdpa(q, key, value), expected, **TOL32)
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_two_torch_rows_and_torch_int8_pairs(path):
+    q, k, v = rand((7, 4), 26), rand((2, 4), 27), rand((2, 3), 28)
+    expected = ref(q, k, v)[0]
+    tk = (torch.from_numpy(k[0].copy()), torch.from_numpy(k[1].copy()))
+    out = sdpa(torch.from_numpy(q), tk, torch.from_numpy(v))
+    np.testing.assert_allclose(out.numpy(), expected, **TOL32)
+    # a torch int8 pair (from quantize_kv on a tensor) is still a pair
+    k2, v2 = rand((20, 4), 29), rand((20, 3), 30)
+    pair = quantize_kv(torch.from_numpy(k2))
+    assert isinstance(pair[0], torch.Tensor) and pair[0].dtype == torch.int8
+    kd = pair[0].numpy().astype(np.float64) * pair[1].numpy().astype(np.float64)[:, None]
+    for key in (pair, list(pair)):
+        out = sdpa(torch.from_numpy(q), key, torch.from_numpy(v2))
+        np.testing.assert_allclose(out.numpy(), ref(q, kd, v2)[0], **TOL32)
+
+
+def test_int8_pairs_still_pairs(path):
+    q, k, v = rand((7, 4), 31), rand((20, 4), 32), rand((20, 3), 33)
+    kq, vq = quantize_kv(k), quantize_kv(v)
+    deq = [a.astype(np.float64) * s.astype(np.float64)[:, None] for a, s in (kq, vq)]
+    expected = ref(q, deq[0], deq[1])[0]
+    for key, value in [(kq, vq), (list(kq), list(vq))]:
+        np.testing.assert_allclose(sdpa(q, key, value), expected, **TOL32)
+
+
+def test_int8_pair_rule_documented():
+    for doc in (attncore.scaled_dot_product_attention.__doc__, attncore.quantize_kv.__doc__):
+        assert "first element is an" in doc and "int8" in doc
+
+

@@ -8,6 +8,8 @@ import attncore
 from attncore import rotary_embedding
 from attncore._core import _rotary as _krot
 
+from reference import rand
+
 try:
     import torch
 except ImportError:  # pragma: no cover - torch is a test extra
@@ -24,10 +26,6 @@ except Exception:  # pragma: no cover - transformers is a test extra
 needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
 needs_hf = pytest.mark.skipif(torch is None or LlamaConfig is None,
                               reason="transformers (with torch) not installed")
-
-
-def rand(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def reference(x, positions, inv_freq, layout="half", rotary_dim=None):
@@ -86,8 +84,8 @@ def test_llama_apply_rotary_pos_emb(rope):
     rot = LlamaRotaryEmbedding(cfg)
     inv = rot.inv_freq.numpy()
     B, H, L, D = 2, 4, 40, 32
-    q = rand((B, H, L, D), np.float64, 1)
-    k = rand((B, 2, L, D), np.float64, 2)
+    q = rand((B, H, L, D), 1, np.float64)
+    k = rand((B, 2, L, D), 2, np.float64)
     pos = np.random.default_rng(3).integers(0, 3000, size=(B, L))
     cos, sin = _llama_cos_sin(inv, pos)
     q_ref, k_ref = apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
@@ -111,7 +109,7 @@ def test_llama_default_base_matches_rotary_embedding_module():
     rot = LlamaRotaryEmbedding(cfg)
     # transformers forms inv_freq in float32; base= here forms it in float64
     np.testing.assert_allclose(default_freq(32), rot.inv_freq.numpy(), rtol=1e-6)
-    x = rand((1, 2, 16, 32), np.float64)
+    x = rand((1, 2, 16, 32), dtype=np.float64)
     pos = np.arange(16)[None]
     cos, sin = _llama_cos_sin(default_freq(32), pos)
     ref, _ = apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin)
@@ -124,7 +122,7 @@ def test_gptj_interleaved(rotary_dim):
     """GPT-J's rotate_every_two on (B, L, H, rotary_dim), the rest passed
     through as its attention does (k_rot / k_pass)."""
     B, L, H, D = 2, 21, 3, 64
-    x = rand((B, L, H, D), np.float64, 5)
+    x = rand((B, L, H, D), 5, np.float64)
     pos = np.random.default_rng(6).integers(0, 2048, size=(B, L))
     inv = default_freq(rotary_dim)
     ang = pos[..., None].astype(np.float64) * inv                     # (B, L, rd/2)
@@ -144,7 +142,7 @@ def test_gptj_interleaved(rotary_dim):
                                        (np.float16, 2e-3)])
 def test_formula_dtypes_and_layouts(layout, dtype, tol):
     # float64: the angle p * f is rounded once, ~p * 1.1e-16 radians (p < 1e5)
-    x = rand((3, 2, 17, 48), dtype, 7)
+    x = rand((3, 2, 17, 48), 7, dtype)
     pos = np.random.default_rng(8).integers(-5000, 100000, size=(3, 17))
     for rd in (48, 20):
         out = rotary_embedding(x, pos, layout=layout, rotary_dim=rd, base=500.0)
@@ -160,7 +158,7 @@ def test_long_positions_stay_accurate(dtype):
     """Angles formed in float64: at positions near 2**31 the result still
     matches the extended-precision reference (float32 angles would be off
     by up to 64 radians there)."""
-    x = rand((1, 8, 64), dtype, 9)
+    x = rand((1, 8, 64), 9, dtype)
     pos = np.array([0, 1, 2**20, 2**24 + 1, 10**9, 2**31 - 1, -(2**31), 123456789])
     out = rotary_embedding(x[:, :8], pos, inv_freq=default_freq(64))
     ref = reference(x[:, :8], pos, default_freq(64))
@@ -172,7 +170,7 @@ def test_long_positions_stay_accurate(dtype):
 
 def test_huge_frequencies_take_the_slow_path():
     """inv_freq > 1 can push angles past the fast reduction's range."""
-    x = rand((4, 6), np.float64, 10)
+    x = rand((4, 6), 10, np.float64)
     inv = np.array([3.0, 1e6, 1e3])
     pos = np.array([0, 5, 2**30, -7])
     np.testing.assert_allclose(rotary_embedding(x, pos, inv_freq=inv),
@@ -180,7 +178,7 @@ def test_huge_frequencies_take_the_slow_path():
 
 
 def test_default_positions_and_broadcast_rows():
-    x = rand((2, 3, 4, 5, 16), np.float32, 11)
+    x = rand((2, 3, 4, 5, 16), 11)
     out = rotary_embedding(x)
     ref = reference(x, np.arange(5), default_freq(16))
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6)
@@ -193,14 +191,14 @@ def test_default_positions_and_broadcast_rows():
     # (1, L) is (L,)
     np.testing.assert_array_equal(rotary_embedding(x, pos[:1]), rotary_embedding(x, pos[0]))
     # 2-D x (L, D)
-    y = rand((5, 8), np.float64, 12)
+    y = rand((5, 8), 12, np.float64)
     np.testing.assert_allclose(rotary_embedding(y, [0, 2, 4, 6, 8]),
                                reference(y, [0, 2, 4, 6, 8], default_freq(8)), rtol=1e-12,
                                atol=1e-12)
 
 
 def test_any_strides_and_input_unchanged():
-    base = rand((4, 6, 9, 40), np.float32, 13)
+    base = rand((4, 6, 9, 40), 13)
     views = [base[:, ::2, 1:8, :32], base[::-1, :, ::-2, 4:36], base.transpose(2, 0, 1, 3)[..., :32],
              np.asfortranarray(base)[..., :32], base[..., ::-1][..., :32]]
     for v in views:
@@ -213,7 +211,7 @@ def test_any_strides_and_input_unchanged():
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_out_and_in_place(layout):
-    x = rand((2, 3, 11, 24), np.float32, 14)
+    x = rand((2, 3, 11, 24), 14)
     pos = np.arange(100, 111)
     ref = rotary_embedding(x, pos, layout=layout, rotary_dim=16)
     # a separate output, with other strides
@@ -236,7 +234,7 @@ def test_out_and_in_place(layout):
 
 @needs_torch
 def test_torch_in_place_and_types():
-    x = torch.from_numpy(rand((1, 2, 7, 16), np.float32, 15))
+    x = torch.from_numpy(rand((1, 2, 7, 16), 15))
     ref = rotary_embedding(x.numpy().copy())
     y = x.clone()
     r = rotary_embedding(y, out=y)
@@ -255,7 +253,7 @@ def test_torch_in_place_and_types():
 
 def test_jax_array():
     jnp = pytest.importorskip("jax.numpy")
-    x = rand((2, 5, 8), np.float32, 16)
+    x = rand((2, 5, 8), 16)
     out = rotary_embedding(jnp.asarray(x), jnp.arange(5))
     assert type(out).__module__.startswith("jax")
     np.testing.assert_allclose(np.asarray(out), rotary_embedding(x), rtol=0, atol=0)
@@ -266,7 +264,7 @@ def test_jax_array():
 
 @pytest.mark.parametrize("nt", [1, 2, 3, -1, None])
 def test_threads_give_the_same_result(nt):
-    x = rand((2, 4, 300, 64), np.float32, 17)
+    x = rand((2, 4, 300, 64), 17)
     pos = np.random.default_rng(18).integers(0, 10**6, size=(2, 300))
     ref = rotary_embedding(x, pos, num_threads=1)
     np.testing.assert_array_equal(rotary_embedding(x, pos, num_threads=nt), ref)

@@ -9,6 +9,7 @@ import attncore
 from attncore import scaled_dot_product_attention as sdpa
 
 from reference import attention as ref
+from reference import rand
 
 try:
     import torch
@@ -21,12 +22,8 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
 TOL = {np.float32: dict(rtol=2e-5, atol=2e-6), np.float64: dict(rtol=1e-11, atol=1e-12)}
 
 
-def rand(shape, dtype=np.float64, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
 def qkv(shape_q, shape_k, shape_v, dtype=np.float64, seed=0):
-    return rand(shape_q, dtype, seed), rand(shape_k, dtype, seed + 1), rand(shape_v, dtype, seed + 2)
+    return rand(shape_q, seed, dtype), rand(shape_k, seed + 1, dtype), rand(shape_v, seed + 2, dtype)
 
 
 # ---------------------------------------------------------------- basics
@@ -58,10 +55,10 @@ def test_broadcast_batch_dims(shapes):
 
 
 def test_noncontiguous_and_transposed_inputs():
-    base = rand((2, 40, 3, 16))                     # (B, L, H, D): BLHD layout
+    base = rand((2, 40, 3, 16), dtype=np.float64)                     # (B, L, H, D): BLHD layout
     q = base.transpose(0, 2, 1, 3)                  # (B, H, L, D) view, row stride 48
-    k = rand((2, 3, 16, 50)).transpose(0, 1, 3, 2)  # last axis not contiguous
-    v = rand((2, 3, 100, 24))[:, :, ::2, ::3]       # strided rows and columns
+    k = rand((2, 3, 16, 50), dtype=np.float64).transpose(0, 1, 3, 2)  # last axis not contiguous
+    v = rand((2, 3, 100, 24), dtype=np.float64)[:, :, ::2, ::3]       # strided rows and columns
     kc, vc = k.copy(), v.copy()
     qc = q.copy()
     out = sdpa(q, k, v)
@@ -71,9 +68,9 @@ def test_noncontiguous_and_transposed_inputs():
     np.testing.assert_array_equal(k, kc)
     np.testing.assert_array_equal(v, vc)
     # negative strides and Fortran order
-    q2 = np.asfortranarray(rand((30, 16))[::-1])
-    k2 = rand((40, 16))[::-1]
-    v2 = np.asfortranarray(rand((40, 8)))
+    q2 = np.asfortranarray(rand((30, 16), dtype=np.float64)[::-1])
+    k2 = rand((40, 16), dtype=np.float64)[::-1]
+    v2 = np.asfortranarray(rand((40, 8), dtype=np.float64))
     np.testing.assert_allclose(sdpa(q2, k2, v2), ref(q2, k2, v2)[0], rtol=1e-12, atol=1e-12)
 
 
@@ -172,6 +169,47 @@ def test_nan_in_masked_out_key_does_not_poison_scores():
     out = sdpa(q, k, v, mask)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref(q, np.nan_to_num(k), v, mask)[0], rtol=1e-12)
+
+
+# ---------------------------------------------------------------- -inf scores from values
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,M,threads", [(3, 5, 1), (1, 5000, 2), (300, 700, 2), (2, 40, 1)])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_all_minus_inf_scores_from_values_give_zero(dtype, N, M, threads, return_weights):
+    """Every attended score of row 0 is -inf because the query holds -inf
+    (and the keys' matching column is > 0): the row comes out 0 (weights
+    0), as for a row with nothing to attend and as PyTorch gives; a row of
+    +inf scores is NaN (inf - inf); the other rows are the reference's."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((N, 4)).astype(dtype)
+    k = (np.abs(rng.standard_normal((M, 4))) + 0.5).astype(dtype)
+    v = rng.standard_normal((M, 3)).astype(dtype)
+    q[0, 0] = -np.inf
+    if N > 1:
+        q[1, 0] = np.inf
+    res = sdpa(q, k, v, return_weights=return_weights, num_threads=threads)
+    out, w = res if return_weights else (res, None)
+    np.testing.assert_array_equal(out[0], 0)
+    if w is not None:
+        np.testing.assert_array_equal(w[0], 0)
+    if N > 1:
+        assert np.isnan(out[1]).all()
+    if N > 2:
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(out[2:], ref(q[2:], k, v)[0], **tol)
+
+
+@needs_torch
+def test_all_minus_inf_scores_match_torch():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)
+    k = (np.abs(rng.standard_normal((2, 3, 9, 8))) + 0.5).astype(np.float32)
+    v = rng.standard_normal((2, 3, 9, 4)).astype(np.float32)
+    q[:, :, 0, 3] = -np.inf
+    q[1, 2, 4, 5] = -np.inf
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
+    np.testing.assert_allclose(sdpa(q, k, v), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- GQA
@@ -299,7 +337,7 @@ BAD_INPUTS = [
      lambda q, k, v: _args(q, k, v[:, :5])),
     ("batch-not-broadcastable", ValueError,
      r"batch dimensions .* not broadcastable: query \(2,\), key \(3,\)",
-     lambda q, k, v: _args(q, rand((3, 6, 8)), rand((3, 6, 3)))),
+     lambda q, k, v: _args(q, rand((3, 6, 8), dtype=np.float64), rand((3, 6, 3), dtype=np.float64))),
     ("attn_mask-shape", ValueError,
      r"attn_mask must be broadcastable to \(\.\.\., N, M\) = \(\.\.\., 4, 6\), got shape \(4, 5\)",
      lambda q, k, v: _args(q, k, v, np.ones((4, 5), bool))),

@@ -5,8 +5,11 @@ import numpy as np
 import pytest
 
 import attncore
+from attncore import scaled_dot_product_attention as sdpa
 
+from reference import allowed, sdpa_ref
 from reference import attention as ref
+from reference import rand
 
 try:
     import torch
@@ -16,45 +19,6 @@ except ImportError:  # pragma: no cover - torch is a test extra
 
 TOL = {np.float16: dict(rtol=3e-3, atol=3e-3), np.float32: dict(rtol=3e-5, atol=3e-6),
        np.float64: dict(rtol=1e-10, atol=1e-11)}
-
-
-def rand(shape, seed, dtype=np.float64):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def band(N, M, window, causal):
-    """bool (N, M): the keys each query may see under causal + window."""
-    off = M - N if causal == "lower_right" else 0
-    i = np.arange(N)[:, None]
-    j = np.arange(M)[None, :]
-    ok = np.ones((N, M), bool)
-    if causal:
-        ok &= j <= i + off
-    left, right = window
-    if left >= 0:
-        ok &= j >= i + off - left
-    if right >= 0:
-        ok &= j <= i + off + right
-    return ok
-
-
-def capped_reference(q, k, v, mask, cap, scale=None):
-    """float64 attention with s -> cap * tanh(s / cap) before the mask."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    D = q.shape[-1]
-    s = q @ np.swapaxes(k, -1, -2) * (scale if scale is not None else 1 / np.sqrt(D))
-    s = cap * np.tanh(s / cap)
-    if mask is not None:
-        if mask.dtype == bool:
-            s = np.where(mask, s, -np.inf)
-        else:
-            s = s + mask
-    mx = np.max(s, axis=-1, keepdims=True)
-    mx = np.where(np.isfinite(mx), mx, 0)
-    e = np.exp(s - mx)
-    tot = e.sum(-1, keepdims=True)
-    w = np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0)
-    return w @ v
 
 
 MASKS = ["none", "bool_full", "keypad", "float"]
@@ -80,15 +44,15 @@ def make_mask(kind, B, N, M, seed=3):
 @pytest.mark.parametrize("N,M", [(90, 200), (200, 90)])
 def test_window_against_band_reference(path, window, causal, mask_kind, N, M):
     B, H, D = 2, 2, 16
-    q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, 8), 3)
+    q, k, v = rand((B, H, N, D), 1, np.float64), rand((B, H, M, D), 2, np.float64), rand((B, H, M, 8), 3, np.float64)
     mask = make_mask(mask_kind, B, N, M)
-    allowed = band(N, M, window, causal)
+    ok = allowed(N, M, causal=causal, window=window)
     if mask is None:
-        full = allowed
+        full = ok
     elif mask.dtype == bool:
-        full = mask & allowed
+        full = mask & ok
     else:
-        full = np.where(allowed, mask, -np.inf)
+        full = np.where(ok, mask, -np.inf)
     for dtype in (np.float32, np.float64):
         out = attncore.scaled_dot_product_attention(
             q.astype(dtype), k.astype(dtype), v.astype(dtype),
@@ -99,8 +63,9 @@ def test_window_against_band_reference(path, window, causal, mask_kind, N, M):
 
 @pytest.mark.parametrize("Hk", [1, 2])
 def test_window_gqa_float16_threads(path, Hk):
-    q, k, v = rand((1, 4, 300, 32), 1), rand((1, Hk, 300, 32), 2), rand((1, Hk, 300, 32), 3)
-    expected = ref(q, k, v, band(300, 300, (50, 0), True), group=4 // Hk)[0]
+    q, k, v = (rand((1, 4, 300, 32), 1, np.float64), rand((1, Hk, 300, 32), 2, np.float64),
+               rand((1, Hk, 300, 32), 3, np.float64))
+    expected = ref(q, k, v, allowed(300, 300, causal=True, window=(50, 0)), group=4 // Hk)[0]
     for t in (1, 2):
         out = attncore.scaled_dot_product_attention(
             q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), is_causal=True,
@@ -116,34 +81,32 @@ def test_window_gqa_float16_threads(path, Hk):
 def test_window_leaving_rows_empty_gives_zero(path):
     # lower-right with N > M: the first N - M rows see no key; a window
     # (0, 0) under no causal lets row i see only key i, so rows >= M are empty
-    q, k, v = rand((1, 50, 8), 1, np.float32), rand((1, 20, 8), 2, np.float32), rand((1, 20, 8), 3,
-                                                                                     np.float32)
+    q, k, v = rand((1, 50, 8), 1), rand((1, 20, 8), 2), rand((1, 20, 8), 3)
     out, lse = attncore.scaled_dot_product_attention(q, k, v, window=(0, 0), return_lse=True)
     assert np.all(out[0, 20:] == 0) and np.all(np.isneginf(lse[0, 20:]))
     np.testing.assert_allclose(out[0, :20], v[0], rtol=1e-6)
 
 
 def test_window_weights_and_lse(path):
-    q, k, v = rand((2, 60, 16), 1, np.float32), rand((2, 80, 16), 2, np.float32), rand((2, 80, 4), 3,
-                                                                                      np.float32)
-    allowed = band(60, 80, (7, 2), "lower_right")
+    q, k, v = rand((2, 60, 16), 1), rand((2, 80, 16), 2), rand((2, 80, 4), 3)
+    ok = allowed(60, 80, causal="lower_right", window=(7, 2))
     out, w, lse = attncore.scaled_dot_product_attention(
         q, k, v, is_causal="lower_right", window=(7, 2), return_weights=True, return_lse=True)
-    eo, ew = ref(q, k, v, allowed)
+    eo, ew = ref(q, k, v, ok)
     np.testing.assert_allclose(out, eo, **TOL[np.float32])
     np.testing.assert_allclose(w, ew, **TOL[np.float32])
-    s = np.where(allowed, q.astype(np.float64) @ np.swapaxes(k, -1, -2) / 4, -np.inf)
+    s = np.where(ok, q.astype(np.float64) @ np.swapaxes(k, -1, -2) / 4, -np.inf)
     np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 def test_window_matches_torch_with_explicit_mask(path):
-    q, k, v = (rand((2, 4, 128, 32), s, np.float32) for s in (1, 2, 3))
-    allowed = band(128, 128, (31, 0), True)
+    q, k, v = (rand((2, 4, 128, 32), s) for s in (1, 2, 3))
+    ok = allowed(128, 128, causal=True, window=(31, 0))
     out = attncore.scaled_dot_product_attention(q, k, v, is_causal=True, window=(31, 0))
     with torch.inference_mode():
         expected = F.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v)),
-                                                  attn_mask=torch.from_numpy(allowed)).numpy()
+                                                  attn_mask=torch.from_numpy(ok)).numpy()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -153,16 +116,17 @@ def test_window_matches_torch_with_explicit_mask(path):
 @pytest.mark.parametrize("cap", [0.5, 5.0, 50.0])
 def test_softcap_against_tanh_reference(path, mask_kind, causal, cap):
     B, N, M = 2, 70, 150
-    q, k, v = rand((B, 2, N, 16), 1) * 3, rand((B, 2, M, 16), 2), rand((B, 2, M, 8), 3)
+    q, k, v = (rand((B, 2, N, 16), 1, np.float64) * 3, rand((B, 2, M, 16), 2, np.float64),
+               rand((B, 2, M, 8), 3, np.float64))
     mask = make_mask(mask_kind, B, N, M)
-    allowed = band(N, M, (-1, -1), causal)
+    ok = allowed(N, M, causal=causal)
     if mask is None:
-        full = allowed
+        full = ok
     elif mask.dtype == bool:
-        full = mask & allowed
+        full = mask & ok
     else:
-        full = np.where(allowed, mask, -np.inf)
-    expected = capped_reference(q, k, v, full, cap)
+        full = np.where(ok, mask, -np.inf)
+    expected = sdpa_ref(q, k, v, full, softcap=cap)
     for dtype in (np.float32, np.float64):
         m = None if mask is None else mask if mask.dtype == bool else mask.astype(dtype)
         out = attncore.scaled_dot_product_attention(
@@ -172,15 +136,57 @@ def test_softcap_against_tanh_reference(path, mask_kind, causal, cap):
 
 def test_softcap_with_infinite_scores_and_weights(path):
     # +-inf scores from the inputs are capped to +-cap (before the mask)
-    q, k, v = rand((1, 40, 8), 1, np.float32), rand((1, 60, 8), 2, np.float32), rand((1, 60, 4), 3,
-                                                                                     np.float32)
+    q, k, v = rand((1, 40, 8), 1), rand((1, 60, 8), 2), rand((1, 60, 4), 3)
     q[0, 5] = 0
     q[0, 5, 0] = np.inf   # scores +inf / -inf by the sign of k[:, 0]
     out, w = attncore.scaled_dot_product_attention(q, k, v, softcap=2.0, return_weights=True)
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(w))
     with np.errstate(invalid="ignore"):
-        expected = capped_reference(q, k, v, None, 2.0)
+        expected = sdpa_ref(q, k, v, softcap=2.0)
     np.testing.assert_allclose(out, expected, **TOL[np.float32])
+
+
+# softcap accuracy: the fused kernels' vector tanh, over the whole
+# documented range of softcap
+CAPS = [1e-30, 1e-3, 1.0, 30.0, 1e3, 1e4, 1e6, 1e8, 1e20, 1e30]
+
+
+@pytest.mark.parametrize("cap", [1e-3, 1.0, 50.0, 1e4, 1e12, 1e30])
+def test_softcap_capped_score_accuracy(path, cap):
+    """One key per row: the lse is the capped score itself, so this sweeps
+    the tanh over its whole argument range (both signs, small and large,
+    around the switch between the kernel's two formulas).  One bound for
+    every path: |lse - cap tanh(s / cap)| <= 3e-7 + 1e-6 |cap tanh(s / cap)|."""
+    x = np.concatenate([np.logspace(-7, 1.6, 1500), np.linspace(0.55, 0.7, 301)])
+    s = (np.concatenate([x, -x, [0.0]]) * cap).astype(np.float32)
+    _, lse = sdpa(s[:, None], np.ones((1, 1), np.float32), np.ones((1, 1), np.float32),
+                  scale=1.0, softcap=cap, return_lse=True)
+    expected = cap * np.tanh(s.astype(np.float64) / cap)
+    np.testing.assert_array_less(np.abs(lse - expected), 3e-7 + 1e-6 * np.abs(expected))
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_softcap_attention_any_cap(path, cap):
+    """The reported case (q, k 64 x 16, v 64 x 8, N(0, 1)) over the whole
+    documented range of softcap, output and lse against float64."""
+    q, k, v = rand((64, 16), 1), rand((64, 16), 2), rand((64, 8), 3)
+    out, lse = sdpa(q, k, v, softcap=cap, return_lse=True)
+    eo, el = sdpa_ref(q, k, v, softcap=cap, return_lse=True)
+    np.testing.assert_allclose(out, eo, **TOL[np.float32])
+    np.testing.assert_allclose(lse, el, **TOL[np.float32])
+
+
+@pytest.mark.parametrize("cap", [1e-3, 0.1, 1.0, 10.0, 30.0])
+def test_softcap_attention_scores_near_the_cap(path, cap):
+    """Scores of the order of the cap (tanh arguments around 0.01 .. 3);
+    larger caps with such scores are ill-conditioned in float32 (the
+    score's own rounding), the sweep above covers their tanh."""
+    q, k, v = rand((2, 40, 16), 4), rand((2, 70, 16), 5), rand((2, 70, 8), 6)
+    q = q * np.float32(cap / 2)
+    out, lse = sdpa(q, k, v, softcap=cap, return_lse=True, scale=0.25)
+    eo, el = sdpa_ref(q, k, v, scale=0.25, softcap=cap, return_lse=True)
+    np.testing.assert_allclose(out, eo, **TOL[np.float32])
+    np.testing.assert_allclose(lse, el, **TOL[np.float32])
 
 
 @pytest.mark.parametrize("bad,exc", [((1,), TypeError), ((1, 2, 3), TypeError), ((-2, 0), ValueError),
@@ -217,23 +223,23 @@ def test_nonfinite_float_mask_outside_the_window_never_leaks(path, bad, return_w
     res = attncore.scaled_dot_product_attention(q, k, v, mask, window=(1, 1), return_lse=True,
                                                 return_weights=return_weights)
     out, lse = res[0], res[-1]
-    allowed = band(8, 5, (1, 1), False)
-    np.testing.assert_allclose(out, ref(q, k, v, allowed)[0], **TOL[dtype])
+    ok = allowed(8, 5, causal=False, window=(1, 1))
+    np.testing.assert_allclose(out, ref(q, k, v, ok)[0], **TOL[dtype])
     assert np.all(np.isfinite(lse[:5])) and np.all(np.isneginf(lse[6:]))
     assert np.all(out[6:] == 0)
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 def test_lse_of_bfloat16_inputs_stays_float32():
-    t = torch.from_numpy(rand((2, 6, 8), 1, np.float32)).to(torch.bfloat16)
+    t = torch.from_numpy(rand((2, 6, 8), 1)).to(torch.bfloat16)
     out, lse = attncore.scaled_dot_product_attention(t, t, t, return_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
 # ------------------------------------------------------------------ layers
-def _mha_by_hand(mha, x, allowed):
+def _mha_by_hand(mha, x, ok):
     """The layer's output written out in float64: projections, attention
-    restricted to ``allowed`` (N, M), output projection."""
+    restricted to ``ok`` (N, M), output projection."""
     H, hd = mha.num_heads, mha.head_dim
     f = {n: getattr(mha, n).astype(np.float64) for n in
          ("q_weight", "k_weight", "v_weight", "out_weight", "q_bias", "k_bias", "v_bias",
@@ -245,7 +251,7 @@ def _mha_by_hand(mha, x, allowed):
     q = heads(x @ f["q_weight"].T + f["q_bias"])
     k = heads(x @ f["k_weight"].T + f["k_bias"])
     v = heads(x @ f["v_weight"].T + f["v_bias"])
-    o = ref(q, k, v, allowed)[0].transpose(0, 2, 1, 3).reshape(B, L, H * hd)
+    o = ref(q, k, v, ok)[0].transpose(0, 2, 1, 3).reshape(B, L, H * hd)
     return o @ f["out_weight"].T + f["out_bias"]
 
 
@@ -282,8 +288,8 @@ def test_mha_window_from_every_constructor(loader):
         mha.window = win
     assert mha.window == win
     x = rng.standard_normal((2, L, E)).astype(np.float32)
-    allowed = band(L, L, win, True)
-    expected = _mha_by_hand(mha, x.astype(np.float64), allowed)
+    ok = allowed(L, L, causal=True, window=win)
+    expected = _mha_by_hand(mha, x.astype(np.float64), ok)
     out, _ = mha(x, is_causal=True)
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-5)
     # the KV cache: a prompt, then one token at a time (lower-right alignment)

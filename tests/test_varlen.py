@@ -8,6 +8,8 @@ import pytest
 import attncore
 from attncore._core import _sdpa
 
+from reference import sdpa_ref
+
 va = attncore.varlen_attention
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
@@ -18,41 +20,6 @@ def path(request):
     prev = _sdpa.set_kernel_path(request.param)
     yield request.param
     _sdpa.set_kernel_path(prev)
-
-
-def ref_seq(q, k, v, causal=False, window=None, softcap=None, slopes=None, scale=None):
-    """float64 attention of one sequence: q (N, H, D), k / v (M, H, D / Dv)
-    with as many heads as q; causal and window aligned lower-right (key j
-    seen by query i when j - (i + M - N) lies in [-left, right], causal:
-    right = 0), ALiBi -slope |i + M - N - j| after the soft cap; rows that
-    see no key give 0."""
-    q, k, v = (np.asarray(x, np.float64).transpose(1, 0, 2) for x in (q, k, v))
-    H, N, D = q.shape
-    M, Dv = k.shape[1], v.shape[2]
-    s = q @ k.transpose(0, 2, 1) * (1 / np.sqrt(D) if scale is None else scale)
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
-    rel = j - (i + M - N)
-    if slopes is not None:
-        s = s - np.asarray(slopes, np.float64)[:, None, None] * np.abs(rel)
-    ok = np.ones((N, M), bool)
-    if causal:
-        ok &= rel <= 0
-    if window is not None:
-        if window[0] >= 0:
-            ok &= rel >= -window[0]
-        if window[1] >= 0:
-            ok &= rel <= window[1]
-    out = np.zeros((H, N, Dv))
-    if M:
-        s = np.where(ok, s, -np.inf)
-        live = ok.any(1)
-        mx = np.where(live[:, None], s.max(-1, initial=-np.inf, keepdims=True), 0)
-        e = np.where(ok, np.exp(s - mx), 0)
-        tot = e.sum(-1, keepdims=True)
-        out = np.where(live[:, None], (e / np.where(tot > 0, tot, 1)) @ v, 0)
-    return out.transpose(1, 0, 2)
 
 
 def packed(lq, lk, H, D, Dv=None, Hk=None, dtype=np.float32, seed=0):
@@ -67,13 +34,19 @@ def packed(lq, lk, H, D, Dv=None, Hk=None, dtype=np.float32, seed=0):
     return q, k, v, cq, ck
 
 
-def reference(q, k, v, cq, ck, group=1, slopes=None, **kw):
+def reference(q, k, v, cq, ck, group=1, causal=False, slopes=None, **kw):
+    """float64 varlen attention from flash-attention's documented semantics:
+    sequence b is q[cq[b]:cq[b + 1]] (N, H, D) against k / v[ck[b]:ck[b + 1]],
+    causal and window aligned lower-right (key j seen by query i when
+    j - (i + M - N) lies in [-left, right], causal: right = 0); each
+    sequence through reference.sdpa_ref."""
     out = np.zeros(q.shape[:2] + (v.shape[2],))
     for b in range(len(cq) - 1):
-        qs, ks, vs = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
-        ks, vs = np.repeat(ks, group, 1), np.repeat(vs, group, 1)
+        qs, ks, vs = (np.swapaxes(x[c[b]:c[b + 1]], 0, 1) for x, c in ((q, cq), (k, ck), (v, ck)))
         sl = None if slopes is None else np.broadcast_to(slopes, (len(cq) - 1, q.shape[1]))[b]
-        out[cq[b]:cq[b + 1]] = ref_seq(qs, ks, vs, slopes=sl, **kw)
+        o = sdpa_ref(qs, ks, vs, is_causal=causal, diagonal="lower_right", group=group, alibi_slopes=sl,
+                     **kw)
+        out[cq[b]:cq[b + 1]] = np.swapaxes(o, 0, 1)
     return out
 
 

@@ -1,0 +1,184 @@
+"""Inputs of unusual memory layouts: unaligned arrays (at an address that is
+not a multiple of the element size) reach the compiled kernels of
+scaled_dot_product_attention, the additive (MLP) alignment, the dense layer
+and MultiHeadAttention only as aligned copies, with the same results; a
+broadcast (stride-0) query row axis is not copied in full."""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import attncore
+from attncore import scaled_dot_product_attention as sdpa
+from attncore import _linear
+from attncore._core import _additive, _linalg, _sdpa
+
+from reference import attention as ref
+from reference import rand
+
+
+def unaligned(a):
+    """A copy of ``a`` (C order) at an address that is not a multiple of
+    its element size (and so, strides included, not aligned)."""
+    a = np.ascontiguousarray(a)
+    raw = np.zeros(a.nbytes + 1, dtype=np.uint8)
+    out = np.frombuffer(raw.data, dtype=a.dtype, count=a.size, offset=1).reshape(a.shape)
+    out[...] = a
+    assert not out.flags.aligned
+    return out
+
+
+# ---------------------------------------------------------------- unaligned arrays
+def _arrays(args):
+    for a in args:
+        if isinstance(a, np.ndarray):
+            yield a
+
+
+@pytest.fixture
+def kernels_see_aligned(monkeypatch):
+    """Wrap the compiled entry points: every array they get must be aligned."""
+    seen = []
+
+    def wrap(mod, name):
+        real = getattr(mod, name)
+
+        def checked(*args, **kw):
+            for a in _arrays(list(args) + list(kw.values())):
+                assert a.flags.aligned, f"{mod.__name__}.{name} got an unaligned array"
+                assert a.ctypes.data % a.itemsize == 0
+            seen.append(name)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(mod, name, checked)
+
+    wrap(_sdpa, "sdpa")
+    wrap(_additive, "additive_attention")
+    wrap(_linalg, "linear")
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("which", ["query", "key", "value", "mask", "all"])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_unaligned_sdpa_inputs(kernels_see_aligned, dtype, which, return_weights):
+    q, k, v = rand((2, 3, 9, 8), dtype=dtype), rand((2, 3, 11, 8), 1, dtype), rand((2, 3, 11, 5), 2, dtype)
+    m = np.where(rand((9, 11), 3, np.float64) > -1.0, 0.0, -np.inf).astype(dtype)
+    args = {"query": q, "key": k, "value": v, "mask": m}
+    for nm in args:
+        if which in (nm, "all"):
+            args[nm] = unaligned(args[nm])
+    before = {nm: a.copy() for nm, a in args.items()}
+    res = sdpa(args["query"], args["key"], args["value"], args["mask"],
+               return_weights=return_weights)
+    out_ref, w_ref = ref(q, k, v, m)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-11, atol=1e-12)
+    if return_weights:
+        np.testing.assert_allclose(res[0], out_ref, **tol)
+        np.testing.assert_allclose(res[1], w_ref, **tol)
+    else:
+        np.testing.assert_allclose(res, out_ref, **tol)
+    assert kernels_see_aligned == ["sdpa"]
+    for nm, a in args.items():
+        np.testing.assert_array_equal(a, before[nm])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unaligned_float16_free_path_and_mlp(kernels_see_aligned, dtype):
+    """Attention("mlp") with unaligned keys / values / query / parameters."""
+    rng = np.random.default_rng(0)
+    B, T, S, D, A = 2, 3, 7, 6, 5
+    qw, kw, vv, bias = (rng.standard_normal(s).astype(dtype) for s in ((A, D), (A, D), (A,), (A,)))
+    q, keys, vals = rand((B, T, D), 1, dtype), rand((B, S, D), 2, dtype), rand((B, S, 4), 3, dtype)
+    att = attncore.Attention("mlp", q_weight=unaligned(qw), k_weight=unaligned(kw),
+                             v=unaligned(vv), bias=unaligned(bias))
+    ctx, w = att(unaligned(q), unaligned(keys), unaligned(vals), return_weights=True)
+    # independent float64 reference
+    qp = q.astype(np.float64) @ qw.T.astype(np.float64)
+    kp = keys.astype(np.float64) @ kw.T.astype(np.float64) + bias
+    s = np.tanh(qp[:, :, None, :] + kp[:, None, :, :]) @ vv.astype(np.float64)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    w_ref = e / e.sum(-1, keepdims=True)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(w, w_ref, **tol)
+    np.testing.assert_allclose(ctx, w_ref @ vals, **tol)
+    assert "additive_attention" in kernels_see_aligned and "linear" in kernels_see_aligned
+
+
+def test_unaligned_mlp_identity_projections(kernels_see_aligned):
+    """q_weight = k_weight = None: the query itself goes to the kernel."""
+    B, T, S, A = 2, 3, 6, 4
+    q, keys, vv = rand((B, T, A), 1), rand((B, S, A), 2), rand((A,), 3)
+    att = attncore.Attention("additive", v=unaligned(vv))
+    ctx, w = att(unaligned(q), unaligned(keys), return_weights=True)
+    s = np.tanh(q[:, :, None, :].astype(np.float64) + keys[:, None]) @ vv.astype(np.float64)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    w_ref = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ctx, w_ref @ keys, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unaligned_linear_and_mha(kernels_see_aligned, dtype):
+    x, w, b = rand((5, 7), dtype=dtype), rand((3, 7), 1, dtype), rand((3,), 2, dtype)
+    out = _linear.linear(unaligned(x), unaligned(w), unaligned(b))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T + b, rtol=1e-5, atol=1e-5)
+    mha = attncore.MultiHeadAttention(8, 2, rng=0, dtype=dtype)
+    xx = rand((2, 4, 8), 3, dtype)
+    np.testing.assert_array_equal(mha(unaligned(xx))[0], mha(xx)[0])
+
+
+# ---------------------------------------------------------------- stride-0 rows
+def _peak_bytes(fn):
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        res = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return res, peak
+
+
+def test_broadcast_query_rows_not_copied():
+    N, D, M, Dv = 1 << 20, 8, 4, 1
+    row = rand((D,))
+    q = np.broadcast_to(row, (N, D))                 # 32 MiB if copied
+    k, v = rand((M, D), 1), rand((M, Dv), 2)
+    out, peak = _peak_bytes(lambda: sdpa(q, k, v))
+    out_bytes = N * Dv * 4
+    assert peak < 2 * out_bytes + (1 << 20), f"peak {peak} bytes for a {out_bytes}-byte output"
+    assert out.shape == (N, Dv) and out.flags.writeable
+    expected = ref(row[None], k, v)[0]
+    np.testing.assert_allclose(out, np.broadcast_to(expected, (N, Dv)), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mask_shape", [None, (1, 7), (3, 1, 7)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_broadcast_query_rows_match_reference(mask_shape, dtype):
+    row = rand((3, 1, 5), dtype=dtype)
+    q = np.broadcast_to(row, (3, 6, 5))
+    k, v = rand((3, 7, 5), 1, dtype), rand((3, 7, 4), 2, dtype)
+    m = None if mask_shape is None else rand(mask_shape, 3, np.float64) > -0.5
+    out, w = sdpa(q, k, v, m, return_weights=True)
+    out_ref, w_ref = ref(q, k, v, m)
+    tol = {np.float16: dict(rtol=2e-3, atol=2e-3), np.float32: dict(rtol=2e-5, atol=2e-6),
+           np.float64: dict(rtol=1e-11, atol=1e-12)}[dtype]
+    assert out.dtype == dtype and out.shape == (3, 6, 4) and w.shape == (3, 6, 7)
+    np.testing.assert_allclose(out, out_ref, **tol)
+    np.testing.assert_allclose(w, w_ref, **tol)
+    out[...] = 0                                     # results are writable arrays of their own
+    w[...] = 0
+
+
+@pytest.mark.parametrize("causal", [True, "lower_right"])
+def test_broadcast_query_rows_with_causal_or_row_mask(causal):
+    """Rows told apart by the causal structure or a per-row mask: still right."""
+    row = rand((1, 5), dtype=np.float64)
+    q = np.broadcast_to(row, (6, 5))
+    k, v = rand((8, 5), 1, np.float64), rand((8, 3), 2, np.float64)
+    code = 1 if causal is True else 2
+    np.testing.assert_allclose(sdpa(q, k, v, is_causal=causal),
+                               ref(q, k, v, causal=code)[0], rtol=1e-12, atol=1e-12)
+    m = rand((6, 8), 4, np.float64) > 0
+    np.testing.assert_allclose(sdpa(q, k, v, m), ref(q, k, v, m)[0], rtol=1e-12, atol=1e-12)
