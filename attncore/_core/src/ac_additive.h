@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#include "ac_common.h"
+#include "ac_cpu.h"
 #include "ac_math.h"
 
 /* ------------------------------------------------------------------ tanh */

@@ -9,18 +9,18 @@
 
 /* the compiled variants (ac_common.h): one body, three targets */
 #define AC_VAR portable
-#define AC_VTGT AC_TGT_PORTABLE
+#define AC_VTGT AC_VTGT_PORTABLE
 #include "ac_additive_variant.h"
 #undef AC_VAR
 #undef AC_VTGT
-#if AC_HAVE_VARIANTS
+#if AC_HAVE_X86
 #define AC_VAR avx2
-#define AC_VTGT AC_TGT_AVX2
+#define AC_VTGT AC_VTGT_AVX2
 #include "ac_additive_variant.h"
 #undef AC_VAR
 #undef AC_VTGT
 #define AC_VAR avx512
-#define AC_VTGT AC_TGT_AVX512
+#define AC_VTGT AC_VTGT_AVX512
 #include "ac_additive_variant.h"
 #undef AC_VAR
 #undef AC_VTGT

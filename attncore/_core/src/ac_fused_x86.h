@@ -27,12 +27,8 @@
 /* floats of scratch one panel needs (largest panel: 32 rows) */
 #define AC_FUSED_SCRATCH(D, Dv) ((ptrdiff_t)((D) + AC_BK + (Dv)) * 32)
 
-#if AC_HAVE_X86_SMALL
+#if AC_HAVE_X86
 #define AC_HAVE_FUSED 1
-/* micro-kernels are not inlined: each gets the whole register file (inlined
-   into the tile loop, the running max / sum vectors made the P.V kernel
-   spill two accumulators to the stack: measured 28 % of its samples) */
-#define AC_NOINLINE __attribute__((noinline))
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.h) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
@@ -67,7 +63,7 @@ static int ac_row_attends_f32(const ac_params *p, const uint8_t *mb, const float
 
 /* ---------------------------------------------------------------- AVX-512 */
 #define AC_ISA avx512
-#define AC_TGT __attribute__((target("avx512f,avx2,fma")))
+#define AC_TGT AC_TGT_AVX512F
 #define VEC __m512
 #define AC_W 16
 #define AC_P AC_PANEL_ROWS_AVX512 /* 2 AC_W */
@@ -234,7 +230,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 
 /* ------------------------------------------------------------ AVX2 + FMA */
 #define AC_ISA avx2
-#define AC_TGT __attribute__((target("avx2,fma")))
+#define AC_TGT AC_TGT_AVX2
 #define VEC __m256
 #define AC_W 8
 #define AC_P AC_PANEL_ROWS_AVX2 /* 2 AC_W */

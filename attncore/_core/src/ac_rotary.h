@@ -35,7 +35,7 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "ac_common.h"
+#include "ac_cpu.h"
 
 #if defined(__GNUC__)
 #define AC_ROPE_INLINE static inline __attribute__((always_inline))
@@ -267,10 +267,10 @@ static TGT void NAME(const ac_rope_params *p, int64_t item, void *scratch)      
 #define AC_ROPE_F32(v) ((float)(v))
 
 /* one body, a variant per target, and the dispatcher on the kernel path */
-#if AC_HAVE_VARIANTS
+#if AC_HAVE_X86
 #define AC_ROPE_MORE(NAME, TABLE, T, CT, LD, ST)                                        \
-AC_ROPE_ITEM_BODY(NAME##_avx2, AC_TGT_AVX2, TABLE, T, CT, LD, ST)                        \
-AC_ROPE_ITEM_BODY(NAME##_avx512, AC_TGT_AVX512, TABLE, T, CT, LD, ST)
+AC_ROPE_ITEM_BODY(NAME##_avx2, AC_VTGT_AVX2, TABLE, T, CT, LD, ST)                        \
+AC_ROPE_ITEM_BODY(NAME##_avx512, AC_VTGT_AVX512, TABLE, T, CT, LD, ST)
 #define AC_ROPE_VCALL(v, NAME, args)                                                    \
     do {                                                                                \
         if ((v) == AC_PATH_AVX512) NAME##_avx512 args;                                  \
@@ -282,7 +282,7 @@ AC_ROPE_ITEM_BODY(NAME##_avx512, AC_TGT_AVX512, TABLE, T, CT, LD, ST)
 #define AC_ROPE_VCALL(v, NAME, args) ((void)(v), NAME##_portable args)
 #endif
 #define AC_ROPE_ITEM(NAME, TABLE, T, CT, LD, ST)                                        \
-AC_ROPE_ITEM_BODY(NAME##_portable, AC_TGT_PORTABLE, TABLE, T, CT, LD, ST)                \
+AC_ROPE_ITEM_BODY(NAME##_portable, AC_VTGT_PORTABLE, TABLE, T, CT, LD, ST)                \
 AC_ROPE_MORE(NAME, TABLE, T, CT, LD, ST)                                                \
 static void NAME(const ac_rope_params *p, int64_t item, void *scratch)                  \
 {                                                                                       \

@@ -98,7 +98,7 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
         /* the key / value rows of this tile, in place or dequantized */
         const AC_T *kt = KB, *vt = VB;
         ptrdiff_t kt_rs = p->D, vt_rs = Dv;
-#if AC_IS_F32 && AC_HAVE_X86_SMALL
+#if AC_IS_F32 && AC_HAVE_X86
         /* a few rows on AVX-512: int8 and half rows are read as they are */
         const int k_direct = (p->kq8 || p->kh) && ac_avx512_ok && nq <= AC_SMALL_ROWS;
         const int v_direct = (p->vq8 || p->vh) && ac_avx512_ok && nq <= AC_SMALL_ROWS &&
@@ -129,7 +129,7 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
             vt_rs = p->v_rs;
         }
         if (nq <= AC_SMALL_ROWS) {
-#if AC_IS_F32 && AC_HAVE_X86_SMALL
+#if AC_IS_F32 && AC_HAVE_X86
             if (k_direct && (p->qk8 == 1 || p->qk8 == 2))
                 (p->qk8 == 1 ? ac_i8_scores_small : ac_i8_scores_small_emu)(
                     nq, nk, p->D, (float)p->scale, (const int8_t *)(const void *)q + i0 * p->q_rs,
@@ -174,7 +174,7 @@ static AC_VTGT int AC_VFN(ac_sdpa_range)(
             AC_FN(ac_pv_attended)(p, mb, mf, i0, nq, j0, nk, S, ldS, vt, vt_rs,
                                   acc, Dv, first);
         } else if (nq <= AC_SMALL_ROWS) {
-#if AC_IS_F32 && AC_HAVE_X86_SMALL
+#if AC_IS_F32 && AC_HAVE_X86
             if (v_direct && p->vq8)
                 ac_pv_small_q8_avx512(nq, nk, Dv, S, ldS,
                                       (const int8_t *)(const void *)v + j0 * p->v_rs, p->v_rs,
