@@ -25,8 +25,10 @@
 #ifndef AC_BF16DOT_H
 #define AC_BF16DOT_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "ac_cpu.h"
 
 /* one key chunk's bfloat16 operands (see ac_fused_range_f32) */
 typedef struct {

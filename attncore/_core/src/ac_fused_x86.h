@@ -1,7 +1,7 @@
 /*
- * ac_fused_x86.h -- the fused float32 attention kernel (ac_fused_impl.h)
+ * ac_fused_x86.h -- the fused float32 attention kernel (ac_fused_impl.inc)
  * for AVX-512 and for AVX2 + FMA, and the run-time choice between them and
- * the portable path (BLAS products + portable loops in ac_sdpa_impl.h).
+ * the portable path (BLAS products + portable loops in ac_sdpa_impl.inc).
  *
  * Blockings (measured on AMD Zen 4, whose AVX-512 runs on a 256-bit
  * datapath, and meant for 512-bit cores as well):
@@ -13,13 +13,21 @@
  *            accumulators of 16 registers); P.V 4 rows x 16 columns.
  * Key tiles hold AC_BK keys.
  *
- * Included by ac_sdpa.h after the float instantiation of ac_sdpa_impl.h
- * (it uses ac_tile_range_f32 and ac_rows_nonfinite_f32).
+ * Part of ac_sdpa.h, which includes it after the float instantiation of
+ * ac_sdpa_impl.inc (it uses ac_tile_range_f32, ac_rows_nonfinite_f32 and
+ * the rest of ac_sdpa.h).  Included on its own, it includes ac_sdpa.h
+ * first; included from ac_sdpa.h, that inclusion is a no-op (ac_sdpa.h's
+ * guard is already defined) and everything it needs is declared by then.
  */
 #ifndef AC_FUSED_X86_H
 #define AC_FUSED_X86_H
 
 #include <float.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include "ac_sdpa.h"
 
 #ifndef AC_BK
 #define AC_BK 128
@@ -29,7 +37,7 @@
 
 #if AC_HAVE_X86
 #define AC_HAVE_FUSED 1
-/* phases of a panel run over key chunks in several calls (ac_fused_impl.h) */
+/* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
 /* Whether query row i attends a key of [ks, ke) by the band and the mask
@@ -224,9 +232,9 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 }
 
 #define AC_BF16_PANEL 1
-#include "ac_fused_impl.h"
+#include "ac_fused_impl.inc"
 
-#include "ac_fused_undef.h"
+#include "ac_fused_undef.inc"
 
 /* ------------------------------------------------------------ AVX2 + FMA */
 #define AC_ISA avx2
@@ -389,9 +397,9 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 }
 
 #define AC_BF16_PANEL 0
-#include "ac_fused_impl.h"
+#include "ac_fused_impl.inc"
 
-#include "ac_fused_undef.h"
+#include "ac_fused_undef.inc"
 
 /* -------------------------------------------------------------- dispatch */
 /* query rows per panel of the path in use (the driver sizes blocks by it) */

@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include "ac_small_x86.h"
+#include "ac_cpu.h"
 
 /* storage formats of a query / key / value operand */
 enum { AC_H_NONE = 0, AC_H_BF16 = 1, AC_H_F16 = 2 };

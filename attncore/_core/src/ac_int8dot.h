@@ -30,8 +30,11 @@
 #define AC_INT8DOT_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "ac_cpu.h"
+#include "ac_half.h"
 
 /* row r of x (row stride x_rs elements; fmt 0 float32, else 16-bit bits
    converted into ybuf, D floats) as float32 */

@@ -191,7 +191,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_TANH tanhf
 #define AC_GEMM_T ac_sgemm_t
 #define AC_HALF_ROWS ac_half_rows_f32
-#include "ac_sdpa_impl.h"
+#include "ac_sdpa_impl.inc"
 #undef AC_HALF_ROWS
 #undef AC_T
 #undef AC_IS_F32
@@ -210,7 +210,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_TANH tanh
 #define AC_GEMM_T ac_dgemm_t
 #define AC_HALF_ROWS ac_half_rows_f64
-#include "ac_sdpa_impl.h"
+#include "ac_sdpa_impl.inc"
 #undef AC_HALF_ROWS
 #undef AC_T
 #undef AC_IS_F32

@@ -3,7 +3,7 @@
  * (decoding, one decoder step of a seq2seq model).
  *
  * At these sizes the work is streaming K and V once; the portable loops in
- * ac_sdpa_impl.h spend most of their time in the horizontal sum of every
+ * ac_sdpa_impl.inc spend most of their time in the horizontal sum of every
  * dot product and in reloading / storing the accumulator for every key.
  * Here four keys are scored at once (independent FMA chains, one reduction
  * each) and the P.V accumulator lives in registers across all keys.
