@@ -206,7 +206,7 @@ def extensions():
             "attncore._core._linalg",
             [os.path.join("attncore", "_core", "_linalg.pyx")],
             include_dirs=[SRC],
-            depends=_src_deps("ac_sdpa.h"),
+            depends=_src_deps("ac_linear.h"),
         ),
     ]
     return cythonize(

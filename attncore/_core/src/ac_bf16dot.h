@@ -273,53 +273,6 @@ static void ac_bf16_pv_rows(int mode, const uint32_t *PT2, int np, const uint32_
         }
     }
 }
-
-/* Dense layer rows with bfloat16 products: out[r][c] = x_r . w_c (+
- * bias[c]) for rows r < nr <= 32 of x (float32, rounded to bfloat16 pairs
- * once: QT2) and columns [c0, c1) of bfloat16 weights read in place as
- * pairs (K even, w_rs even: a row's consecutive pairs are its 32-bit
- * words).  mode 1 vdpbf16ps, 2 its AVX-512F spelling.  QT2: K / 2 x 32
- * words; T: 8 x 32 floats. */
-static AC_TGT_AVX512BW void ac_bf16_linear_panel(int mode, const float *x, ptrdiff_t x_rs,
-                                              int nr, const uint16_t *w, ptrdiff_t w_rs,
-                                              const float *bias, float *out, ptrdiff_t o_rs,
-                                              int c0, int c1, int K, uint32_t *QT2, float *T)
-{
-    const int Dh = K / 2;
-    const ptrdiff_t kw = w_rs / 2;
-    ac_pack_pairs_panel(x, x_rs, nr, K, 32, QT2);
-    for (int c = c0; c < c1; c += 8) {
-        const int nc = (c1 - c < 8) ? c1 - c : 8;
-        const uint32_t *kr = (const uint32_t *)(const void *)(w + (ptrdiff_t)c * w_rs);
-        __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-        if (nc == 8) {
-            if (mode == 1)
-                ac_bf16_qk8(QT2, Dh, kr, kw, 1.0f, T, &t0, &t1);
-            else
-                ac_bf16_qk8_emu(QT2, Dh, kr, kw, 1.0f, T, &t0, &t1);
-        } else {
-            for (int u = 0; u < nc; u++) {
-                if (mode == 1)
-                    ac_bf16_qk1(QT2, Dh, kr + u * kw, kw, 1.0f, T + u * 32, &t0, &t1);
-                else
-                    ac_bf16_qk1_emu(QT2, Dh, kr + u * kw, kw, 1.0f, T + u * 32, &t0, &t1);
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            float *orow = out + (ptrdiff_t)r * o_rs + c;
-            for (int u = 0; u < nc; u++) orow[u] = T[u * 32 + r] + (bias ? bias[c + u] : 0.0f);
-        }
-    }
-}
-#else
-static void ac_bf16_linear_panel(int mode, const float *x, ptrdiff_t x_rs, int nr,
-                                 const uint16_t *w, ptrdiff_t w_rs, const float *bias,
-                                 float *out, ptrdiff_t o_rs, int c0, int c1, int K,
-                                 uint32_t *QT2, float *T)
-{
-    (void)mode; (void)x; (void)x_rs; (void)nr; (void)w; (void)w_rs; (void)bias; (void)out;
-    (void)o_rs; (void)c0; (void)c1; (void)K; (void)QT2; (void)T;
-}
 #endif /* AC_HAVE_X86 */
 
 #endif /* AC_BF16DOT_H */

@@ -36,7 +36,6 @@
 #define AC_FUSED_SCRATCH(D, Dv) ((ptrdiff_t)((D) + AC_BK + (Dv)) * 32)
 
 #if AC_HAVE_X86
-#define AC_HAVE_FUSED 1
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
@@ -530,55 +529,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     return processed;
 }
 
-
-/* scratch floats ac_linear_rows_f32 needs */
-#define AC_LINEAR_SCRATCH(K) ((ptrdiff_t)((K) + 16) * 32)
-/* row blocks of at most this many rows use dot products (decoding) */
-#define AC_LINEAR_SMALL 8
-
-/*
- * out[r][c] = x_r . w_c (+ bias[c]) for rows [r0, r0 + nr) and columns
- * [c0, c1), without BLAS: panels of the fused kernel's micro-kernel, or dot
- * products for a few rows.  Returns 0, or -1 on the portable path (the
- * caller then uses BLAS).
- */
-static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
-                              const float *w, ptrdiff_t w_rs,
-                              const float *bias, float *out, ptrdiff_t o_rs,
-                              int c0, int c1, int K, float *scratch)
-{
-    if (ac_kernel_path == AC_PATH_PORTABLE) return -1;
-    if (c1 <= c0 || nr <= 0) return 0;
-    if (nr <= AC_LINEAR_SMALL) {
-        for (int r = r0; r < r0 + nr; r++) {
-            float *o = out + r * o_rs + c0;
-            if (ac_kernel_path == AC_PATH_AVX512)
-                ac_scores_small_f32_avx512(1, c1 - c0, K, 1.0f, x + r * x_rs, x_rs,
-                                           w + c0 * w_rs, w_rs, o, (int)o_rs);
-            else
-                ac_scores_small_f32(1, c1 - c0, K, 1.0f, x + r * x_rs, x_rs,
-                                    w + c0 * w_rs, w_rs, o, (int)o_rs);
-            if (bias)
-                for (int c = 0; c < c1 - c0; c++) o[c] += bias[c0 + c];
-        }
-        return 0;
-    }
-    const int P = ac_fused_panel_rows();
-    float *XT = scratch, *T = scratch + (ptrdiff_t)K * 32;
-    for (int p0 = r0; p0 < r0 + nr; p0 += P) {
-        const int n = (r0 + nr - p0 < P) ? r0 + nr - p0 : P;
-        if (ac_kernel_path == AC_PATH_AVX512)
-            ac_linear_panel_f32_avx512(x + p0 * x_rs, x_rs, n, w, w_rs, bias,
-                                       out + p0 * o_rs, o_rs, c0, c1, K, XT, T);
-        else
-            ac_linear_panel_f32_avx2(x + p0 * x_rs, x_rs, n, w, w_rs, bias,
-                                     out + p0 * o_rs, o_rs, c0, c1, K, XT, T);
-    }
-    return 0;
-}
-
 #else
-#define AC_HAVE_FUSED 0
 static int ac_fused_panel_rows(void) { return AC_PANEL_ROWS_AVX2; }
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
@@ -593,17 +544,6 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     (void)nq; (void)ks; (void)ke; (void)scratch; (void)acc; (void)m;
     (void)l; (void)bad;
     return 0;
-}
-#define AC_LINEAR_SCRATCH(K) ((ptrdiff_t)((K) + 16) * 32)
-#define AC_LINEAR_SMALL 8
-static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
-                              const float *w, ptrdiff_t w_rs,
-                              const float *bias, float *out, ptrdiff_t o_rs,
-                              int c0, int c1, int K, float *scratch)
-{
-    (void)x; (void)x_rs; (void)r0; (void)nr; (void)w; (void)w_rs; (void)bias;
-    (void)out; (void)o_rs; (void)c0; (void)c1; (void)K; (void)scratch;
-    return -1;
 }
 #endif
 
