@@ -8,6 +8,12 @@ ATTNCORE_NO_OPENMP=1
 ATTNCORE_FAIL_NO_OPENMP=1
     Fail the build instead of falling back to a serial build when the
     compiler cannot compile and link an OpenMP program.
+CFLAGS
+    Added to every compile (setuptools reads it), which is how a build sets
+    the kernels' compile-time constants, e.g. ``CFLAGS=-DAC_BK=64`` (keys
+    per tile of the fused kernel, attncore/_core/src/ac_fused_x86.h) or
+    ``CFLAGS=-DAC_NO_X86_KERNELS`` (the portable kernels only).  Rebuild with
+    ``--force`` after changing it: setuptools does not track flags.
 
 Platforms
 ---------

@@ -29,11 +29,31 @@
 #include <string.h>
 #include "ac_sdpa.h"
 
+/* keys per tile of the fused kernel, and per chunk of converted keys /
+   values that the panels of a query block share (a build may set it:
+   CFLAGS=-DAC_BK=64; a multiple of 2, see AC_BF16_CHUNK) */
 #ifndef AC_BK
 #define AC_BK 128
 #endif
-/* floats of scratch one panel needs (largest panel: 32 rows) */
+/* The scratch of the fused kernel, in floats (ac_size_scratch lays it out):
+ * AC_FUSED_SCRATCH  one panel (largest panel: 32 rows): its packed
+ *                   queries (D x 32), score tile (AC_BK x 32) and room
+ *                   for a Dv x 32 tile
+ * AC_FUSED_PANEL_STATE  a panel's packed queries and running max / sum
+ *                   (2 x 32) when the panels of a block share converted
+ *                   chunks (ac_fused_range_f32; ac_params.mp_off)
+ * AC_BF16_CHUNK     the packed bfloat16 chunk (ac_params.bf_off), in
+ *                   32-bit words: K16 (AC_BK x (D + 1) / 2), VI (AC_BK / 2
+ *                   + 1 key pairs x Dv) and a tile's probability pairs
+ *                   (AC_BK / 2 + 2 pairs x 32 rows) */
 #define AC_FUSED_SCRATCH(D, Dv) ((ptrdiff_t)((D) + AC_BK + (Dv)) * 32)
+#define AC_FUSED_PANEL_STATE(D) ((ptrdiff_t)(D) * 32 + 64)
+#define AC_BF16_CHUNK(D, Dv)                                                  \
+    ((ptrdiff_t)AC_BK * (((D) + 1) / 2) + (ptrdiff_t)(AC_BK / 2 + 1) * (Dv) + \
+     (ptrdiff_t)(AC_BK / 2 + 2) * 32)
+#if AC_BK < 2 || AC_BK % 2
+#error "AC_BK must be an even number of keys"
+#endif
 
 #if AC_HAVE_X86
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
@@ -484,7 +504,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     bt.vi = VI;
     bt.pt2 = VI + (ptrdiff_t)(AC_BK / 2 + 1) * Dv;
     bt.vfin = 0;
-    const ptrdiff_t per = (ptrdiff_t)D * 32 + 64; /* a panel's QT and state */
+    const ptrdiff_t per = AC_FUSED_PANEL_STATE(D); /* a panel's QT and state */
     float *mp = scratch + p->mp_off;
     ptrdiff_t c0 = kst;
     do {

@@ -286,8 +286,9 @@ static void ac_i8_col_stats(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n,
     ac_i8_col_stats_c(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
 }
 
-/* one query block's int8 dot-product state (see the panel) */
-#define AC_I8_PANEL_EXTRA 2 /* 32-lane vectors after QT4: row scales, key offset */
+/* int8 query / key rows are read 4 bytes (one vpdpbusd group) at a time:
+   their length (row stride of the int8 operands) is a multiple of this */
+#define AC_I8_ROW_ALIGN 4
 
 #if AC_HAVE_X86
 
