@@ -27,7 +27,6 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include "ac_sdpa.h"
 
 /* keys per tile of the fused kernel, and per chunk of converted keys /
    values that the panels of a query block share (a build may set it:
@@ -54,6 +53,9 @@
 #if AC_BK < 2 || AC_BK % 2
 #error "AC_BK must be an even number of keys"
 #endif
+
+/* after the constants above: ac_sdpa.h's ac_size_scratch uses them */
+#include "ac_sdpa.h"
 
 #if AC_HAVE_X86
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
