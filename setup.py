@@ -8,6 +8,12 @@ ATTNCORE_NO_OPENMP=1
 ATTNCORE_FAIL_NO_OPENMP=1
     Fail the build instead of falling back to a serial build when the
     compiler cannot compile and link an OpenMP program.
+CFLAGS
+    Added to every compile (setuptools reads it), which is how a build sets
+    the kernels' compile-time constants, e.g. ``CFLAGS=-DAC_BK=64`` (keys
+    per tile of the fused kernel, attncore/_core/src/ac_fused_x86.h) or
+    ``CFLAGS=-DAC_NO_X86_KERNELS`` (the portable kernels only).  Rebuild with
+    ``--force`` after changing it: setuptools does not track flags.
 
 Platforms
 ---------
@@ -29,6 +35,7 @@ compiled only for ``__GNUC__`` on x86-64: an MSVC build runs the portable
 path (BLAS products + portable loops).
 """
 import os
+import re
 import shlex
 import sys
 import shutil
@@ -41,9 +48,23 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join("attncore", "_core", "src")
-SDPA_HEADERS = ("ac_common.h", "ac_math.h", "ac_half.h", "ac_small_avx2.h", "ac_sdpa.h", "ac_sdpa_impl.h",
-                "ac_sdpa_variant.h", "ac_small_x86.h",
-                "ac_fused_x86.h", "ac_fused_impl.h", "ac_fused_undef.h")
+
+
+def _src_deps(*roots):
+    """The kernel sources (attncore/_core/src) that the headers ``roots``
+    include, themselves included, for the ``depends`` of an extension: the
+    ``#include "ac_..."`` lines followed transitively, and the bodies that
+    ac_variants.inc includes (``#define AC_VARIANT_BODY "ac_..."``)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        with open(os.path.join(HERE, SRC, name), encoding="utf-8") as f:
+            todo += re.findall(r'^\s*#\s*(?:include|define\s+AC_VARIANT_BODY)\s+'
+                               r'"(ac_\w+\.(?:h|inc))"', f.read(), re.M)
+    return [os.path.join(SRC, n) for n in sorted(seen)]
 
 
 def _flag(name):
@@ -173,26 +194,25 @@ def extensions():
             "attncore._core._sdpa",
             [os.path.join("attncore", "_core", "_sdpa.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in SDPA_HEADERS],
+            depends=_src_deps("ac_sdpa.h"),
         ),
         Extension(
             "attncore._core._additive",
             [os.path.join("attncore", "_core", "_additive.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_math.h", "ac_additive.h",
-                                                    "ac_additive_impl.h", "ac_additive_variant.h")],
+            depends=_src_deps("ac_additive.h"),
         ),
         Extension(
             "attncore._core._rotary",
             [os.path.join("attncore", "_core", "_rotary.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in ("ac_common.h", "ac_rotary.h")],
+            depends=_src_deps("ac_rotary.h"),
         ),
         Extension(
             "attncore._core._linalg",
             [os.path.join("attncore", "_core", "_linalg.pyx")],
             include_dirs=[SRC],
-            depends=[os.path.join(SRC, f) for f in SDPA_HEADERS],
+            depends=_src_deps("ac_linear.h"),
         ),
     ]
     return cythonize(

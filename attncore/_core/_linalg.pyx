@@ -13,28 +13,30 @@ from cython.parallel cimport prange, parallel
 from scipy.linalg.cython_blas cimport sgemm, dgemm, sgemv, dgemv
 
 from libc.stdlib cimport malloc, free
-from libc.stdint cimport uint16_t, uint32_t
+from libc.stdint cimport uint16_t
 
 from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
 
-cdef extern from "ac_sdpa.h" nogil:
+cdef extern from "ac_linear.h" nogil:
     void ac_state_attach(void *home)
     int ac_kernel_path
     int ac_set_kernel_path(int path)
     int ac_fused_panel_rows()
+    int AC_PATH_PORTABLE, AC_PATH_AVX512
     int AC_LINEAR_SMALL
     Py_ssize_t AC_LINEAR_SCRATCH(int K)
+    Py_ssize_t AC_BF16_LINEAR_SCRATCH(int K)
     int ac_linear_rows_f32(const float *x, Py_ssize_t x_rs, int r0, int nr, const float *w,
                            Py_ssize_t w_rs, const float *bias, float *out, Py_ssize_t o_rs,
                            int c0, int c1, int K, float *scratch)
     void ac_half_rows_f32(int fmt, const uint16_t *x, Py_ssize_t rs, int n, int D, float *out,
                           Py_ssize_t ldo)
     int ac_cpu_bf16_dot()
-    void ac_bf16_linear_panel(int mode, const float *x, Py_ssize_t x_rs, int nr,
-                              const uint16_t *w, Py_ssize_t w_rs, const float *bias,
-                              float *out, Py_ssize_t o_rs, int c0, int c1, int K,
-                              uint32_t *QT2, float *T)
+    void ac_bf16_linear_rows(int mode, const float *x, Py_ssize_t x_rs, int nr,
+                             const uint16_t *w, Py_ssize_t w_rs, const float *bias,
+                             float *out, Py_ssize_t o_rs, int c0, int c1, int K,
+                             float *scratch)
 
 # the kernel-path state lives in _sdpa (ac_common.h)
 ac_state_attach(PyCapsule_Import("attncore._core._sdpa._kernel_state", 0))
@@ -192,22 +194,16 @@ cdef void _half_block(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssi
     _HCHUNK rows of w at a time are converted to float32 (buf) and serve
     every row of x (fused kernel, or a single-threaded gemm).  bf16dot (1
     vdpbf16ps, 2 its AVX-512F spelling): bfloat16 w read in place as pairs
-    against panels of 32 rows of x rounded to bfloat16 (buf: the packed
-    panel and an 8 x 32 tile)."""
-    cdef int cc = c0, n, p0
+    against panels of rows of x rounded to bfloat16 (buf: the packed panel
+    and a tile, AC_BF16_LINEAR_SCRATCH(K) floats)."""
+    cdef int cc = c0, n
     if bf16dot:
-        p0 = 0
-        while p0 < R:
-            n = min(32, R - p0)
-            ac_bf16_linear_panel(bf16dot, x + p0 * x_rs, x_rs, n, w, w_rs, bias,
-                                 out + p0 * o_rs, o_rs, c0, c1, K, <uint32_t *>buf,
-                                 buf + (K // 2) * 32)
-            p0 += 32
+        ac_bf16_linear_rows(bf16dot, x, x_rs, R, w, w_rs, bias, out, o_rs, c0, c1, K, buf)
         return
     while cc < c1:
         n = min(<int>_HCHUNK, c1 - cc)
         ac_half_rows_f32(fmt, w + cc * w_rs, w_rs, n, K, buf, K)
-        if ac_kernel_path != 0:
+        if ac_kernel_path != AC_PATH_PORTABLE:
             ac_linear_rows_f32(x, x_rs, 0, R, buf, K, bias + cc if bias != NULL else NULL,
                                out + cc, o_rs, 0, n, K, scratch)
         else:
@@ -221,7 +217,7 @@ cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_
                    int K, int nthreads, int bf16dot) noexcept nogil:
     """float32 x with half weights read in place: column blocks over the
     team.  0 on success, -1 when scratch memory ran out."""
-    cdef Py_ssize_t nbuf = _HCHUNK * K + AC_LINEAR_SCRATCH(K) + 16
+    cdef Py_ssize_t nbuf = max(_HCHUNK * K + AC_LINEAR_SCRATCH(K), AC_BF16_LINEAR_SCRATCH(K)) + 16
     cdef int step, nblk, t
     cdef float *buf = NULL
     cdef int err = 0
@@ -319,7 +315,7 @@ def linear(x, w, bias, out, int nthreads, int w_fmt=0, int bf16dot=0):
             return
         if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
             raise ValueError("linear: invalid bf16dot")
-        if (w_fmt != 1 or ac_kernel_path != 2 or R <= AC_LINEAR_SMALL or K % 2
+        if (w_fmt != 1 or ac_kernel_path != AC_PATH_AVX512 or R <= AC_LINEAR_SMALL or K % 2
                 or _rs(bw, K) % 2):
             bf16dot = 0
         if w_fmt:
@@ -329,7 +325,7 @@ def linear(x, w, bias, out, int nthreads, int w_fmt=0, int bf16dot=0):
                                 <float *>bo.buf, _rs(bo, C), R, C, K, nthreads, bf16dot)
             if err:
                 raise MemoryError("attncore: could not allocate the kernel's scratch memory")
-        elif bx.itemsize == 4 and ac_kernel_path != 0:
+        elif bx.itemsize == 4 and ac_kernel_path != AC_PATH_PORTABLE:
             with nogil:
                 err = _run_fused(<const float *>bx.buf, _rs(bx, K), <const float *>bw.buf,
                                  _rs(bw, K), <const float *>bb.buf if have_b else NULL,

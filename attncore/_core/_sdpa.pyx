@@ -100,13 +100,16 @@ cdef extern from "ac_sdpa.h" nogil:
                              int32_t *ksum, float *ybuf)
     void ac_i8_col_stats(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
                          float *mean, float *mabs, float *amax, float *ybuf, double *acc)
-    Py_ssize_t AC_FUSED_SCRATCH(int D, int Dv)
+    void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, int is64, int have_ks,
+                         int have_vs, int q_fmt, int k_fmt, int v_fmt, int bf16dot, int qk8)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     void ac_exp_array_f64(const double *x, double *y, Py_ssize_t n)
     void *ac_state_home()
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
     int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2
+    int AC_PATH_AVX512, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
+    int AC_I8_ROW_ALIGN
 
 
 ac_cpu_init()
@@ -163,7 +166,7 @@ def set_bf16_mode(mode):
     prev = ("off", "native", "emulate")[_bf16_mode]
     _bf16_mode = _mode_code(
         mode, "bf16", {"native": 1 if ac_cpu_bf16_dot() else None,
-                       "emulate": 2 if ac_best_path == 2 else None, "off": 0},
+                       "emulate": 2 if ac_best_path == AC_PATH_AVX512 else None, "off": 0},
         1 if ac_cpu_bf16_dot() else 0)
     return prev
 
@@ -191,7 +194,7 @@ def set_int8_mode(mode):
     prev = ("float32", "native", "emulate", "dequantize")[_int8_mode]
     _int8_mode = _mode_code(
         mode, "int8", {"native": 1 if ac_cpu_vnni() else None,
-                       "emulate": 2 if ac_best_path == 2 else None, "dequantize": 3,
+                       "emulate": 2 if ac_best_path == AC_PATH_AVX512 else None, "dequantize": 3,
                        "float32": 0},
         1 if ac_cpu_vnni() else 0)
     return prev
@@ -560,9 +563,9 @@ cdef inline void _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
         v = (<const floating *>ops.v) + ops.vo[b]
     cdef const uint8_t *mb = NULL
     cdef const floating *mf = NULL
-    if p.mask_kind == 1:
+    if p.mask_kind == AC_MASK_BOOL:
         mb = (<const uint8_t *>ops.mask) + ops.mo[b]
-    elif p.mask_kind == 2:
+    elif p.mask_kind == AC_MASK_ADD:
         mf = (<const floating *>ops.mask) + ops.mo[b]
     cdef Py_ssize_t Bq = p.Bq, Dv = p.Dv
     cdef floating *S = buf
@@ -664,7 +667,7 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
             # every thread of the team reaches the worksharing loop (one
             # without scratch skips its items; the call then raises)
             ac_blas_hold()
-            if p.causal == 0 and p.mask_kind == 0:
+            if p.causal == AC_CAUSAL_NONE and p.mask_kind == AC_MASK_NONE:
                 # equal work items: a static schedule keeps each thread on the
                 # same items call after call (their K/V stay in its cache)
                 for w in prange(W, schedule='static'):
@@ -696,9 +699,9 @@ cdef inline void _weights_item(const ac_params *p0, _Ops *ops, Py_ssize_t w, Py_
     cdef int nq = p.Bq if p.N - i0 > p.Bq else <int>(p.N - i0)
     cdef const uint8_t *mb = NULL
     cdef const floating *mf = NULL
-    if p.mask_kind == 1:
+    if p.mask_kind == AC_MASK_BOOL:
         mb = (<const uint8_t *>ops.mask) + ops.mo[b]
-    elif p.mask_kind == 2:
+    elif p.mask_kind == AC_MASK_ADD:
         mf = (<const floating *>ops.mask) + ops.mo[b]
     _weights(p, (<const floating *>ops.q) + ops.qo[b], (<const floating *>ops.k) + ops.ko[b],
              (<const floating *>ops.v) + ops.vo[b], mb, mf, i0, nq,
@@ -776,56 +779,6 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
     if rows <= 1:
         return cols if cols > 1 else 1
     return buf.strides[buf.ndim - 2] // buf.itemsize
-
-cdef void _size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, bint is64, bint have_ks,
-                        bint have_vs, int q_fmt, int k_fmt, int v_fmt,
-                        int bf16dot=0, int qk8=0) noexcept nogil:
-    """Tile sizes and the layout of each thread's score scratch (s_len,
-    dq_off, qb_off, bf_off, mp_off) for these operand formats; bf16dot:
-    the fused kernel's bfloat16 dot products (1 / 2) or none (0)."""
-    cdef Py_ssize_t dq_rows
-    p.D = D
-    p.Dv = Dv
-    p.Bq = Bq
-    p.Bk = Bk
-    p.ldS = (Bk + 15) // 16 * 16
-    p.s_len = Bq * p.ldS
-    if not is64 and AC_FUSED_SCRATCH(D, Dv) > p.s_len:
-        p.s_len = AC_FUSED_SCRATCH(D, Dv)
-    p.s_len = (p.s_len + 15) // 16 * 16
-    p.kq8 = have_ks
-    p.vq8 = have_vs
-    p.qh = q_fmt
-    p.kh = k_fmt
-    p.vh = v_fmt
-    p.dq_off = 0
-    p.qb_off = 0
-    p.ks_rs = 0
-    p.vs_rs = 0
-    if have_ks or have_vs or k_fmt or v_fmt:
-        # converted key / value tile buffers after the score scratch
-        dq_rows = Bk if Bk > 128 else 128
-        p.dq_off = p.s_len
-        p.s_len += (dq_rows * (D + Dv) + 15) // 16 * 16
-    p.qk8 = qk8
-    p.qsc = NULL
-    if q_fmt or qk8:
-        # the converted query block (or fused panel: 32 rows at most)
-        p.qb_off = p.s_len
-        p.s_len += ((Bq if Bq > 32 else 32) * D + 15) // 16 * 16
-    p.bf16dot = bf16dot
-    p.bf_off = 0
-    if bf16dot:
-        # the packed bfloat16 chunk: K16, VI and the probability pairs
-        p.bf_off = p.s_len
-        p.s_len += (128 * ((D + 1) // 2) + 65 * Dv + 66 * 32 + 15) // 16 * 16
-    p.mp_off = 0
-    if not is64 and (have_ks or have_vs or k_fmt or v_fmt or bf16dot):
-        # the fused kernel's panels sharing converted key / value tiles:
-        # packed queries and running statistics of each (panels of 16
-        # rows at least)
-        p.mp_off = p.s_len
-        p.s_len += (Bq + 15) // 16 * (D * 32 + 64)
 
 
 def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
@@ -924,12 +877,12 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
             raise ValueError("invalid operand formats")
         if qk8:
             if (qk8 not in (1, 2, 3) or (qk8 == 1 and not ac_cpu_vnni())
-                    or (qk8 == 2 and ac_best_path != 2) or is64 or q_fmt or k_fmt
+                    or (qk8 == 2 and ac_best_path != AC_PATH_AVX512) or is64 or q_fmt or k_fmt
                     or weights is not None or k_scales is None or q_scales is None):
                 raise ValueError("invalid qk8")
             bqs = _acquire(&bufs, q_scales, PyBUF_RECORDS_RO)
             if (bq.itemsize != 1 or bq.len != nb * N * bq.shape[bq.ndim - 1]
-                    or bq.shape[bq.ndim - 1] % 4 or bq.shape[bq.ndim - 1] < D
+                    or bq.shape[bq.ndim - 1] % AC_I8_ROW_ALIGN or bq.shape[bq.ndim - 1] < D
                     or not PyBuffer_IsContiguous(bq, b'C')
                     or bqs.itemsize != 4 or bqs.len != nb * N * 4
                     or not PyBuffer_IsContiguous(bqs, b'C')):
@@ -966,8 +919,8 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
         p.M = M
         if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
             raise ValueError("invalid bf16dot")
-        _size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt,
-                      0 if is64 else bf16dot, qk8)
+        ac_size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt,
+                        0 if is64 else bf16dot, qk8)
         if have_ks:
             _fill_offsets(bks, nd, shp, group, offs + 4 * nb)
             p.ks_rs = _row_stride(bks)
@@ -996,7 +949,7 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
                 p.mask_rs = bm.strides[bm.ndim - 2] // bm.itemsize
             if bm.shape[bm.ndim - 1] != 1:
                 p.mask_cs = bm.strides[bm.ndim - 1] // bm.itemsize
-        p.mask_kind = mask_kind if have_m else 0
+        p.mask_kind = mask_kind if have_m else AC_MASK_NONE
         p.causal = causal
         p.win_l = win_l
         p.win_r = win_r
@@ -1310,14 +1263,14 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
         p.M = 0
         if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
             raise ValueError("invalid bf16dot")
-        _size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt,
-                      0 if is64 else bf16dot)
+        ac_size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt,
+                        0 if is64 else bf16dot, 0)
         p.q_rs = bq.strides[0] // bq.itemsize
         p.k_rs = bk.strides[0] // bk.itemsize
         p.v_rs = bv.strides[0] // bv.itemsize
         p.mask_rs = 0
         p.mask_cs = 0
-        p.mask_kind = 0
+        p.mask_kind = AC_MASK_NONE
         p.causal = causal
         p.win_l = win_l
         p.win_r = win_r

@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#include "ac_common.h"
+#include "ac_cpu.h"
 #include "ac_math.h"
 
 /* ------------------------------------------------------------------ tanh */
@@ -96,7 +96,7 @@ typedef struct {
 #define AC_TANH ac_tanhf
 #define AC_EXP ac_expf
 #define AC_GEMM_T ac_sgemm_t
-#include "ac_additive_impl.h"
+#include "ac_additive_impl.inc"
 #undef AC_T
 #undef AC_SUF
 #undef AC_TANH
@@ -108,7 +108,7 @@ typedef struct {
 #define AC_TANH ac_tanh
 #define AC_EXP ac_exp
 #define AC_GEMM_T ac_dgemm_t
-#include "ac_additive_impl.h"
+#include "ac_additive_impl.inc"
 #undef AC_T
 #undef AC_SUF
 #undef AC_TANH

@@ -25,8 +25,10 @@
 #ifndef AC_BF16DOT_H
 #define AC_BF16DOT_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "ac_cpu.h"
 
 /* one key chunk's bfloat16 operands (see ac_fused_range_f32) */
 typedef struct {
@@ -95,17 +97,15 @@ static void ac_pack_pairs_panel(const float *q, ptrdiff_t rs, int nr, int D, int
     }
 }
 
-#if AC_HAVE_X86_SMALL
-#define AC_TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
-#define AC_TGT_BF16E __attribute__((target("avx512f,avx512bw,avx2,fma")))
+#if AC_HAVE_X86
 
-static AC_TGT_BF16 inline __m512 ac_dp_bf16(__m512 acc, __m512i a, __m512i b)
+static AC_TGT_AVX512_BF16 inline __m512 ac_dp_bf16(__m512 acc, __m512i a, __m512i b)
 {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
 /* the same sum of two products per lane in AVX-512F (both halves widened) */
-static AC_TGT_BF16E inline __m512 ac_dp_bf16_emu(__m512 acc, __m512i a, __m512i b)
+static AC_TGT_AVX512BW inline __m512 ac_dp_bf16_emu(__m512 acc, __m512i a, __m512i b)
 {
     const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
     const __m512 alo = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
@@ -117,7 +117,7 @@ static AC_TGT_BF16E inline __m512 ac_dp_bf16_emu(__m512 acc, __m512i a, __m512i 
 
 /* PT2[jp][r] for the pairs of probabilities in rows ST[j][32] (j < nk;
  * first: the index in ST of the pair's first key, -1 for a leading 0) */
-static AC_TGT_BF16E void ac_pack_probs(const float *ST, int first, int nk, uint32_t *PT2,
+static AC_TGT_AVX512BW void ac_pack_probs(const float *ST, int first, int nk, uint32_t *PT2,
                                        int npairs)
 {
     const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
@@ -145,7 +145,7 @@ static AC_TGT_BF16E void ac_pack_probs(const float *ST, int first, int nk, uint3
 /* scores of KU keys (K16 rows, ld kw words) x 32 query lanes, scaled by
  * qs, into ST rows (ld 32); running tile max in *mx0 / *mx1 */
 #define AC_DEF_BF16_QK(KU, NAME, TGT, DP)                                                  \
-static TGT __attribute__((noinline)) void NAME(const uint32_t *QT2, int Dh,              \
+static TGT AC_NOINLINE void NAME(const uint32_t *QT2, int Dh,              \
                                                const uint32_t *kr, ptrdiff_t kw,          \
                                                float qs, float *ST, __m512 *mx0,          \
                                                __m512 *mx1)                               \
@@ -179,7 +179,7 @@ static TGT __attribute__((noinline)) void NAME(const uint32_t *QT2, int Dh,     
  * rows (<= 4) and cv full vectors (<= 4) of 16 value columns; the last
  * vector may be partial (n columns: tail mask) */
 #define AC_DEF_BF16_PV(NAME, TGT, DP)                                                      \
-static TGT __attribute__((noinline)) void NAME(const uint32_t *PT2, int np,              \
+static TGT AC_NOINLINE void NAME(const uint32_t *PT2, int np,              \
                                                const uint32_t *vi, ptrdiff_t vw,          \
                                                float *O, ptrdiff_t ldo, const float *alpha, \
                                                int ru, int cv, __mmask16 last)            \
@@ -225,12 +225,12 @@ static TGT __attribute__((noinline)) void NAME(const uint32_t *PT2, int np,     
                                   a[u][c]);                                                \
 }
 
-AC_DEF_BF16_QK(8, ac_bf16_qk8, AC_TGT_BF16, ac_dp_bf16)
-AC_DEF_BF16_QK(1, ac_bf16_qk1, AC_TGT_BF16, ac_dp_bf16)
-AC_DEF_BF16_PV(ac_bf16_pv, AC_TGT_BF16, ac_dp_bf16)
-AC_DEF_BF16_QK(8, ac_bf16_qk8_emu, AC_TGT_BF16E, ac_dp_bf16_emu)
-AC_DEF_BF16_QK(1, ac_bf16_qk1_emu, AC_TGT_BF16E, ac_dp_bf16_emu)
-AC_DEF_BF16_PV(ac_bf16_pv_emu, AC_TGT_BF16E, ac_dp_bf16_emu)
+AC_DEF_BF16_QK(8, ac_bf16_qk8, AC_TGT_AVX512_BF16, ac_dp_bf16)
+AC_DEF_BF16_QK(1, ac_bf16_qk1, AC_TGT_AVX512_BF16, ac_dp_bf16)
+AC_DEF_BF16_PV(ac_bf16_pv, AC_TGT_AVX512_BF16, ac_dp_bf16)
+AC_DEF_BF16_QK(8, ac_bf16_qk8_emu, AC_TGT_AVX512BW, ac_dp_bf16_emu)
+AC_DEF_BF16_QK(1, ac_bf16_qk1_emu, AC_TGT_AVX512BW, ac_dp_bf16_emu)
+AC_DEF_BF16_PV(ac_bf16_pv_emu, AC_TGT_AVX512BW, ac_dp_bf16_emu)
 
 /* bfloat16 dot products: 0 off, 1 the instruction, 2 its AVX-512F spelling
  * (tests: the same path on a CPU without AVX512_BF16).  Set per call by
@@ -273,53 +273,6 @@ static void ac_bf16_pv_rows(int mode, const uint32_t *PT2, int np, const uint32_
         }
     }
 }
-
-/* Dense layer rows with bfloat16 products: out[r][c] = x_r . w_c (+
- * bias[c]) for rows r < nr <= 32 of x (float32, rounded to bfloat16 pairs
- * once: QT2) and columns [c0, c1) of bfloat16 weights read in place as
- * pairs (K even, w_rs even: a row's consecutive pairs are its 32-bit
- * words).  mode 1 vdpbf16ps, 2 its AVX-512F spelling.  QT2: K / 2 x 32
- * words; T: 8 x 32 floats. */
-static AC_TGT_BF16E void ac_bf16_linear_panel(int mode, const float *x, ptrdiff_t x_rs,
-                                              int nr, const uint16_t *w, ptrdiff_t w_rs,
-                                              const float *bias, float *out, ptrdiff_t o_rs,
-                                              int c0, int c1, int K, uint32_t *QT2, float *T)
-{
-    const int Dh = K / 2;
-    const ptrdiff_t kw = w_rs / 2;
-    ac_pack_pairs_panel(x, x_rs, nr, K, 32, QT2);
-    for (int c = c0; c < c1; c += 8) {
-        const int nc = (c1 - c < 8) ? c1 - c : 8;
-        const uint32_t *kr = (const uint32_t *)(const void *)(w + (ptrdiff_t)c * w_rs);
-        __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
-        if (nc == 8) {
-            if (mode == 1)
-                ac_bf16_qk8(QT2, Dh, kr, kw, 1.0f, T, &t0, &t1);
-            else
-                ac_bf16_qk8_emu(QT2, Dh, kr, kw, 1.0f, T, &t0, &t1);
-        } else {
-            for (int u = 0; u < nc; u++) {
-                if (mode == 1)
-                    ac_bf16_qk1(QT2, Dh, kr + u * kw, kw, 1.0f, T + u * 32, &t0, &t1);
-                else
-                    ac_bf16_qk1_emu(QT2, Dh, kr + u * kw, kw, 1.0f, T + u * 32, &t0, &t1);
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            float *orow = out + (ptrdiff_t)r * o_rs + c;
-            for (int u = 0; u < nc; u++) orow[u] = T[u * 32 + r] + (bias ? bias[c + u] : 0.0f);
-        }
-    }
-}
-#else
-static void ac_bf16_linear_panel(int mode, const float *x, ptrdiff_t x_rs, int nr,
-                                 const uint16_t *w, ptrdiff_t w_rs, const float *bias,
-                                 float *out, ptrdiff_t o_rs, int c0, int c1, int K,
-                                 uint32_t *QT2, float *T)
-{
-    (void)mode; (void)x; (void)x_rs; (void)nr; (void)w; (void)w_rs; (void)bias; (void)out;
-    (void)o_rs; (void)c0; (void)c1; (void)K; (void)QT2; (void)T;
-}
-#endif /* AC_HAVE_X86_SMALL */
+#endif /* AC_HAVE_X86 */
 
 #endif /* AC_BF16DOT_H */

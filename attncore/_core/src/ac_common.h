@@ -14,14 +14,8 @@
  * (ac_state_attach, through the capsule attncore._core._sdpa._kernel_state),
  * so one call forces the path of every kernel.
  *
- * Compiled variants.  A kernel whose speed comes from auto-vectorized loops
- * is compiled three times from one body: for the baseline (AC_TGT_PORTABLE,
- * nothing beyond the build's flags), for AVX2 + FMA (AC_TGT_AVX2) and for
- * AVX-512 (AC_TGT_AVX512), and a dispatcher calls the variant of the path
- * in use (ac_variant), so the forced portable path runs the baseline code
- * that CPUs without AVX2 run.  The variants are noinline so the vectorizer
- * sees each loop in its variant's target.  Each dispatch records the
- * variant in ac_state->ran (read by the tests through _sdpa._variants_ran).
+ * The target attributes, the CPU features and the dispatch of the compiled
+ * variants (one body, a function per instruction set) are in ac_cpu.h.
  */
 #ifndef AC_COMMON_H
 #define AC_COMMON_H
@@ -67,42 +61,6 @@ static AC_UNUSED void *ac_state_home(void) { return (void *)&ac_state_own; }
 static AC_UNUSED void ac_state_attach(void *home)
 {
     if (home) ac_state = (ac_state_t *)home;
-}
-
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS) && \
-    !defined(AC_NO_CLONES)
-#define AC_HAVE_VARIANTS 1
-#define AC_TGT_PORTABLE __attribute__((noinline))
-#define AC_TGT_AVX2 __attribute__((noinline, target("avx2,fma,f16c")))
-#define AC_TGT_AVX512 \
-    __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#else
-#define AC_HAVE_VARIANTS 0
-#define AC_TGT_PORTABLE
-#endif
-
-/* the variant to run for kernel `kernel` (0 baseline, 1 AVX2, 2 AVX-512),
-   recorded in ac_state->ran */
-static inline int ac_variant(int kernel)
-{
-    const int v = AC_HAVE_VARIANTS ? ac_kernel_path : AC_PATH_PORTABLE;
-    const unsigned bit = 1u << (AC_VAR_BITS * kernel + v);
-#if defined(__GNUC__)
-    /* read first: the cache line is written once, not by every call */
-    if (!(__atomic_load_n(&ac_state->ran, __ATOMIC_RELAXED) & bit))
-        __atomic_fetch_or(&ac_state->ran, bit, __ATOMIC_RELAXED);
-#else
-    ac_state->ran |= bit;
-#endif
-    return v;
-}
-
-/* the variants ac_variant has recorded; reset: clear the record */
-static AC_UNUSED unsigned ac_variants_ran(int reset)
-{
-    const unsigned r = ac_state->ran;
-    if (reset) ac_state->ran = 0u;
-    return r;
 }
 
 #endif /* AC_COMMON_H */

@@ -1,7 +1,7 @@
 /*
- * ac_fused_x86.h -- the fused float32 attention kernel (ac_fused_impl.h)
+ * ac_fused_x86.h -- the fused float32 attention kernel (ac_fused_impl.inc)
  * for AVX-512 and for AVX2 + FMA, and the run-time choice between them and
- * the portable path (BLAS products + portable loops in ac_sdpa_impl.h).
+ * the portable path (BLAS products + portable loops in ac_sdpa_impl.inc).
  *
  * Blockings (measured on AMD Zen 4, whose AVX-512 runs on a 256-bit
  * datapath, and meant for 512-bit cores as well):
@@ -13,27 +13,52 @@
  *            accumulators of 16 registers); P.V 4 rows x 16 columns.
  * Key tiles hold AC_BK keys.
  *
- * Included by ac_sdpa.h after the float instantiation of ac_sdpa_impl.h
- * (it uses ac_tile_range_f32 and ac_rows_nonfinite_f32).
+ * Part of ac_sdpa.h, which includes it after the float instantiation of
+ * ac_sdpa_impl.inc (it uses ac_tile_range_f32, ac_rows_nonfinite_f32 and
+ * the rest of ac_sdpa.h).  Included on its own, it includes ac_sdpa.h
+ * first; included from ac_sdpa.h, that inclusion is a no-op (ac_sdpa.h's
+ * guard is already defined) and everything it needs is declared by then.
  */
 #ifndef AC_FUSED_X86_H
 #define AC_FUSED_X86_H
 
 #include <float.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
+/* keys per tile of the fused kernel, and per chunk of converted keys /
+   values that the panels of a query block share (a build may set it:
+   CFLAGS=-DAC_BK=64; a multiple of 2, see AC_BF16_CHUNK) */
 #ifndef AC_BK
 #define AC_BK 128
 #endif
-/* floats of scratch one panel needs (largest panel: 32 rows) */
+/* The scratch of the fused kernel, in floats (ac_size_scratch lays it out):
+ * AC_FUSED_SCRATCH  one panel (largest panel: 32 rows): its packed
+ *                   queries (D x 32), score tile (AC_BK x 32) and room
+ *                   for a Dv x 32 tile
+ * AC_FUSED_PANEL_STATE  a panel's packed queries and running max / sum
+ *                   (2 x 32) when the panels of a block share converted
+ *                   chunks (ac_fused_range_f32; ac_params.mp_off)
+ * AC_BF16_CHUNK     the packed bfloat16 chunk (ac_params.bf_off), in
+ *                   32-bit words: K16 (AC_BK x (D + 1) / 2), VI (AC_BK / 2
+ *                   + 1 key pairs x Dv) and a tile's probability pairs
+ *                   (AC_BK / 2 + 2 pairs x 32 rows) */
 #define AC_FUSED_SCRATCH(D, Dv) ((ptrdiff_t)((D) + AC_BK + (Dv)) * 32)
+#define AC_FUSED_PANEL_STATE(D) ((ptrdiff_t)(D) * 32 + 64)
+#define AC_BF16_CHUNK(D, Dv)                                                  \
+    ((ptrdiff_t)AC_BK * (((D) + 1) / 2) + (ptrdiff_t)(AC_BK / 2 + 1) * (Dv) + \
+     (ptrdiff_t)(AC_BK / 2 + 2) * 32)
+#if AC_BK < 2 || AC_BK % 2
+#error "AC_BK must be an even number of keys"
+#endif
 
-#if AC_HAVE_X86_SMALL
-#define AC_HAVE_FUSED 1
-/* micro-kernels are not inlined: each gets the whole register file (inlined
-   into the tile loop, the running max / sum vectors made the P.V kernel
-   spill two accumulators to the stack: measured 28 % of its samples) */
-#define AC_NOINLINE __attribute__((noinline))
-/* phases of a panel run over key chunks in several calls (ac_fused_impl.h) */
+/* after the constants above: ac_sdpa.h's ac_size_scratch uses them */
+#include "ac_sdpa.h"
+
+#if AC_HAVE_X86
+/* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
 /* Whether query row i attends a key of [ks, ke) by the band and the mask
@@ -67,7 +92,7 @@ static int ac_row_attends_f32(const ac_params *p, const uint8_t *mb, const float
 
 /* ---------------------------------------------------------------- AVX-512 */
 #define AC_ISA avx512
-#define AC_TGT __attribute__((target("avx512f,avx2,fma")))
+#define AC_TGT AC_TGT_AVX512F
 #define VEC __m512
 #define AC_W 16
 #define AC_P AC_PANEL_ROWS_AVX512 /* 2 AC_W */
@@ -228,13 +253,13 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 }
 
 #define AC_BF16_PANEL 1
-#include "ac_fused_impl.h"
+#include "ac_fused_impl.inc"
 
-#include "ac_fused_undef.h"
+#include "ac_fused_undef.inc"
 
 /* ------------------------------------------------------------ AVX2 + FMA */
 #define AC_ISA avx2
-#define AC_TGT __attribute__((target("avx2,fma")))
+#define AC_TGT AC_TGT_AVX2
 #define VEC __m256
 #define AC_W 8
 #define AC_P AC_PANEL_ROWS_AVX2 /* 2 AC_W */
@@ -393,9 +418,9 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 }
 
 #define AC_BF16_PANEL 0
-#include "ac_fused_impl.h"
+#include "ac_fused_impl.inc"
 
-#include "ac_fused_undef.h"
+#include "ac_fused_undef.inc"
 
 /* -------------------------------------------------------------- dispatch */
 /* query rows per panel of the path in use (the driver sizes blocks by it) */
@@ -481,7 +506,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     bt.vi = VI;
     bt.pt2 = VI + (ptrdiff_t)(AC_BK / 2 + 1) * Dv;
     bt.vfin = 0;
-    const ptrdiff_t per = (ptrdiff_t)D * 32 + 64; /* a panel's QT and state */
+    const ptrdiff_t per = AC_FUSED_PANEL_STATE(D); /* a panel's QT and state */
     float *mp = scratch + p->mp_off;
     ptrdiff_t c0 = kst;
     do {
@@ -526,55 +551,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     return processed;
 }
 
-
-/* scratch floats ac_linear_rows_f32 needs */
-#define AC_LINEAR_SCRATCH(K) ((ptrdiff_t)((K) + 16) * 32)
-/* row blocks of at most this many rows use dot products (decoding) */
-#define AC_LINEAR_SMALL 8
-
-/*
- * out[r][c] = x_r . w_c (+ bias[c]) for rows [r0, r0 + nr) and columns
- * [c0, c1), without BLAS: panels of the fused kernel's micro-kernel, or dot
- * products for a few rows.  Returns 0, or -1 on the portable path (the
- * caller then uses BLAS).
- */
-static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
-                              const float *w, ptrdiff_t w_rs,
-                              const float *bias, float *out, ptrdiff_t o_rs,
-                              int c0, int c1, int K, float *scratch)
-{
-    if (ac_kernel_path == AC_PATH_PORTABLE) return -1;
-    if (c1 <= c0 || nr <= 0) return 0;
-    if (nr <= AC_LINEAR_SMALL) {
-        for (int r = r0; r < r0 + nr; r++) {
-            float *o = out + r * o_rs + c0;
-            if (ac_kernel_path == AC_PATH_AVX512)
-                ac_scores_small_f32_avx512(1, c1 - c0, K, 1.0f, x + r * x_rs, x_rs,
-                                           w + c0 * w_rs, w_rs, o, (int)o_rs);
-            else
-                ac_scores_small_f32(1, c1 - c0, K, 1.0f, x + r * x_rs, x_rs,
-                                    w + c0 * w_rs, w_rs, o, (int)o_rs);
-            if (bias)
-                for (int c = 0; c < c1 - c0; c++) o[c] += bias[c0 + c];
-        }
-        return 0;
-    }
-    const int P = ac_fused_panel_rows();
-    float *XT = scratch, *T = scratch + (ptrdiff_t)K * 32;
-    for (int p0 = r0; p0 < r0 + nr; p0 += P) {
-        const int n = (r0 + nr - p0 < P) ? r0 + nr - p0 : P;
-        if (ac_kernel_path == AC_PATH_AVX512)
-            ac_linear_panel_f32_avx512(x + p0 * x_rs, x_rs, n, w, w_rs, bias,
-                                       out + p0 * o_rs, o_rs, c0, c1, K, XT, T);
-        else
-            ac_linear_panel_f32_avx2(x + p0 * x_rs, x_rs, n, w, w_rs, bias,
-                                     out + p0 * o_rs, o_rs, c0, c1, K, XT, T);
-    }
-    return 0;
-}
-
 #else
-#define AC_HAVE_FUSED 0
 static int ac_fused_panel_rows(void) { return AC_PANEL_ROWS_AVX2; }
 static int ac_fused_range_f32(const ac_params *p, const float *q,
                               const float *k, const float *v,
@@ -589,17 +566,6 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     (void)nq; (void)ks; (void)ke; (void)scratch; (void)acc; (void)m;
     (void)l; (void)bad;
     return 0;
-}
-#define AC_LINEAR_SCRATCH(K) ((ptrdiff_t)((K) + 16) * 32)
-#define AC_LINEAR_SMALL 8
-static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
-                              const float *w, ptrdiff_t w_rs,
-                              const float *bias, float *out, ptrdiff_t o_rs,
-                              int c0, int c1, int K, float *scratch)
-{
-    (void)x; (void)x_rs; (void)r0; (void)nr; (void)w; (void)w_rs; (void)bias;
-    (void)out; (void)o_rs; (void)c0; (void)c1; (void)K; (void)scratch;
-    return -1;
 }
 #endif
 

@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include "ac_small_x86.h"
+#include "ac_cpu.h"
 
 /* storage formats of a query / key / value operand */
 enum { AC_H_NONE = 0, AC_H_BF16 = 1, AC_H_F16 = 2 };
@@ -93,12 +93,10 @@ static void ac_half_rows_f64(int fmt, const uint16_t *x, ptrdiff_t rs, int n,
     }
 }
 
-#if AC_HAVE_X86_SMALL
-#define AC_TGT_H512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
-#define AC_TGT_H256 __attribute__((target("avx2,fma,f16c")))
+#if AC_HAVE_X86
 
 /* 16 halves at p as floats (n < 16: only the first n are read, the rest 0) */
-static AC_TGT_H512 inline __m512 ac_h16_avx512(int fmt, const uint16_t *p, int n)
+static AC_TGT_AVX512BW inline __m512 ac_h16_avx512(int fmt, const uint16_t *p, int n)
 {
     __m256i h;
     if (n >= 16) {
@@ -113,7 +111,7 @@ static AC_TGT_H512 inline __m512 ac_h16_avx512(int fmt, const uint16_t *p, int n
     return _mm512_cvtph_ps(h);
 }
 
-static AC_TGT_H256 inline __m256 ac_h8_avx2(int fmt, const uint16_t *p)
+static AC_TGT_AVX2 inline __m256 ac_h8_avx2(int fmt, const uint16_t *p)
 {
     const __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
     if (fmt == AC_H_BF16)
@@ -121,7 +119,7 @@ static AC_TGT_H256 inline __m256 ac_h8_avx2(int fmt, const uint16_t *p)
     return _mm256_cvtph_ps(h);
 }
 
-static AC_TGT_H512 void ac_half_rows_f32_avx512(int fmt, const uint16_t *x, ptrdiff_t rs,
+static AC_TGT_AVX512BW void ac_half_rows_f32_avx512(int fmt, const uint16_t *x, ptrdiff_t rs,
                                                 int n, int D, float *out, ptrdiff_t ldo)
 {
     const int Dm = D & ~15;
@@ -138,7 +136,7 @@ static AC_TGT_H512 void ac_half_rows_f32_avx512(int fmt, const uint16_t *x, ptrd
     }
 }
 
-static AC_TGT_H256 void ac_half_rows_f32_avx2(int fmt, const uint16_t *x, ptrdiff_t rs,
+static AC_TGT_AVX2 void ac_half_rows_f32_avx2(int fmt, const uint16_t *x, ptrdiff_t rs,
                                               int n, int D, float *out, ptrdiff_t ldo)
 {
     const int Dm = D & ~7;
@@ -158,7 +156,7 @@ static AC_TGT_H256 void ac_half_rows_f32_avx2(int fmt, const uint16_t *x, ptrdif
 /* the 16 horizontal sums of a[0..15], lane i = sum of a[i]: a transposing
  * tree of adds (45 shuffles / adds for 16 sums, against about 10 per sum
  * for one reduction at a time) */
-static AC_TGT_H512 inline __m512 ac_hsum16_avx512(const __m512 *a)
+static AC_TGT_AVX512BW inline __m512 ac_hsum16_avx512(const __m512 *a)
 {
     __m512 t[8], u[4];
     for (int i = 0; i < 8; i++)
@@ -182,7 +180,7 @@ static AC_TGT_H512 inline __m512 ac_hsum16_avx512(const __m512 *a)
 /* S[r, j] = scale * q_r . k_j for half keys read in place (q float):
  * 16 keys at a time, their sums reduced together */
 #define AC_DEF_SCORES_SMALL_H(FMT, NAME)                                               \
-static AC_TGT_H512 void NAME(int nq, int nk, int D, float scale, const float *q,      \
+static AC_TGT_AVX512BW void NAME(int nq, int nk, int D, float scale, const float *q,      \
                              ptrdiff_t q_rs, const uint16_t *k, ptrdiff_t k_rs,        \
                              float *S, int ldS)                                        \
 {                                                                                      \
@@ -259,7 +257,7 @@ static AC_TGT_H512 void NAME(int nq, int nk, int D, float scale, const float *q,
 
 /* acc[r, :] (+)= sum_j P[r, j] v_j for half values read in place */
 #define AC_DEF_PV_SMALL_H(FMT, NAME)                                                   \
-static AC_TGT_H512 void NAME(int nq, int nk, int Dv, const float *S, int ldS,          \
+static AC_TGT_AVX512BW void NAME(int nq, int nk, int Dv, const float *S, int ldS,          \
                              const uint16_t *v, ptrdiff_t v_rs, float *acc, int first) \
 {                                                                                      \
     for (int r = 0; r < nq; r++) {                                                     \
@@ -335,7 +333,7 @@ static void ac_scores_small_h_avx512(int fmt, int nq, int nk, int D, float scale
  * place of a widening move and a shift); the columns then sit permuted
  * within the accumulators ([0-3, 8-11, 16-19, 24-27] and [4-7, 12-15, ...]
  * per 32) and are put back in order once, at the end */
-static AC_TGT_H512 void ac_pv_small_bf16x32_avx512(int nq, int nk, int Dv, const float *S,
+static AC_TGT_AVX512BW void ac_pv_small_bf16x32_avx512(int nq, int nk, int Dv, const float *S,
                                                    int ldS, const uint16_t *v, ptrdiff_t v_rs,
                                                    float *acc, int first)
 {
@@ -409,13 +407,13 @@ static void ac_pv_small_h_avx512(int fmt, int nq, int nk, int Dv, const float *S
     else
         ac_pv_small_f16_avx512(nq, nk, Dv, S, ldS, v, v_rs, acc, first);
 }
-#endif /* AC_HAVE_X86_SMALL */
+#endif /* AC_HAVE_X86 */
 
 /* rows of a half tile as float, on the kernel path in use */
 static void ac_half_rows_f32(int fmt, const uint16_t *x, ptrdiff_t rs, int n, int D,
                              float *out, ptrdiff_t ldo)
 {
-#if AC_HAVE_X86_SMALL
+#if AC_HAVE_X86
     if (ac_kernel_path == AC_PATH_AVX512) {
         ac_half_rows_f32_avx512(fmt, x, rs, n, D, out, ldo);
         return;

@@ -30,8 +30,11 @@
 #define AC_INT8DOT_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "ac_cpu.h"
+#include "ac_half.h"
 
 /* row r of x (row stride x_rs elements; fmt 0 float32, else 16-bit bits
    converted into ybuf, D floats) as float32 */
@@ -162,9 +165,9 @@ static TGT void NAME(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
 
 AC_DEF_I8_QUANT(ac_i8_quantize_rows_c, )
 AC_DEF_I8_STATS(ac_i8_col_stats_c, )
-#if AC_HAVE_X86_SMALL
+#if AC_HAVE_X86
 /* the same in AVX-512 (16 columns a vector, the last one masked) */
-static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void ac_i8_quantize_rows_avx512(
+static AC_TGT_AVX512 void ac_i8_quantize_rows_avx512(
     const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D, const float *sub,
     const float *w, const float *dv, int8_t *out, ptrdiff_t ld, float *scales, float *dots,
     int32_t *ksum, float *ybuf)
@@ -215,7 +218,7 @@ static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) vo
 }
 /* the same in AVX-512, 16 columns at a time, float sums (the statistics
    steer the quantization; their last bits do not matter) */
-static __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void
+static AC_TGT_AVX512 void
 ac_i8_col_stats_avx512(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D, float *mean,
                        float *mabs, float *amax, float *ybuf, double *accd)
 {
@@ -261,7 +264,7 @@ static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_
                                 int8_t *out, ptrdiff_t ld, float *scales, float *dots,
                                 int32_t *ksum, float *ybuf)
 {
-#if AC_HAVE_X86_SMALL
+#if AC_HAVE_X86
     if (ac_kernel_path == AC_PATH_AVX512) {
         ac_i8_quantize_rows_avx512(x, fmt, x_rs, n, D, sub, w, dv, out, ld, scales, dots, ksum,
                                    ybuf);
@@ -274,7 +277,7 @@ static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_
 static void ac_i8_col_stats(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
                             float *mean, float *mabs, float *amax, float *ybuf, double *acc)
 {
-#if AC_HAVE_X86_SMALL
+#if AC_HAVE_X86
     if (ac_kernel_path == AC_PATH_AVX512) {
         ac_i8_col_stats_avx512(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
         return;
@@ -283,21 +286,13 @@ static void ac_i8_col_stats(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n,
     ac_i8_col_stats_c(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
 }
 
-/* one query block's int8 dot-product state (see the panel) */
-#define AC_I8_PANEL_EXTRA 2 /* 32-lane vectors after QT4: row scales, key offset */
+/* int8 query / key rows are read 4 bytes (one vpdpbusd group) at a time:
+   their length (row stride of the int8 operands) is a multiple of this */
+#define AC_I8_ROW_ALIGN 4
 
-#if AC_HAVE_X86_SMALL
-#define AC_TGT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#define AC_TGT_VNNIE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#if AC_HAVE_X86
 
-/* whether the CPU has vpdpbusd on 512-bit vectors (AVX512_VNNI) */
-static int ac_cpu_vnni(void)
-{
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-}
-
-static AC_TGT_VNNI inline __m512i ac_dp_u8s8(__m512i acc, __m512i a, __m512i b)
+static AC_TGT_AVX512_VNNI inline __m512i ac_dp_u8s8(__m512i acc, __m512i a, __m512i b)
 {
     /* written out so that the sum accumulates in its register (the
        intrinsic made GCC 12 copy every accumulator around each
@@ -309,7 +304,7 @@ static AC_TGT_VNNI inline __m512i ac_dp_u8s8(__m512i acc, __m512i a, __m512i b)
 /* the same four u8 x s8 products per lane in AVX-512BW: even / odd bytes
    widened to 16 bits, two vpmaddwd (each sums two products < 2^15 x 2^8:
    exact) */
-static AC_TGT_VNNIE inline __m512i ac_dp_u8s8_emu(__m512i acc, __m512i a, __m512i b)
+static AC_TGT_AVX512 inline __m512i ac_dp_u8s8_emu(__m512i acc, __m512i a, __m512i b)
 {
     const __m512i lo8 = _mm512_set1_epi16(0x00FF);
     const __m512i ae = _mm512_and_si512(a, lo8), ao = _mm512_srli_epi16(a, 8);
@@ -341,7 +336,7 @@ static void ac_i8_pack_panel(const int8_t *q, ptrdiff_t q_rs, const float *qsc, 
 /* scores of KU keys (int8 rows of ld k_rs bytes; kp: per key (scale,
  * 128 sum k8)) x 32 query lanes into ST rows (ld 32); running tile max */
 #define AC_DEF_I8_QK(KU, NAME, TGT, DP)                                                    \
-static TGT __attribute__((noinline)) void NAME(const uint32_t *QT4, int Dq,              \
+static TGT AC_NOINLINE void NAME(const uint32_t *QT4, int Dq,              \
                                                const int8_t *kr, ptrdiff_t k_rs,          \
                                                const float *kp, float *ST, __m512 *mx0,   \
                                                __m512 *mx1)                               \
@@ -383,14 +378,14 @@ static TGT __attribute__((noinline)) void NAME(const uint32_t *QT4, int Dq,     
     *mx1 = m1;                                                                             \
 }
 
-AC_DEF_I8_QK(8, ac_i8_qk8, AC_TGT_VNNI, ac_dp_u8s8)
-AC_DEF_I8_QK(1, ac_i8_qk1, AC_TGT_VNNI, ac_dp_u8s8)
-AC_DEF_I8_QK(8, ac_i8_qk8_emu, AC_TGT_VNNIE, ac_dp_u8s8_emu)
-AC_DEF_I8_QK(1, ac_i8_qk1_emu, AC_TGT_VNNIE, ac_dp_u8s8_emu)
+AC_DEF_I8_QK(8, ac_i8_qk8, AC_TGT_AVX512_VNNI, ac_dp_u8s8)
+AC_DEF_I8_QK(1, ac_i8_qk1, AC_TGT_AVX512_VNNI, ac_dp_u8s8)
+AC_DEF_I8_QK(8, ac_i8_qk8_emu, AC_TGT_AVX512, ac_dp_u8s8_emu)
+AC_DEF_I8_QK(1, ac_i8_qk1_emu, AC_TGT_AVX512, ac_dp_u8s8_emu)
 
 /* the 16 horizontal int32 sums of a[0..15] (lane i: sum of a[i]), the
  * transposing tree of ac_hsum16_avx512 in integers (exact) */
-static AC_TGT_VNNIE inline __m512i ac_hsum16_epi32(const __m512i *a)
+static AC_TGT_AVX512 inline __m512i ac_hsum16_epi32(const __m512i *a)
 {
     __m512i t[8], u[4];
     for (int i = 0; i < 8; i++)
@@ -478,8 +473,8 @@ static TGT void NAME(int nq, int nk, int D, float scale, const int8_t *q, ptrdif
     }                                                                                      \
 }
 
-AC_DEF_I8_SMALL(ac_i8_scores_small, AC_TGT_VNNI, ac_dp_u8s8)
-AC_DEF_I8_SMALL(ac_i8_scores_small_emu, AC_TGT_VNNIE, ac_dp_u8s8_emu)
+AC_DEF_I8_SMALL(ac_i8_scores_small, AC_TGT_AVX512_VNNI, ac_dp_u8s8)
+AC_DEF_I8_SMALL(ac_i8_scores_small_emu, AC_TGT_AVX512, ac_dp_u8s8_emu)
 
 /* scores of nk keys from kr (ld k_rs bytes), kp (ld 2 floats): mode 1
    vpdpbusd, 2 its AVX-512BW spelling */
@@ -502,8 +497,6 @@ static void ac_i8_scores(int mode, const uint32_t *QT4, int Dq, const int8_t *kr
                           t1);
     }
 }
-#else
-static int ac_cpu_vnni(void) { return 0; }
-#endif /* AC_HAVE_X86_SMALL */
+#endif /* AC_HAVE_X86 */
 
 #endif /* AC_INT8DOT_H */

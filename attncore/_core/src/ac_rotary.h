@@ -35,7 +35,7 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "ac_common.h"
+#include "ac_cpu.h"
 
 #if defined(__GNUC__)
 #define AC_ROPE_INLINE static inline __attribute__((always_inline))
@@ -207,7 +207,7 @@ AC_ROPE_TABLE(ac_rope_table_d, double)
 
 /* ------------------------------------------------------------ one item */
 /* T: storage type, CT: compute type, LD / ST: conversions; TGT: the target
-   attribute of the compiled variant (ac_common.h). */
+   attribute of the compiled variant (ac_cpu.h). */
 #define AC_ROPE_ITEM_BODY(NAME, TGT, TABLE, T, CT, LD, ST)                              \
 static TGT void NAME(const ac_rope_params *p, int64_t item, void *scratch)              \
 {                                                                                       \
@@ -267,26 +267,19 @@ static TGT void NAME(const ac_rope_params *p, int64_t item, void *scratch)      
 #define AC_ROPE_F32(v) ((float)(v))
 
 /* one body, a variant per target, and the dispatcher on the kernel path */
-#if AC_HAVE_VARIANTS
+#if AC_HAVE_X86
 #define AC_ROPE_MORE(NAME, TABLE, T, CT, LD, ST)                                        \
-AC_ROPE_ITEM_BODY(NAME##_avx2, AC_TGT_AVX2, TABLE, T, CT, LD, ST)                        \
-AC_ROPE_ITEM_BODY(NAME##_avx512, AC_TGT_AVX512, TABLE, T, CT, LD, ST)
-#define AC_ROPE_VCALL(v, NAME, args)                                                    \
-    do {                                                                                \
-        if ((v) == AC_PATH_AVX512) NAME##_avx512 args;                                  \
-        else if ((v) == AC_PATH_AVX2) NAME##_avx2 args;                                 \
-        else NAME##_portable args;                                                      \
-    } while (0)
+AC_ROPE_ITEM_BODY(NAME##_avx2, AC_VTGT_AVX2, TABLE, T, CT, LD, ST)                        \
+AC_ROPE_ITEM_BODY(NAME##_avx512, AC_VTGT_AVX512, TABLE, T, CT, LD, ST)
 #else
 #define AC_ROPE_MORE(NAME, TABLE, T, CT, LD, ST)
-#define AC_ROPE_VCALL(v, NAME, args) ((void)(v), NAME##_portable args)
 #endif
 #define AC_ROPE_ITEM(NAME, TABLE, T, CT, LD, ST)                                        \
-AC_ROPE_ITEM_BODY(NAME##_portable, AC_TGT_PORTABLE, TABLE, T, CT, LD, ST)                \
+AC_ROPE_ITEM_BODY(NAME##_portable, AC_VTGT_PORTABLE, TABLE, T, CT, LD, ST)                \
 AC_ROPE_MORE(NAME, TABLE, T, CT, LD, ST)                                                \
 static void NAME(const ac_rope_params *p, int64_t item, void *scratch)                  \
 {                                                                                       \
-    AC_ROPE_VCALL(ac_variant(AC_K_ROTARY), NAME, (p, item, scratch));                   \
+    AC_VCALL(ac_variant(AC_K_ROTARY), AC_VNAME, NAME, (p, item, scratch));            \
 }
 
 AC_ROPE_ITEM(ac_rope_item_f32, ac_rope_table_f, float, float, AC_ROPE_ID, AC_ROPE_ID)

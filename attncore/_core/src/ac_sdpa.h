@@ -192,7 +192,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_TANH tanhf
 #define AC_GEMM_T ac_sgemm_t
 #define AC_HALF_ROWS ac_half_rows_f32
-#include "ac_sdpa_impl.h"
+#include "ac_sdpa_impl.inc"
 #undef AC_HALF_ROWS
 #undef AC_T
 #undef AC_IS_F32
@@ -211,7 +211,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_TANH tanh
 #define AC_GEMM_T ac_dgemm_t
 #define AC_HALF_ROWS ac_half_rows_f64
-#include "ac_sdpa_impl.h"
+#include "ac_sdpa_impl.inc"
 #undef AC_HALF_ROWS
 #undef AC_T
 #undef AC_IS_F32
@@ -219,5 +219,83 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #undef AC_EXP
 #undef AC_TANH
 #undef AC_GEMM_T
+
+/* round a count of floats / doubles up to 64 bytes' worth of floats */
+#define AC_ROUND16(n) (((n) + 15) / 16 * 16)
+
+/*
+ * The tile sizes and the layout of each thread's score scratch for these
+ * operand formats: p->D, Dv, Bq, Bk, ldS, s_len (the scratch's length, in
+ * elements of the compute dtype), kq8, vq8, qh, kh, vh, qk8, bf16dot, and
+ * the offsets dq_off, qb_off, bf_off, mp_off (0 when not used); ks_rs,
+ * vs_rs and qsc are cleared.  is64: the float64 kernel (no fused kernel);
+ * have_ks / have_vs: int8 keys / values; q_fmt, k_fmt, v_fmt: AC_H_*;
+ * bf16dot, qk8: the fused kernel's bfloat16 / int8 products (ac_params).
+ *
+ *   [0, s_len0)     the score tile (Bq x ldS), or the fused kernel's panel
+ *                   scratch (AC_FUSED_SCRATCH) if larger
+ *   dq_off          converted key / value tiles: max(Bk, AC_BK) rows of
+ *                   D + Dv (int8 / half keys or values)
+ *   qb_off          the converted query block or fused panel: max(Bq, 32)
+ *                   rows of D (half or int8 queries)
+ *   bf_off          the packed bfloat16 chunk (AC_BF16_CHUNK)
+ *   mp_off          per fused panel of the block (panels of 16 rows at
+ *                   least): AC_FUSED_PANEL_STATE (converted operands or
+ *                   bfloat16 products, float32)
+ * Every part starts 64 bytes after the one before it (AC_ROUND16).
+ */
+static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, int is64,
+                                      int have_ks, int have_vs, int q_fmt, int k_fmt,
+                                      int v_fmt, int bf16dot, int qk8)
+{
+    const int conv = have_ks || have_vs || k_fmt || v_fmt;
+    p->D = D;
+    p->Dv = Dv;
+    p->Bq = Bq;
+    p->Bk = Bk;
+    p->ldS = AC_ROUND16(Bk);
+    p->s_len = (ptrdiff_t)Bq * p->ldS;
+    if (!is64 && AC_FUSED_SCRATCH(D, Dv) > p->s_len) p->s_len = AC_FUSED_SCRATCH(D, Dv);
+    p->s_len = AC_ROUND16(p->s_len);
+    p->kq8 = have_ks;
+    p->vq8 = have_vs;
+    p->qh = q_fmt;
+    p->kh = k_fmt;
+    p->vh = v_fmt;
+    p->dq_off = 0;
+    p->qb_off = 0;
+    p->ks_rs = 0;
+    p->vs_rs = 0;
+    if (conv) {
+        /* converted key / value tile buffers after the score scratch */
+        const ptrdiff_t dq_rows = Bk > AC_BK ? Bk : AC_BK;
+        p->dq_off = p->s_len;
+        p->s_len += AC_ROUND16(dq_rows * (D + Dv));
+    }
+    p->qk8 = qk8;
+    p->qsc = NULL;
+    if (q_fmt || qk8) {
+        /* the converted query block (or fused panel: 32 rows at most) */
+        const ptrdiff_t rows = Bq > AC_PANEL_ROWS_AVX512 ? Bq : AC_PANEL_ROWS_AVX512;
+        p->qb_off = p->s_len;
+        p->s_len += AC_ROUND16(rows * D);
+    }
+    p->bf16dot = bf16dot;
+    p->bf_off = 0;
+    if (bf16dot) {
+        /* the packed bfloat16 chunk: K16, VI and the probability pairs */
+        p->bf_off = p->s_len;
+        p->s_len += AC_ROUND16(AC_BF16_CHUNK(D, Dv));
+    }
+    p->mp_off = 0;
+    if (!is64 && (conv || bf16dot)) {
+        /* the fused kernel's panels sharing converted key / value tiles:
+           packed queries and running statistics of each (panels of
+           AC_PANEL_ROWS_AVX2 rows at least) */
+        p->mp_off = p->s_len;
+        p->s_len += (ptrdiff_t)((Bq + AC_PANEL_ROWS_AVX2 - 1) / AC_PANEL_ROWS_AVX2) *
+                    AC_FUSED_PANEL_STATE(D);
+    }
+}
 
 #endif /* AC_SDPA_H */

@@ -11,7 +11,7 @@
  * keys.  Nothing is converted to a float copy first, so a 16-bit or int8
  * cache is read at its own size.
  *
- * Chosen at run time on the avx2 kernel path (ac_sdpa_variant.h); the
+ * Chosen at run time on the avx2 kernel path (ac_sdpa_variant.inc); the
  * avx512 path has its own loops (ac_small_x86.h, ac_half.h).
  */
 #ifndef AC_SMALL_AVX2_H
@@ -21,10 +21,9 @@
 #include <stdint.h>
 #include <string.h>
 #include "ac_common.h"
-#include "ac_small_x86.h"
+#include "ac_cpu.h"
 
-#if AC_HAVE_X86_SMALL
-#define AC_TGT_SMALL256 __attribute__((target("avx2,fma,f16c")))
+#if AC_HAVE_X86
 
 /* element formats of the loaders: 0 float32, 1 bfloat16, 2 float16, 3 int8 */
 #define AC_SE_F32 0
@@ -38,7 +37,7 @@ static inline size_t ac_se_size(int fmt)
 }
 
 /* 8 elements at p (fmt, a compile-time constant in every caller) as floats */
-static AC_TGT_SMALL256 inline __m256 ac_ld8(int fmt, const void *p)
+static AC_TGT_AVX2 inline __m256 ac_ld8(int fmt, const void *p)
 {
     if (fmt == AC_SE_F32)
         return _mm256_loadu_ps((const float *)p);
@@ -51,7 +50,7 @@ static AC_TGT_SMALL256 inline __m256 ac_ld8(int fmt, const void *p)
 }
 
 /* the first n < 8 elements at p as floats, the rest 0 */
-static AC_TGT_SMALL256 inline __m256 ac_ld8_part(int fmt, const void *p, int n)
+static AC_TGT_AVX2 inline __m256 ac_ld8_part(int fmt, const void *p, int n)
 {
     unsigned char tmp[32] = {0};
     memcpy(tmp, p, ac_se_size(fmt) * (size_t)n);
@@ -59,7 +58,7 @@ static AC_TGT_SMALL256 inline __m256 ac_ld8_part(int fmt, const void *p, int n)
 }
 
 /* lane u of the result: the sum of a[u]'s 8 lanes */
-static AC_TGT_SMALL256 inline __m256 ac_hsum8_avx2(const __m256 *a)
+static AC_TGT_AVX2 inline __m256 ac_hsum8_avx2(const __m256 *a)
 {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -69,7 +68,7 @@ static AC_TGT_SMALL256 inline __m256 ac_hsum8_avx2(const __m256 *a)
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static AC_TGT_SMALL256 inline float ac_hsum1_avx2(__m256 a)
+static AC_TGT_AVX2 inline float ac_hsum1_avx2(__m256 a)
 {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -77,7 +76,7 @@ static AC_TGT_SMALL256 inline float ac_hsum1_avx2(__m256 a)
 }
 
 /* the dot product of the float row q with the row x of format fmt */
-static AC_TGT_SMALL256 inline __m256 ac_dot8_acc(int fmt, const float *q, const char *x,
+static AC_TGT_AVX2 inline __m256 ac_dot8_acc(int fmt, const float *q, const char *x,
                                                  int D, __m256 a)
 {
     const size_t es = ac_se_size(fmt);
@@ -93,7 +92,7 @@ static AC_TGT_SMALL256 inline __m256 ac_dot8_acc(int fmt, const float *q, const 
 
 /* S[r, j] = scale * (ks[j] if int8) * q_r . k_j, r < nq, j < nk: 8 keys at
  * a time, with the block after next prefetched */
-static AC_TGT_SMALL256 inline void ac_scores_small_avx2(
+static AC_TGT_AVX2 inline void ac_scores_small_avx2(
     int fmt, int nq, int nk, int D, float scale, const float *q, ptrdiff_t q_rs,
     const void *k, ptrdiff_t k_rs, const float *ks, ptrdiff_t ks_rs, float *S, int ldS)
 {
@@ -144,7 +143,7 @@ static AC_TGT_SMALL256 inline void ac_scores_small_avx2(
 
 /* acc[r, :] (+)= sum_j P[r, j] (vs[j] if int8) v_j: 64 columns at a time
  * kept in 8 registers across all keys */
-static AC_TGT_SMALL256 inline void ac_pv_small_avx2(
+static AC_TGT_AVX2 inline void ac_pv_small_avx2(
     int fmt, int nq, int nk, int Dv, const float *S, int ldS, const void *v, ptrdiff_t v_rs,
     const float *vsc, ptrdiff_t vs_rs, float *acc, int first)
 {
@@ -189,13 +188,13 @@ static AC_TGT_SMALL256 inline void ac_pv_small_avx2(
 
 /* one function per format, so each body is compiled with its loader */
 #define AC_DEF_SMALL_AVX2(FMT, SUF)                                                    \
-static AC_TGT_SMALL256 void ac_scores_small_##SUF##_avx2(                              \
+static AC_TGT_AVX2 void ac_scores_small_##SUF##_avx2(                              \
     int nq, int nk, int D, float scale, const float *q, ptrdiff_t q_rs, const void *k, \
     ptrdiff_t k_rs, const float *ks, ptrdiff_t ks_rs, float *S, int ldS)               \
 {                                                                                      \
     ac_scores_small_avx2(FMT, nq, nk, D, scale, q, q_rs, k, k_rs, ks, ks_rs, S, ldS);  \
 }                                                                                      \
-static AC_TGT_SMALL256 void ac_pv_small_##SUF##_avx2(                                  \
+static AC_TGT_AVX2 void ac_pv_small_##SUF##_avx2(                                  \
     int nq, int nk, int Dv, const float *S, int ldS, const void *v, ptrdiff_t v_rs,    \
     const float *vsc, ptrdiff_t vs_rs, float *acc, int first)                          \
 {                                                                                      \
@@ -236,6 +235,6 @@ static void ac_pv_small_any_avx2(int q8, int h, int nq, int nk, int Dv, const fl
     else
         ac_pv_small_f32_avx2(nq, nk, Dv, S, ldS, v, v_rs, vsc, vs_rs, acc, first);
 }
-#endif /* AC_HAVE_X86_SMALL */
+#endif /* AC_HAVE_X86 */
 
 #endif /* AC_SMALL_AVX2_H */

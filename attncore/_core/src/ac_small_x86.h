@@ -3,13 +3,13 @@
  * (decoding, one decoder step of a seq2seq model).
  *
  * At these sizes the work is streaming K and V once; the portable loops in
- * ac_sdpa_impl.h spend most of their time in the horizontal sum of every
+ * ac_sdpa_impl.inc spend most of their time in the horizontal sum of every
  * dot product and in reloading / storing the accumulator for every key.
  * Here four keys are scored at once (independent FMA chains, one reduction
  * each) and the P.V accumulator lives in registers across all keys.
  *
- * Compiled with a target attribute and chosen at run time (ac_cpu_init),
- * so the extension still runs on CPUs without AVX-512.
+ * Compiled with the AVX-512 target attribute (ac_cpu.h) and chosen at run
+ * time (the AVX-512 path), so the extension still runs on CPUs without it.
  */
 #ifndef AC_SMALL_X86_H
 #define AC_SMALL_X86_H
@@ -17,54 +17,12 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include "ac_common.h"
+#include "ac_cpu.h"
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
-#define AC_HAVE_X86_SMALL 1
-#include <immintrin.h>
-
-/* the kernel-path state (ac_best_path, ac_kernel_path, ac_avx512_ok) is
-   in ac_common.h: one home for every extension */
-static void ac_cpu_init(void)
-{
-    __builtin_cpu_init();
-    /* F16C (float16 operands) comes with every AVX2 + FMA core; it is
-       required all the same */
-    const int f16c = __builtin_cpu_supports("f16c");
-    /* the AVX-512 variants (AC_TGT_AVX512) may use F, BW, VL and DQ */
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
-        ac_best_path = AC_PATH_AVX512;
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
-        ac_best_path = AC_PATH_AVX2;
-    else
-        ac_best_path = AC_PATH_PORTABLE;
-    ac_kernel_path = ac_best_path;
-    ac_avx512_ok = ac_kernel_path == AC_PATH_AVX512;
-}
-
-/* whether the CPU has bfloat16 dot products (AVX512_BF16: vdpbf16ps) */
-static int ac_cpu_bf16_dot(void)
-{
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
-}
-
-/* select a path (-1: the best); 0 on success, -1 if this CPU lacks it */
-static int ac_set_kernel_path(int path)
-{
-    if (path < 0) path = ac_best_path;
-    if (path > ac_best_path) return -1;
-    ac_kernel_path = path;
-    ac_avx512_ok = path == AC_PATH_AVX512;
-    return 0;
-}
-
-#define AC_AVX512 __attribute__((target("avx512f")))
+#if AC_HAVE_X86
 
 /* S[r, j] = scale * q_r . k_j for r < nq, j < nk */
-static AC_AVX512 void ac_scores_small_f32_avx512(
+static AC_TGT_AVX512F void ac_scores_small_f32_avx512(
     int nq, int nk, int D, float scale, const float *q, ptrdiff_t q_rs,
     const float *k, ptrdiff_t k_rs, float *S, int ldS)
 {
@@ -114,7 +72,7 @@ static AC_AVX512 void ac_scores_small_f32_avx512(
 }
 
 /* acc[r, :] (+)= sum_j P[r, j] v_j ; acc is nq x Dv contiguous */
-static AC_AVX512 void ac_pv_small_f32_avx512(
+static AC_TGT_AVX512F void ac_pv_small_f32_avx512(
     int nq, int nk, int Dv, const float *S, int ldS, const float *v,
     ptrdiff_t v_rs, float *acc, int first)
 {
@@ -169,7 +127,7 @@ static AC_AVX512 void ac_pv_small_f32_avx512(
 
 /* 16 int8 values from p as floats; n < 16 reads only the first n (the
  * rest are 0) */
-static AC_AVX512 inline __m512 ac_i8x16(const int8_t *p, int n)
+static AC_TGT_AVX512F inline __m512 ac_i8x16(const int8_t *p, int n)
 {
     if (n >= 16)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -180,7 +138,7 @@ static AC_AVX512 inline __m512 ac_i8x16(const int8_t *p, int n)
 
 /* S[r, j] = scale * ks[j] * (q_r . k8_j): int8 keys scored without a float
  * copy (decoding at a quarter of the key bytes) */
-static AC_AVX512 void ac_scores_small_q8_avx512(
+static AC_TGT_AVX512F void ac_scores_small_q8_avx512(
     int nq, int nk, int D, float scale, const float *q, ptrdiff_t q_rs,
     const int8_t *k, ptrdiff_t k_rs, const float *ks, ptrdiff_t ks_rs,
     float *S, int ldS)
@@ -230,7 +188,7 @@ static AC_AVX512 void ac_scores_small_q8_avx512(
 }
 
 /* acc[r, :] (+)= sum_j P[r, j] vs[j] v8_j (acc nq x Dv contiguous) */
-static AC_AVX512 void ac_pv_small_q8_avx512(
+static AC_TGT_AVX512F void ac_pv_small_q8_avx512(
     int nq, int nk, int Dv, const float *S, int ldS, const int8_t *v,
     ptrdiff_t v_rs, const float *vs, ptrdiff_t vs_rs, float *acc, int first)
 {
@@ -270,11 +228,6 @@ static AC_AVX512 void ac_pv_small_q8_avx512(
     }
 }
 
-#else
-#define AC_HAVE_X86_SMALL 0
-static void ac_cpu_init(void) {}
-static int ac_cpu_bf16_dot(void) { return 0; }
-static int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
-#endif
+#endif /* AC_HAVE_X86 */
 
 #endif /* AC_SMALL_X86_H */

@@ -1,0 +1,159 @@
+/*
+ * ac_cpu.h -- the CPU side of the kernels, in one place:
+ *
+ * - AC_HAVE_X86: the x86-64 kernels are compiled (GCC / Clang on x86-64,
+ *   unless the build defines AC_NO_X86_KERNELS); without them every kernel
+ *   runs its portable loops and ac_cpu_init picks AC_PATH_PORTABLE;
+ * - the target attributes of those kernels: one macro per instruction set,
+ *   the only place where a target string is spelled;
+ * - CPU feature detection (ac_cpu_init, ac_cpu_bf16_dot, ac_cpu_vnni) and
+ *   the choice of the kernel path (ac_set_kernel_path);
+ * - the dispatch of the compiled variants (ac_variant, AC_VCALL).
+ *
+ * Target attributes.  A function compiled for an instruction set beyond
+ * the build's flags carries one of these; it runs only where the kernel
+ * path in use (ac_kernel_path, chosen from the CPU's features) allows it.
+ *   AC_TGT_AVX2          AVX2 + FMA + F16C: AC_PATH_AVX2
+ *   AC_TGT_AVX512        AVX-512 F/BW/VL/DQ + the above: AC_PATH_AVX512
+ *   AC_TGT_AVX512_BF16   + AVX512_BF16 (vdpbf16ps): AC_PATH_AVX512 with
+ *                        ac_cpu_bf16_dot()
+ *   AC_TGT_AVX512_VNNI   + AVX512_VNNI (vpdpbusd): AC_PATH_AVX512 with
+ *                        ac_cpu_vnni()
+ * The feature lists ac_cpu_init requires of a path are the lists of its
+ * target, so a function of a path's target runs on every CPU that path is
+ * chosen for.
+ *
+ * Compiled variants.  A kernel whose speed comes from auto-vectorized
+ * loops is compiled three times from one body: for the baseline
+ * (AC_VTGT_PORTABLE, nothing beyond the build's flags), for AVX2
+ * (AC_VTGT_AVX2) and for AVX-512 (AC_VTGT_AVX512).  The variants are
+ * noinline so the vectorizer sees each loop in its variant's target.
+ * ac_variants.inc instantiates a body for the three; AC_VCALL calls the
+ * variant of the path in use (ac_variant, which records it in
+ * ac_state->ran: read by the tests through _sdpa._variants_ran), so the
+ * forced portable path runs the baseline code that CPUs without AVX2 run.
+ */
+#ifndef AC_CPU_H
+#define AC_CPU_H
+
+#include "ac_common.h"
+
+#if defined(__GNUC__)
+#define AC_NOINLINE __attribute__((noinline))
+#else
+#define AC_NOINLINE
+#endif
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
+#define AC_HAVE_X86 1
+#include <immintrin.h>
+
+/* the feature lists (target strings) of the paths */
+#define AC_ISA_AVX2 "avx2,fma,f16c"
+#define AC_ISA_AVX512F "avx512f," AC_ISA_AVX2
+#define AC_ISA_AVX512BW "avx512bw," AC_ISA_AVX512F
+#define AC_ISA_AVX512 "avx512vl,avx512dq," AC_ISA_AVX512BW
+#define AC_TGT_AVX2 __attribute__((target(AC_ISA_AVX2)))
+#define AC_TGT_AVX512F __attribute__((target(AC_ISA_AVX512F)))
+#define AC_TGT_AVX512BW __attribute__((target(AC_ISA_AVX512BW)))
+#define AC_TGT_AVX512 __attribute__((target(AC_ISA_AVX512)))
+#define AC_TGT_AVX512_BF16 __attribute__((target("avx512bf16," AC_ISA_AVX512)))
+#define AC_TGT_AVX512_VNNI __attribute__((target("avx512vnni," AC_ISA_AVX512)))
+
+/* the compiled variants */
+#define AC_VTGT_PORTABLE AC_NOINLINE
+#define AC_VTGT_AVX2 AC_NOINLINE AC_TGT_AVX2
+#define AC_VTGT_AVX512 AC_NOINLINE AC_TGT_AVX512
+
+/* the kernel-path state (ac_best_path, ac_kernel_path, ac_avx512_ok) is
+   in ac_common.h: one home for every extension */
+static AC_UNUSED void ac_cpu_init(void)
+{
+    __builtin_cpu_init();
+    /* F16C (float16 operands) comes with every AVX2 + FMA core; it is
+       required all the same (AC_ISA_AVX2) */
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c");
+    /* AC_ISA_AVX512 */
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        ac_best_path = AC_PATH_AVX512;
+    else if (avx2)
+        ac_best_path = AC_PATH_AVX2;
+    else
+        ac_best_path = AC_PATH_PORTABLE;
+    ac_kernel_path = ac_best_path;
+    ac_avx512_ok = ac_kernel_path == AC_PATH_AVX512;
+}
+
+/* whether the CPU has bfloat16 dot products (AVX512_BF16: vdpbf16ps) */
+static AC_UNUSED int ac_cpu_bf16_dot(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+
+/* whether the CPU has vpdpbusd on 512-bit vectors (AVX512_VNNI) */
+static AC_UNUSED int ac_cpu_vnni(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+}
+
+/* select a path (-1: the best); 0 on success, -1 if this CPU lacks it */
+static AC_UNUSED int ac_set_kernel_path(int path)
+{
+    if (path < 0) path = ac_best_path;
+    if (path > ac_best_path) return -1;
+    ac_kernel_path = path;
+    ac_avx512_ok = path == AC_PATH_AVX512;
+    return 0;
+}
+
+#else
+#define AC_HAVE_X86 0
+#define AC_VTGT_PORTABLE
+static AC_UNUSED void ac_cpu_init(void) {}
+static AC_UNUSED int ac_cpu_bf16_dot(void) { return 0; }
+static AC_UNUSED int ac_cpu_vnni(void) { return 0; }
+static AC_UNUSED int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
+#endif /* AC_HAVE_X86 */
+
+/* the variant to run for kernel `kernel` (AC_PATH_*: 0 baseline, 1 AVX2, 2
+   AVX-512), recorded in ac_state->ran */
+static inline int ac_variant(int kernel)
+{
+    const int v = AC_HAVE_X86 ? ac_kernel_path : AC_PATH_PORTABLE;
+    const unsigned bit = 1u << (AC_VAR_BITS * kernel + v);
+#if defined(__GNUC__)
+    /* read first: the cache line is written once, not by every call */
+    if (!(__atomic_load_n(&ac_state->ran, __ATOMIC_RELAXED) & bit))
+        __atomic_fetch_or(&ac_state->ran, bit, __ATOMIC_RELAXED);
+#else
+    ac_state->ran |= bit;
+#endif
+    return v;
+}
+
+/* the variants ac_variant has recorded; reset: clear the record */
+static AC_UNUSED unsigned ac_variants_ran(int reset)
+{
+    const unsigned r = ac_state->ran;
+    if (reset) ac_state->ran = 0u;
+    return r;
+}
+
+/* Call the variant v (ac_variant) of kernel `name` with `args`: FN(name
+ * suffix) spells a variant's function name, the suffix being
+ * name##_portable, name##_avx2 or name##_avx512 (FN: AC_VNAME for no more
+ * than that, or a family's own macro that adds the dtype). */
+#define AC_VNAME(name) name
+#if AC_HAVE_X86
+#define AC_VCALL(v, FN, name, args)                                          \
+    ((v) == AC_PATH_AVX512 ? FN(name##_avx512) args                          \
+     : (v) == AC_PATH_AVX2 ? FN(name##_avx2) args : FN(name##_portable) args)
+#else
+#define AC_VCALL(v, FN, name, args) ((void)(v), FN(name##_portable) args)
+#endif
+
+#endif /* AC_CPU_H */
