@@ -331,7 +331,7 @@ class Call(NamedTuple):
     kernels.  Dense calls: ``bshape`` batch elements of (N, M); packed
     variable-length calls: ``cu_q`` / ``cu_k`` offsets (bshape (Hq,))."""
 
-    q: Any                    #: np.ndarray (None in a cached template)
+    q: Any                    #: np.ndarray (bfloat16 as its bits; None in a cached template)
     k: Any
     v: Any
     mask: np.ndarray | None
@@ -427,6 +427,12 @@ def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
             i8.q_scales, i8.q_mu, D)
 
 
+def bits(a: np.ndarray, fmt: int) -> np.ndarray:
+    """An operand as the kernel reads it: bfloat16 (ml_dtypes) exports no
+    buffer format, so the kernel reads its bits."""
+    return a.view(np.uint16) if fmt == HALF_BF16 else a
+
+
 def describe(chk: Checked) -> Call:
     """The kernel call of a checked, non-empty call."""
     cdt = chk.pol.compute
@@ -452,6 +458,7 @@ def describe(chk: Checked) -> Call:
     pl = plan_call(cdt, N, M, D, Dv, chk.causal, math.prod(chk.bshape), chk.nthreads,
                    chk.need_weights, kernel_path="portable" if qk8 == 3 else None,
                    converted_kv=conv)
+    q, k, v = (bits(a, f) for a, f in zip((q, k, v), fmts))
     return Call(q, k, v, m, chk.mask_kind, chk.bshape, chk.group, N, M, D, Dv, chk.causal,
                 chk.scale, chk.window, chk.softcap, ks, vs, q_scales, fmts, chk.slopes,
                 chk.sinks, md.bf16dot if pl.fused else 0, qk8, pl, cdt, chk.need_weights,
@@ -461,32 +468,20 @@ def describe(chk: Checked) -> Call:
 # --------------------------------------------------------------------------
 # launching: the one call of the kernels
 # --------------------------------------------------------------------------
-def _bits(a: np.ndarray, fmt: int) -> np.ndarray:
-    """bfloat16 (ml_dtypes) exports no buffer format: the kernel reads its
-    bits."""
-    return a.view(np.uint16) if fmt == HALF_BF16 else a
-
-
 def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Run the kernel of ``c``: (out, weights or None, lse or None) in the
     compute dtype; dense calls (nb, N, Dv) / (nb, N, M) / (nb, N), packed
-    ones (total_q, Hq, Dv)."""
-    q, k, v = (_bits(a, f) for a, f in zip((c.q, c.k, c.v), c.fmts))
-    pl = c.plan
-    if c.cu_q is not None and c.cu_k is not None:
-        out = np.zeros((q.shape[0], q.shape[1], c.Dv), dtype=c.compute)
-        _sdpa.sdpa_varlen(q, k, v, out, c.cu_q, c.cu_k, c.group, c.D, c.Dv, c.causal, c.scale,
-                          pl.Bq, pl.Bk, pl.nthreads, c.window[0], c.window[1], c.softcap,
-                          c.fmts[0], c.fmts[1], c.fmts[2], c.slopes, c.bf16dot)
+    ones (total_q, Hq, Dv).  The one call site of the compiled kernels,
+    which read the description itself."""
+    if c.cu_q is not None:
+        out = np.zeros((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
+        _sdpa.sdpa_varlen(c, out)
         return out, None, None
     nb = math.prod(c.bshape)
     out = np.empty((nb, c.N, c.Dv), dtype=c.compute)
     weights = np.empty((nb, c.N, c.M), dtype=c.compute) if c.need_weights else None
     lse = np.empty((nb, c.N), dtype=c.compute) if c.need_lse else None
-    _sdpa.sdpa(q, k, v, c.mask, out, weights, c.bshape, c.group, c.mask_kind, c.N, c.M, c.D,
-               c.Dv, c.causal, c.scale, pl.Bq, pl.Bk, pl.nsplit, pl.chunk, pl.nthreads, lse,
-               c.window[0], c.window[1], c.softcap, c.k_scales, c.v_scales, c.fmts[0],
-               c.fmts[1], c.fmts[2], c.slopes, c.sinks, c.bf16dot, c.q_scales, c.qk8)
+    _sdpa.sdpa(c, out, weights, lse)
     if lse is not None and c.lse_shift is not None:
         lse += c.lse_shift
     return out, weights, lse

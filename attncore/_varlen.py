@@ -123,6 +123,7 @@ def _packed_call(qa, ka, va, cq, ck, pol, group: int, scale: float, causal: int,
                          converted_kv=bool(fmts[1] or fmts[2] or md.bf16dot))
     items = int(Hq * (-(-lq // pl.Bq)).sum())
     pl = pl._replace(nthreads=max(1, min(pl.nthreads, items)))
+    qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))
     return _call.Call(qa, ka, va, None, 0, (Hq,), group, 0, 0, D, Dv, causal, scale, win, cap,
                       None, None, None, fmts, slopes, None, md.bf16dot if pl.fused else 0, 0,
                       pl, cdt, cu_q=cq, cu_k=ck)

@@ -461,7 +461,8 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
                        _sdpa.bf16_mode() if fmt == HALF_BF16 else 0, sc, window, softcap)
     if not c.plan.fused and N > _SMALL_ROWS:
         return None  # the BLAS path: the general call decides its threads
-    out, _, _ = _call.launch(c._replace(q=q, k=k, v=v))
+    out, _, _ = _call.launch(c._replace(q=_call.bits(q, fmt), k=_call.bits(k, fmt),
+                                        v=_call.bits(v, fmt)))
     if not all_finite(out):
         return None  # an overflow or non-finite inputs: the general call decides
     out = out.reshape(B, H, N, Dv)

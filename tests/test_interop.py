@@ -40,9 +40,9 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def sdpa(self, *args, **kwargs):
-        self.arrays = [a for a in args if isinstance(a, np.ndarray)]
-        return self._real.sdpa(*args, **kwargs)
+    def sdpa(self, call, *args, **kwargs):
+        self.arrays = [a for a in (*call, *args) if isinstance(a, np.ndarray)]
+        return self._real.sdpa(call, *args, **kwargs)
 
 
 @pytest.fixture

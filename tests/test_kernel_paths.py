@@ -11,7 +11,7 @@ import pytest
 
 import attncore
 from attncore import scaled_dot_product_attention as sdpa
-from attncore import _kernels
+from attncore import _call, _kernels
 from attncore._core import _sdpa
 from attncore._linear import linear
 
@@ -250,8 +250,11 @@ def test_kernel_entry_odd_tiles(path, Bq, Bk, nsplit, causal):
     mask = np.random.default_rng(4).random((2, 1, M)) > 0.3
     chunk = -(-M // nsplit)
     out = np.empty((2, N, Dv), np.float32)
-    _sdpa.sdpa(q, k, v, mask, out, None, (2,), 1, 1, N, M, D, Dv, causal, 0.3,
-               Bq, Bk, nsplit, chunk, 2)
+    fused = _sdpa.kernel_path() != "portable"
+    call = _call.Call(q, k, v, mask, 1, (2,), 1, N, M, D, Dv, causal, 0.3, (-1, -1), 0.0,
+                      None, None, None, (0, 0, 0), None, None, 0, 0,
+                      _call.Plan(Bq, Bk, nsplit, chunk, 2, fused), np.dtype(np.float32))
+    _sdpa.sdpa(call, out)
     np.testing.assert_allclose(out, ref(q, k, v, mask, causal=causal, scale=0.3)[0], **TOL32)
 
 

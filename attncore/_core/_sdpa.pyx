@@ -781,31 +781,29 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
     return buf.strides[buf.ndim - 2] // buf.itemsize
 
 
-def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_kind,
-         int N, int M, int D, int Dv, int causal, double scale,
-         int Bq, int Bk, int nsplit, Py_ssize_t chunk, int nthreads, lse=None,
-         int win_l=-1, int win_r=-1, double softcap=0.0, k_scales=None, v_scales=None,
-         int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, sinks=None,
-         int bf16dot=0, q_scales=None, int qk8=0):
-    """Run the kernel on prepared operands (see attncore.functional).
+def sdpa(call, out, weights=None, lse=None):
+    """Run the dense kernel of ``call``, an attncore._call.Call (the one
+    description of a call: see attncore._call.describe), into ``out``
+    (C-contiguous (nb, N, Dv)), ``weights`` (None for the flash path, else
+    C-contiguous (nb, N, M), filled with the attention weights) and ``lse``
+    (None or a C-contiguous (nb, N) array receiving the row log-sum-exp),
+    all of the compute dtype.  The fields of ``call``:
 
-    q, k, v: float32 or float64 arrays (one dtype, native byte order) whose
+    q, k, v: float32 or float64 arrays (one dtype, native byte order), or
+    16-bit ones as their uint16 bits (fmts), whose
     last axis is contiguous and whose row stride is at least the row length;
     their batch axes (all but the last two) broadcast to ``bshape`` by NumPy
     rules, and key/value head index (last batch axis) is query head // group.
     mask: None, a bool array (read as bytes) or an additive array of the
     compute dtype, at least 2-D, broadcastable to bshape + (N, M), strides
-    multiples of its item size.  out: C-contiguous (nb, N, Dv).  weights:
-    None for the flash path, else C-contiguous (nb, N, M), filled with the
-    attention weights.
-        lse: None or a C-contiguous (nb, N) array receiving the row log-sum-exp.
-    win_l, win_r: sliding window (-1: unbounded on that side), aligned like
+    multiples of its item size; mask_kind its kind.
+    window (win_l, win_r): sliding window (-1: unbounded on that side), aligned like
     the causal diagonal.  softcap: > 0 caps the scaled scores (s -> softcap
     tanh(s / softcap)) before the mask; 0 for none.
-    q_fmt, k_fmt, v_fmt: 0 when that operand has the compute dtype (out's),
+    fmts (q_fmt, k_fmt, v_fmt): 0 when that operand has the compute dtype (out's),
     1 for bfloat16, 2 for float16 (16-bit elements read in place; not with
     weights, nor for an int8 key / value).
-    alibi_slopes, sinks: None or a C-contiguous float64 array of one value
+    slopes, sinks: None or a C-contiguous float64 array of one value
     per batch element (nb): the ALiBi slope (score(i, j) -= slope |i + M -
     N - j|) and the attention sink logit (its exp joins every row's softmax
     denominator) of each.
@@ -819,7 +817,22 @@ def sdpa(q, k, v, mask, out, weights, tuple bshape, Py_ssize_t group, int mask_k
     128 sum k8 as the bits of an int32) ((..., M, 1), the scales alone, for
     qk8 3 or N <= SMALL_ROWS).  1 vpdpbusd (the CPU must have AVX512_VNNI),
     2 the same in AVX-512BW (tests), 3 products of the dequantized rows.
+    plan: Bq, Bk (tiles), nsplit, chunk (key splits), nthreads.
     """
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    cdef tuple bshape = call.bshape
+    cdef Py_ssize_t group = call.group
+    cdef int mask_kind = call.mask_kind
+    cdef int N = call.N, M = call.M, D = call.D, Dv = call.Dv, causal = call.causal
+    cdef double scale = call.scale, softcap = call.softcap
+    pl = call.plan
+    cdef int Bq = pl.Bq, Bk = pl.Bk, nsplit = pl.nsplit, nthreads = pl.nthreads
+    cdef Py_ssize_t chunk = pl.chunk
+    cdef int win_l = call.window[0], win_r = call.window[1]
+    k_scales, v_scales, q_scales = call.k_scales, call.v_scales, call.q_scales
+    cdef int q_fmt = call.fmts[0], k_fmt = call.fmts[1], v_fmt = call.fmts[2]
+    alibi_slopes, sinks = call.slopes, call.sinks
+    cdef int bf16dot = call.bf16dot, qk8 = call.qk8
     cdef const double[::1] slopes_v
     cdef const double[::1] sinks_v
     cdef _Buffers bufs
@@ -1190,11 +1203,9 @@ cdef int _run_varlen(const ac_params *p, const _VOps *ops, const _VItem *items, 
     return err
 
 
-def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
-                int group, int D, int Dv, int causal, double scale, int Bq, int Bk,
-                int nthreads, int win_l=-1, int win_r=-1, double softcap=0.0,
-                int q_fmt=0, int k_fmt=0, int v_fmt=0, alibi_slopes=None, int bf16dot=0):
-    """Run the kernel on a packed variable-length batch (see attncore._varlen).
+def sdpa_varlen(call, out):
+    """Run the packed kernel of ``call``, an attncore._call.Call with its
+    cu_q / cu_k offsets (see attncore._varlen), into ``out``.  Its fields:
 
     q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv): arrays of
     the compute dtype (out's) or 16-bit (q_fmt / k_fmt / v_fmt: 1 bfloat16,
@@ -1213,6 +1224,17 @@ def sdpa_varlen(q, k, v, out, const int64_t[::1] cu_q, const int64_t[::1] cu_k,
     dynamically in one parallel region: no padding is computed, long
     sequences start early and short ones fill the gaps at the end.
     """
+    q, k, v = call.q, call.k, call.v
+    cdef const int64_t[::1] cu_q = call.cu_q
+    cdef const int64_t[::1] cu_k = call.cu_k
+    pl = call.plan
+    cdef int group = call.group, D = call.D, Dv = call.Dv, causal = call.causal
+    cdef int Bq = pl.Bq, Bk = pl.Bk, nthreads = pl.nthreads
+    cdef double scale = call.scale, softcap = call.softcap
+    cdef int win_l = call.window[0], win_r = call.window[1]
+    cdef int q_fmt = call.fmts[0], k_fmt = call.fmts[1], v_fmt = call.fmts[2]
+    alibi_slopes = call.slopes
+    cdef int bf16dot = call.bf16dot
     cdef const double[::1] slopes_v
     cdef _Buffers bufs
     cdef Py_buffer *bq
