@@ -148,10 +148,6 @@ def _parse_split_every(split_every: Any) -> int:
 # --------------------------------------------------------------------------
 # the tasks (plain functions of NumPy blocks; pickled by reference)
 # --------------------------------------------------------------------------
-def _cast(x: np.ndarray, dt: np.dtype) -> np.ndarray:
-    return x if x.dtype == dt else x.astype(dt)
-
-
 def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.ndarray,
                    vs: np.ndarray | None, m: np.ndarray | None,
                    band: tuple[int | None, int | None] | None, scale: float, gqa: bool,
@@ -214,7 +210,8 @@ def _merge_partials(parts: list) -> tuple[np.ndarray, np.ndarray]:
 # ml_dtypes' bfloat16 is '<V2', raw void)
 def _finish(part: tuple[np.ndarray, np.ndarray], n: int, dt: np.dtype) -> np.ndarray:
     """Item ``n`` of a merged partial (0 the output, 1 the lse) as ``dt``."""
-    return _cast(part[n], np.dtype(dt))
+    x, dt = part[n], np.dtype(dt)
+    return x if x.dtype == dt else x.astype(dt)
 
 
 def _full(shape: tuple[int, ...], fill: float, dt: np.dtype) -> np.ndarray:
@@ -247,11 +244,23 @@ def _operand(x: Any, name: str) -> tuple[Any, Any, Any]:
     return x, None, _stand_in(x, name)
 
 
+class _Operands(NamedTuple):
+    """The operands by role (None: absent); dask arrays chunked
+    consistently after :func:`_aligned`."""
+
+    q: Any
+    k: Any
+    v: Any
+    m: Any
+    ks: Any     #: scales of an int8 key; (..., M, 1) once a dask array
+    vs: Any     #: likewise of an int8 value
+
+
 def _checked(query: Any, key: Any, value: Any, attn_mask: Any, opts: tuple
-             ) -> tuple[_call.Checked, dict[str, Any]]:
+             ) -> tuple[_call.Checked, _Operands]:
     """The in-memory call's checks (attncore._call.check, with the options
     ``opts`` after the mask) on stand-ins of the operands, and the operands
-    by name (the parts of int8 pairs apart; None where absent)."""
+    (the parts of int8 pairs apart)."""
     q_s = _stand_in(query, "query")
     kdata, kscales, k_s = _operand(key, "key")
     vdata, vscales, v_s = _operand(value, "value")
@@ -260,8 +269,7 @@ def _checked(query: Any, key: Any, value: Any, attn_mask: Any, opts: tuple
     m = attn_mask
     if m is not None and m.ndim < 2:
         m = m[(None,) * (2 - m.ndim)]
-    return chk, {"query": query, "key": kdata, "value": vdata, "attn_mask": m,
-                 "key scales": kscales, "value scales": vscales}
+    return chk, _Operands(query, kdata, vdata, m, kscales, vscales)
 
 
 def _first_dask_chunks(cands: list[tuple[Any, int, int]]) -> tuple[int, ...] | None:
@@ -273,52 +281,38 @@ def _first_dask_chunks(cands: list[tuple[Any, int, int]]) -> tuple[int, ...] | N
     return None
 
 
-def _as_dask(ops: dict[str, Any], N: int, M: int) -> dict[str, Any]:
+def _as_dask(ops: _Operands, N: int, M: int) -> _Operands:
     """Every operand as a dask array: a NumPy one wrapped with the chunks of
     its dask partners along N and M (scales laid out like their array, as
     (..., M, 1))."""
-    n_chunks = _first_dask_chunks([(ops["query"], -2, N), (ops["attn_mask"], -2, N)])
-    m_chunks = _first_dask_chunks([(ops["key"], -2, M), (ops["value"], -2, M),
-                                   (ops["key scales"], -1, M), (ops["value scales"], -1, M),
-                                   (ops["attn_mask"], -1, M)])
-    out: dict[str, Any] = {}
-    for nm, x in ops.items():
-        if x is not None and nm.endswith("scales"):
+    n_chunks = _first_dask_chunks([(ops.q, -2, N), (ops.m, -2, N)])
+    m_chunks = _first_dask_chunks([(ops.k, -2, M), (ops.v, -2, M), (ops.ks, -1, M),
+                                   (ops.vs, -1, M), (ops.m, -1, M)])
+    axes = {"q": {-2: n_chunks}, "m": {-2: n_chunks, -1: m_chunks}}
+    out = []
+    for nm, x in zip(_Operands._fields, ops):
+        if x is not None and nm in ("ks", "vs"):
             x = x[..., None]
         if isinstance(x, np.ndarray):
-            spec = {-2: n_chunks} if nm == "query" else {-2: m_chunks}
-            if nm == "attn_mask":
-                spec = {-2: n_chunks, -1: m_chunks}
-            x = _wrap(x, {a: c for a, c in spec.items() if c is not None})
-        out[nm] = x
-    return out
+            x = _wrap(x, {a: c for a, c in axes.get(nm, {-2: m_chunks}).items() if c is not None})
+        out.append(x)
+    return _Operands(*out)
 
 
-class _Operands(NamedTuple):
-    """The operands as dask arrays, chunked consistently (None: absent)."""
-
-    q: da.Array
-    k: da.Array
-    v: da.Array
-    m: da.Array | None
-    ks: da.Array | None     #: scales (..., M, 1) of an int8 key
-    vs: da.Array | None     #: likewise of an int8 value
-
-
-def _aligned(ops: dict[str, Any], N: int, M: int) -> _Operands:
+def _aligned(ops: _Operands, N: int, M: int) -> _Operands:
     """The last axes (D, Dv) in one chunk each -- D is contracted, Dv is a
     row of the output -- and the key / query axes chunked alike across the
     operands (the scales rechunked like their array; others: ValueError)."""
     q, k, v = (x if len(x.chunks[-1]) == 1 else x.rechunk({x.ndim - 1: -1})
-               for x in (ops["query"], ops["key"], ops["value"]))
+               for x in (ops.q, ops.k, ops.v))
     if v.chunks[-2] != k.chunks[-2]:
         raise ValueError(
             f"value must be chunked like key along the key axis (-2): key chunks {k.chunks[-2]}, "
             f"value chunks {v.chunks[-2]}; rechunk one of them")
     kss, vss = ((s if s is None or s.chunks[:-1] == a.chunks[:-1]
                  else s.rechunk(a.chunks[:-1] + ((1,),)))
-                for s, a in ((ops["key scales"], k), (ops["value scales"], v)))
-    dm = ops["attn_mask"]
+                for s, a in ((ops.ks, k), (ops.vs, v)))
+    dm = ops.m
     if dm is not None:
         if dm.shape[-1] == M and M != 1 and dm.chunks[-1] != k.chunks[-2]:
             raise ValueError(
@@ -484,24 +478,13 @@ def _graph(g: _Graph, ops: _Operands, out_batch_chunks: list[tuple[int, ...]]) -
     return dsk
 
 
-def _arrays(g: _Graph, ops: _Operands, out_batch_chunks: list[tuple[int, ...]],
-            return_lse: bool) -> tuple[da.Array, da.Array]:
-    """(out, lse) of the graph (the lse: ``out`` again without
-    ``return_lse``)."""
-    dsk = _graph(g, ops, out_batch_chunks)
-    deps: list[Any] = [a for a in ops if a is not None]
-    L = len(out_batch_chunks) + 2
-    res = []
-    for nm, other, chunks, nd in ((g.name, g.lname, (ops.q.chunks[-2], (g.Dv,)), L),
-                                  (g.lname, g.name, (ops.q.chunks[-2],), L - 1)):
-        layer = {key: t for key, t in dsk.items() if key[0] != other}
-        dt = g.rdt if nm == g.name else g.ldt
-        res.append(da.Array(HighLevelGraph.from_collections(nm, layer, dependencies=deps), nm,
-                            chunks=tuple(out_batch_chunks) + chunks, dtype=dt,
-                            meta=np.empty((0,) * nd, dtype=dt)))
-        if not return_lse:
-            return res[0], res[0]
-    return res[0], res[1]
+def _array(dsk: dict, name: str, other: str, deps: _Operands, chunks: tuple, dt: np.dtype
+           ) -> da.Array:
+    """The dask array ``name`` of the graph ``dsk`` (less the tasks of the
+    array ``other``)."""
+    layer = {key: t for key, t in dsk.items() if key[0] != other}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[a for a in deps if a is not None])
+    return da.Array(graph, name, chunks=chunks, dtype=dt, meta=np.empty((0,) * len(chunks), dtype=dt))
 
 
 # --------------------------------------------------------------------------
@@ -629,19 +612,19 @@ def scaled_dot_product_attention(
     if dv_dummy:
         # the lse is defined without value columns: run with one zero column
         # (of value's dtype, as the core's own dummy column)
-        ops["value"] = np.broadcast_to(np.zeros((), chk.v.dtype), chk.v.shape[:-1] + (1,))
-        ops["value scales"] = None
-    mask_np = ops["attn_mask"] if isinstance(ops["attn_mask"], np.ndarray) else None
+        ops = ops._replace(v=np.broadcast_to(np.zeros((), chk.v.dtype), chk.v.shape[:-1] + (1,)),
+                           vs=None)
+    mask_np = ops.m if isinstance(ops.m, np.ndarray) else None
     gq = chk.group if enable_gqa and chk.group > 1 else 1
     dops, out_batch_chunks = _unified(_aligned(_as_dask(ops, N, M), N, M), tuple(bshape), gq)
     q, k, v, dm, kss, vss = dops
     token = tokenize(q, k, v, dm, kss, vss, chk.causal, chk.scale, enable_gqa, win, cap,
                      num_threads, se, return_lse, str(cdt), str(rdt), precision)
     out_shape = tuple(bshape) + (N, v.shape[-1])
+    lse_chunks = tuple(out_batch_chunks) + (q.chunks[-2],)
     if 0 in out_shape or M == 0:
-        out_chunks = tuple(out_batch_chunks) + (q.chunks[-2],)
-        out = da.zeros(out_shape, chunks=out_chunks + ((v.shape[-1],),), dtype=rdt)
-        lse = da.full(out_shape[:-1], -np.inf, chunks=out_chunks, dtype=ldt)
+        out = da.zeros(out_shape, chunks=lse_chunks + ((v.shape[-1],),), dtype=rdt)
+        lse = da.full(out_shape[:-1], -np.inf, chunks=lse_chunks, dtype=ldt)
     else:
         g = _Graph(f"attncore-sdpa-{token}", f"attncore-sdpa-lse-{token}",
                    _boundaries(q.chunks[-2]), _boundaries(k.chunks[-2]),
@@ -649,7 +632,9 @@ def scaled_dot_product_attention(
                    (chk.scale, enable_gqa, cap, num_threads,
                     None if precision is None else str(precision)),
                    np.dtype(rdt), np.dtype(ldt), v.shape[-1])
-        out, lse = _arrays(g, dops, out_batch_chunks, return_lse)
+        dsk = _graph(g, dops, out_batch_chunks)
+        out = _array(dsk, g.name, g.lname, dops, lse_chunks + ((v.shape[-1],),), g.rdt)
+        lse = _array(dsk, g.lname, g.name, dops, lse_chunks, g.ldt) if return_lse else out
     if dv_dummy:
         out = out[..., :0]
     return (out, lse) if return_lse else out
@@ -667,12 +652,6 @@ class _Bound:
     def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         self.fn = fn
         self.kwargs = kwargs
-
-    def __getstate__(self):
-        return (self.fn, self.kwargs)
-
-    def __setstate__(self, state):
-        self.fn, self.kwargs = state
 
 
 def _apply_batch(bound: _Bound, arg_names: tuple, *blocks: np.ndarray) -> Any:
