@@ -199,9 +199,13 @@ def _fast_numpy(t, bf16):
 # ``sliding_window - 1`` of it on either side
 # (``sliding_window_bidirectional_overlay``: |qpos - kpos| <= w for
 # ModernBERT's ``config.sliding_window`` w, which passes w + 1 here).
-def _sliding_window(window, L, S, causal):
-    """(causal, kernel window or None, bool mask or None) for the keyword
-    ``sliding_window`` when transformers passed no mask."""
+def _sliding_window(module, is_causal, kwargs, L, S):
+    """(causal, kernel window or None, bool mask or None) of a call without
+    mask: causal for L > 1 per ``is_causal`` (None: ``module.is_causal``),
+    and the keyword ``sliding_window``."""
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal, window = bool(is_causal) and L > 1, kwargs.get("sliding_window")
     if window is None or S <= window:       # every key within reach
         return causal, None, None
     w = int(window)
@@ -241,23 +245,17 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     kernel, and the output back as a torch tensor; None where it does not
     apply (then the general path runs)."""
     torch = sys.modules["torch"]
-    if not (query.device.type == "cpu" and key.device == query.device
-            and value.device == query.device and key.dtype is query.dtype
-            and value.dtype is query.dtype
+    if not (query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and query.layout is torch.strided and key.layout is torch.strided
-            and value.layout is torch.strided):
+            and all(t.device == query.device and t.dtype is query.dtype
+                    and t.layout is torch.strided for t in (query, key, value))):
         return None
     bf = None
     if query.dtype is torch.bfloat16:
         bf = bfloat16_dtype() if bfloat16_available() else False
     if bf is False:
         return None
-    L, S = query.shape[2], key.shape[2]
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    causal, win, mask = _sliding_window(kwargs.get("sliding_window"), L, S,
-                                        bool(is_causal) and L > 1)
+    causal, win, mask = _sliding_window(module, is_causal, kwargs, query.shape[2], key.shape[2])
     if mask is not None:
         return None
     out = attention_prepared(
@@ -277,12 +275,8 @@ def _mask(module, attention_mask, is_causal, L, S, kwargs):
         if m.shape[-1] > S:  # a mask sized for a longer (static) cache
             m = m[..., :S]
         mask = _as_numpy(m, "attention_mask")
-    else:
-        if is_causal is None:
-            is_causal = getattr(module, "is_causal", True)
-        # the kernel's band where it can (out-of-band key tiles skipped)
-        causal, win, mask = _sliding_window(kwargs.get("sliding_window"), L, S,
-                                            bool(is_causal) and L > 1)
+    else:   # the kernel's band where it can (out-of-band key tiles skipped)
+        causal, win, mask = _sliding_window(module, is_causal, kwargs, L, S)
     bias = kwargs.get("position_bias")
     if bias is not None:
         b = _as_numpy(bias, "position_bias")
