@@ -660,21 +660,16 @@ class MultiHeadAttention:
         (Nq, E), (Nk, kdim), (Nv, vdim) = qw.shape, kw.shape, vw.shape
         if E == kdim == vdim:
             self._w_qkv = np.empty((Nq + Nk + Nv, E), dtype=dt)
-            self._wq = self._w_qkv[:Nq]
-            self._w_kv = self._w_qkv[Nq:]
+            self._wq, self._w_kv = self._w_qkv[:Nq], self._w_qkv[Nq:]
         else:
             self._w_qkv = None
             self._wq = np.empty((Nq, E), dtype=dt)
             self._w_kv = np.empty((Nk + Nv, kdim), dtype=dt) if kdim == vdim else None
         if self._w_kv is not None:
-            self._wk = self._w_kv[:Nk]
-            self._wv = self._w_kv[Nk:]
+            self._wk, self._wv = self._w_kv[:Nk], self._w_kv[Nk:]
         else:
-            self._wk = np.empty((Nk, kdim), dtype=dt)
-            self._wv = np.empty((Nv, vdim), dtype=dt)
-        self._wq[...] = qw
-        self._wk[...] = kw
-        self._wv[...] = vw
+            self._wk, self._wv = np.empty((Nk, kdim), dtype=dt), np.empty((Nv, vdim), dtype=dt)
+        self._wq[...], self._wk[...], self._wv[...] = qw, kw, vw
 
     # ------------------------------------------------------------ attributes
     def _set_weight(self, buf, name, value):

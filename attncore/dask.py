@@ -108,30 +108,22 @@ def _unify_batch(arrays: list[da.Array], bshape: tuple[int, ...], head_scale: li
     groups, so boundaries inside a group are dropped.
     """
     nbatch = len(bshape)
-    new_chunks: list[list[tuple[int, ...] | None]] = [[None] * nbatch for _ in arrays]
+    specs: list[dict[int, tuple[int, ...]]] = [{} for _ in arrays]
     out_chunks = []
     for ax in range(nbatch):
-        bounds: set[int] = {0, bshape[ax]}
-        step = 1
-        for n, a in enumerate(arrays):
-            if a.shape[ax] != 1:
-                s = head_scale[n] if ax == nbatch - 1 else 1
-                step = max(step, s)
-                bounds.update(b * s for b in _boundaries(a.chunks[ax]))
+        # (n, array, query heads per head) of the arrays not broadcast along ax
+        live = [(n, a, head_scale[n] if ax == nbatch - 1 else 1)
+                for n, a in enumerate(arrays) if a.shape[ax] != 1]
+        step = max([1] + [s for _, _, s in live])
+        bounds = {0, bshape[ax]}.union(*({b * s for b in _boundaries(a.chunks[ax])}
+                                         for _, a, s in live))
         common = sorted(b for b in bounds if b % step == 0 or b == bshape[ax])
         out_chunks.append(_chunks_from(common) if bshape[ax] else (0,))
-        for n, a in enumerate(arrays):
-            if a.shape[ax] == 1:
-                continue
-            s = head_scale[n] if ax == nbatch - 1 else 1
+        for n, a, s in live:
             c = _chunks_from([b // s for b in common])
             if c != a.chunks[ax]:
-                new_chunks[n][ax] = c
-    out = []
-    for n, a in enumerate(arrays):
-        spec = {ax: c for ax, c in enumerate(new_chunks[n]) if c is not None}
-        out.append(a.rechunk(spec) if spec else a)
-    return out, out_chunks
+                specs[n][ax] = c
+    return [a.rechunk(spec) if spec else a for a, spec in zip(arrays, specs)], out_chunks
 
 
 def _parse_split_every(split_every: Any) -> int:
@@ -222,10 +214,8 @@ def _full(shape: tuple[int, ...], fill: float, dt: np.dtype) -> np.ndarray:
 # scaled_dot_product_attention: arguments
 # --------------------------------------------------------------------------
 def _stand_in(x: Any, name: str, optional: bool = False) -> np.ndarray:
-    """A stand-in of the dask or NumPy array ``x`` (attncore._call.stand_in):
-    the in-memory call's checks run on it as on ``x``, without computing
-    ``x``.  Anything else: TypeError; dask chunks of unknown size:
-    ValueError."""
+    """attncore._call.stand_in of the dask or NumPy array ``x`` (anything
+    else: TypeError; dask chunks of unknown size: ValueError)."""
     if _kind(x, name, optional) == "dask":
         _check_known(x, name)
     return _call.stand_in(x.shape, x.dtype)
