@@ -85,11 +85,8 @@ def _torch_tensors(sd: dict) -> tuple[str, dict[str, np.ndarray]]:
     expected = ({"in_proj_weight"} if "in_proj_weight" in arr else
                 {"q_proj_weight", "k_proj_weight", "v_proj_weight"}) | {"out_proj.weight"}
     optional = {"in_proj_bias", "out_proj.bias"}
-    missing = sorted(expected - arr.keys())
-    if "in_proj_bias" in arr and "out_proj.bias" not in arr:
-        missing.append("out_proj.bias")
-    if "out_proj.bias" in arr and "in_proj_bias" not in arr:
-        missing.append("in_proj_bias")
+    # (biases: both or neither)
+    missing = sorted(expected - arr.keys()) + sorted(optional - arr.keys() if optional & arr.keys() else ())
     if missing:
         raise ValueError(f"from_torch: missing tensors {[prefix + m for m in missing]} "
                          f"(got {sorted(prefix + k for k in arr)})")
@@ -175,10 +172,10 @@ def _keras_source(obj: Any, config: Any) -> tuple[list, dict]:
     return weights, cfg
 
 
-def _keras_kernels(ws: list[np.ndarray], cfg: dict) -> tuple[int, int, int, int, int]:
-    """(E, H, key_dim, value_dim, out) of the kernels (query, key, value,
-    output: the first of every pair with biases), checked."""
-    qk, kk, vk, ok = ws[::2] if len(ws) == 8 else ws
+def _keras_kernels(ws: list[np.ndarray], cfg: dict) -> tuple[list[np.ndarray], tuple[int, ...]]:
+    """The kernels (query, key, value, output: the first of every pair with
+    biases) and their sizes (E, H, key_dim, value_dim, out), checked."""
+    qk, kk, vk, ok = kernels = ws[::2] if len(ws) == 8 else ws
     if qk.ndim != 3:
         raise ValueError(f"from_keras: query kernel must be (E, num_heads, key_dim), got "
                          f"shape {qk.shape}")
@@ -200,7 +197,7 @@ def _keras_kernels(ws: list[np.ndarray], cfg: dict) -> tuple[int, int, int, int,
     if cfg.get("num_heads") is not None and int(cfg["num_heads"]) != H:
         raise ValueError(f"from_keras: config num_heads={cfg['num_heads']} but the kernels "
                          f"have {H} heads")
-    return E, H, kd, vd, ok.shape[2]
+    return kernels, (E, H, kd, vd, ok.shape[2])
 
 
 def _keras_bias(b: np.ndarray | None, shape: tuple, name: str) -> np.ndarray | None:
@@ -224,8 +221,7 @@ def keras_arrays(layer_or_weights: Any, config: Any = None, dtype: Any = None) -
     if cfg.get("use_bias") is not None and bool(cfg["use_bias"]) != (len(ws) == 8):
         raise ValueError(f"from_keras: config use_bias={cfg['use_bias']} but got {len(ws)} "
                          "weight arrays")
-    E, H, kd, vd, out = _keras_kernels(ws, cfg)
-    qk, kk, vk, ok = ws[::2] if len(ws) == 8 else ws
+    (qk, kk, vk, ok), (E, H, kd, vd, out) = _keras_kernels(ws, cfg)
     qb, kb, vb, ob = ((_keras_bias(b, sh, nm) for b, sh, nm in zip(
         ws[1::2], ((H, kd), (H, kd), (H, vd), (out,)), ("query", "key", "value", "output")))
         if len(ws) == 8 else (None,) * 4)
