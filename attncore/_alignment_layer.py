@@ -317,11 +317,8 @@ class Attention:
 
         Returns
         -------
-        context : ndarray, shape (B, T, Dv) or (B, Dv)
-        attentional_state : ndarray, shape (B, [T,] Dh)
-            Only with ``combine_weight``.
-        weights : ndarray, shape (B, [T,] S) or (B, [T,] H, W)
-            Only with ``return_weights=True``.
+        context, attentional_state, weights
+            As :meth:`step`.
         """
         return_weights = parse_bool(return_weights, "return_weights")
         return self.step(query, self.prepare(keys, values, mask=mask),
