@@ -317,11 +317,8 @@ class Attention:
 
         Returns
         -------
-        context : ndarray, shape (B, T, Dv) or (B, Dv)
-        attentional_state : ndarray, shape (B, [T,] Dh)
-            Only with ``combine_weight``.
-        weights : ndarray, shape (B, [T,] S) or (B, [T,] H, W)
-            Only with ``return_weights=True``.
+        context, attentional_state, weights
+            As :meth:`step`.
         """
         return_weights = parse_bool(return_weights, "return_weights")
         return self.step(query, self.prepare(keys, values, mask=mask),
@@ -354,14 +351,10 @@ class Attention:
         if memory._alignment is not self.alignment:
             raise ValueError("memory was prepared by an Attention layer with another alignment")
         q = as_float_array(query, "query", "mask")
-        if q.ndim == 2:
-            single = True
-            q3 = q[:, None, :]
-        elif q.ndim == 3:
-            single = False
-            q3 = q
-        else:
+        if q.ndim not in (2, 3):
             raise ValueError(f"query must have shape (B, Dq) or (B, T, Dq), got shape {q.shape}")
+        single = q.ndim == 2
+        q3 = q[:, None, :] if single else q
         B, T, Dq = q3.shape
         if B != memory.batch and not memory.shared:
             raise ValueError(f"query batch size ({B}, query shape {q.shape}) must equal the "
@@ -388,16 +381,7 @@ class Attention:
 
         results = [ctx]
         if self.combine_weight is not None:
-            cw = self.combine_weight
-            if cw.shape[0] != Dq + Dv:
-                raise ValueError(f"combine_weight must have Dq + Dv = {Dq} + {Dv} = {Dq + Dv} "
-                                 f"rows, got shape {cw.shape}")
-            key = np.dtype(cdt).str
-            cwc = self._cw_cache.get(key)
-            if cwc is None:
-                cwc = self._cw_cache[key] = np.ascontiguousarray(cw, dtype=cdt)
-            state = np.tanh(q3 @ cwc[:Dq] + ctx @ cwc[Dq:])
-            results.append(state)
+            results.append(self._attentional_state(q3, ctx, cdt))
         if return_weights:
             if memory.spatial is not None:
                 w = w.reshape((B, T) + memory.spatial)
@@ -410,6 +394,20 @@ class Attention:
                 r = r.astype(rdt)
             out.append(r)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _attentional_state(self, q3, ctx, cdt):
+        """``tanh([h; c] @ combine_weight)`` of the queries ``q3`` and their
+        contexts ``ctx`` (the weight in the compute dtype ``cdt``, cached)."""
+        cw = self.combine_weight
+        Dq, Dv = q3.shape[-1], ctx.shape[-1]
+        if cw.shape[0] != Dq + Dv:
+            raise ValueError(f"combine_weight must have Dq + Dv = {Dq} + {Dv} = {Dq + Dv} "
+                             f"rows, got shape {cw.shape}")
+        key = np.dtype(cdt).str
+        cwc = self._cw_cache.get(key)
+        if cwc is None:
+            cwc = self._cw_cache[key] = np.ascontiguousarray(cw, dtype=cdt)
+        return np.tanh(q3 @ cwc[:Dq] + ctx @ cwc[Dq:])
 
     # ------------------------------------------------------------------
     def _dot_path(self, q3, memory, return_weights):

@@ -37,7 +37,6 @@ already done, without smoothing.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -124,74 +123,66 @@ def _per_query_head(x: np.ndarray, bshape: tuple, group: int, kown: tuple) -> np
     return np.ascontiguousarray(a.reshape(-1, D), dtype=_F32)
 
 
-def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
-             k8: Optional[np.ndarray], k8_scales: Optional[np.ndarray],
-             bshape: tuple, group: int, nthreads: int, pairs: bool = True) -> Int8Operands:
-    """The int8 operands of one call.
+def _balance(kh: np.ndarray, kf: int, qh: np.ndarray, qf: int, bshape: tuple, group: int,
+             kown: tuple, nt: int) -> tuple[np.ndarray, np.ndarray]:
+    """(s, mu) per key head (prod(kown), D): the channel balance and the
+    keys' mean (see the module's docstring; ``_SMOOTHING`` may turn either
+    off)."""
+    nkh, D = kh.shape[0], kh.shape[-1]
+    mu, kmean, kmax = (np.empty((nkh, D), _F32) for _ in range(3))
+    _sdpa.int8_col_stats(kh, kf, mu, kmean, kmax, nt)
+    qmean_h, qmax_h = (np.empty((qh.shape[0], D), _F32) for _ in range(2))
+    _sdpa.int8_col_stats(qh, qf, None, qmean_h, qmax_h, nt)
+    with np.errstate(over="ignore"):     # (a huge mean: the maximum is smaller)
+        ak = np.minimum(kmax, _CLIP * kmean)
+        aq = np.minimum(_per_key_head(qmax_h, bshape, group, kown),
+                        _CLIP * _per_key_head(qmean_h, bshape, group, kown, np.mean))
+    # columns whose k - mu could overflow float32: neither smoothed nor
+    # balanced (inf / NaN entries take no part in the statistics: the
+    # rows holding them get a NaN scale, which reaches exactly the
+    # scores those rows take part in)
+    safe = (np.abs(mu) + kmax) < 1e37
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        s = np.sqrt(ak / aq)
+    ok = np.isfinite(s) & (ak > 0) & (aq > 0) & safe
+    s = np.where(ok, np.clip(s, 2.0 ** -16, 2.0 ** 16), 1.0).astype(_F32)
+    mu = np.where(safe, mu, 0).astype(_F32)
+    if _SMOOTHING != "full":
+        s = np.ones_like(s)
+        if _SMOOTHING == "off":
+            mu = np.zeros_like(mu)
+    return s, mu
 
-    q: the queries as laid out for the kernel (float32, or 16-bit with
-    ``qf``), broadcastable to ``bshape + (N, D)``.  Either k (float keys,
-    format ``kf``) or k8 / k8_scales (int8 keys and their per-row scales,
-    ``(..., M)``).  ``pairs``: int8 keys given get the per-key pairs (scale,
-    128 sum k8) the fused kernel reads; else (the direct loops of a few
-    rows, decoding) their scales alone, ``(..., M, 1)`` (no pass over the
-    keys).
-    """
-    N, D = q.shape[-2], q.shape[-1]
-    nb = math.prod(bshape)
-    ld = _ld(D)
-    qh = _heads(_bits(np.broadcast_to(q, tuple(bshape) + (N, D)), qf), N, D)
-    nt = max(1, int(nthreads))
-    if k8 is None:
-        assert k is not None
-        M = k.shape[-2]
-        kown = tuple(k.shape[:-2])
-        kh = _heads(_bits(k, kf), M, D)
-        nkh = kh.shape[0]
-        mu = np.empty((nkh, D), _F32)
-        kmean = np.empty((nkh, D), _F32)
-        kmax = np.empty((nkh, D), _F32)
-        _sdpa.int8_col_stats(kh, kf, mu, kmean, kmax, nt)
-        qmean_h = np.empty((nb, D), _F32)
-        qmax_h = np.empty((nb, D), _F32)
-        _sdpa.int8_col_stats(qh, qf, None, qmean_h, qmax_h, nt)
-        bs = tuple(bshape)
-        with np.errstate(over="ignore"):     # (a huge mean: the maximum is smaller)
-            ak = np.minimum(kmax, _CLIP * kmean)
-            aq = np.minimum(_per_key_head(qmax_h, bs, group, kown),
-                            _CLIP * _per_key_head(qmean_h, bs, group, kown, np.mean))
-        # columns whose k - mu could overflow float32: neither smoothed nor
-        # balanced (inf / NaN entries take no part in the statistics: the
-        # rows holding them get a NaN scale, which reaches exactly the
-        # scores those rows take part in)
-        safe = (np.abs(mu) + kmax) < 1e37
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            s = np.sqrt(ak / aq)
-        ok = np.isfinite(s) & (ak > 0) & (aq > 0) & safe
-        s = np.where(ok, np.clip(s, 2.0 ** -16, 2.0 ** 16), 1.0).astype(_F32)
-        mu = np.where(safe, mu, 0).astype(_F32)
-        if _SMOOTHING != "full":
-            s = np.ones_like(s)
-            if _SMOOTHING == "off":
-                mu = np.zeros_like(mu)
-        k_out = np.empty((nkh, M, ld), np.int8)
-        sk = np.empty((nkh, M), _F32)
-        ksum = np.empty((nkh, M), np.int32)
-        _sdpa.int8_quantize(kh, kf, mu, np.ascontiguousarray(1.0 / s, dtype=_F32), None,
-                            k_out, sk, None, ksum, nt)
-        w_q = _per_query_head(s, tuple(bshape), group, kown)
-        mu_q = _per_query_head(mu, tuple(bshape), group, kown)
-        q_out = np.empty((nb, N, ld), np.int8)
-        sq = np.empty((nb, N), _F32)
-        qmu = np.empty((nb, N), _F32)
-        _sdpa.int8_quantize(qh, qf, None, w_q, mu_q, q_out, sq, qmu, None, nt)
-        kpairs = np.stack([sk, ksum.view(_F32)], axis=-1).reshape(kown + (M, 2))
-        return Int8Operands(q_out, sq, qmu, k_out.reshape(kown + (M, ld)), kpairs)
-    # int8 keys as given: no smoothing, no balancing (their quantization
-    # is done); rows padded to a multiple of 4 bytes where they are not
-    assert k8_scales is not None
-    M = k8.shape[-2]
-    st = k8.strides
+
+def _float_keys(qh: np.ndarray, qf: int, k: np.ndarray, kf: int, bshape: tuple, group: int,
+                nt: int) -> Int8Operands:
+    """The int8 operands of float keys: smoothed, balanced, quantized."""
+    nb, N, D = qh.shape
+    ld, M, kown = _ld(D), k.shape[-2], tuple(k.shape[:-2])
+    kh = _heads(_bits(k, kf), M, D)
+    s, mu = _balance(kh, kf, qh, qf, bshape, group, kown, nt)
+    k_out = np.empty((kh.shape[0], M, ld), np.int8)
+    sk = np.empty((kh.shape[0], M), _F32)
+    ksum = np.empty((kh.shape[0], M), np.int32)
+    _sdpa.int8_quantize(kh, kf, mu, np.ascontiguousarray(1.0 / s, dtype=_F32), None,
+                        k_out, sk, None, ksum, nt)
+    w_q = _per_query_head(s, bshape, group, kown)
+    mu_q = _per_query_head(mu, bshape, group, kown)
+    q_out = np.empty((nb, N, ld), np.int8)
+    sq = np.empty((nb, N), _F32)
+    qmu = np.empty((nb, N), _F32)
+    _sdpa.int8_quantize(qh, qf, None, w_q, mu_q, q_out, sq, qmu, None, nt)
+    kpairs = np.stack([sk, ksum.view(_F32)], axis=-1).reshape(kown + (M, 2))
+    return Int8Operands(q_out, sq, qmu, k_out.reshape(kown + (M, ld)), kpairs)
+
+
+def _given_keys(qh: np.ndarray, qf: int, k8: np.ndarray, k8_scales: np.ndarray, nt: int,
+                pairs: bool) -> Int8Operands:
+    """The int8 operands of int8 keys as given: no smoothing, no balancing
+    (their quantization is done); rows padded to a multiple of 4 bytes
+    where they are not."""
+    nb, N, D = qh.shape
+    ld, M, st = _ld(D), k8.shape[-2], k8.strides
     if (D % 4 or st[-1] != 1 or (M > 1 and st[-2] % 4) or any(x < 0 for x in st)
             or k8.ctypes.data % 4):
         kp8 = np.zeros(k8.shape[:-1] + (ld,), np.int8)
@@ -211,6 +202,29 @@ def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
     return Int8Operands(q_out, sq, None, k8, kpr)
 
 
+def quantize(q: np.ndarray, qf: int, k: Optional[np.ndarray], kf: int,
+             k8: Optional[np.ndarray], k8_scales: Optional[np.ndarray],
+             bshape: tuple, group: int, nthreads: int, pairs: bool = True) -> Int8Operands:
+    """The int8 operands of one call.
+
+    q: the queries as laid out for the kernel (float32, or 16-bit with
+    ``qf``), broadcastable to ``bshape + (N, D)``.  Either k (float keys,
+    format ``kf``) or k8 / k8_scales (int8 keys and their per-row scales,
+    ``(..., M)``).  ``pairs``: int8 keys given get the per-key pairs (scale,
+    128 sum k8) the fused kernel reads; else (the direct loops of a few
+    rows, decoding) their scales alone, ``(..., M, 1)`` (no pass over the
+    keys).
+    """
+    N, D = q.shape[-2], q.shape[-1]
+    qh = _heads(_bits(np.broadcast_to(q, tuple(bshape) + (N, D)), qf), N, D)
+    nt = max(1, int(nthreads))
+    if k8 is None:
+        assert k is not None
+        return _float_keys(qh, qf, k, kf, tuple(bshape), group, nt)
+    assert k8_scales is not None
+    return _given_keys(qh, qf, k8, k8_scales, nt, pairs)
+
+
 def dequantized(ops: Int8Operands, bshape: tuple, D: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 query and key rows whose products are those of the int8
     rows (to float rounding), with one more channel carrying ``q . mu``:
@@ -222,9 +236,7 @@ def dequantized(ops: Int8Operands, bshape: tuple, D: int) -> tuple[np.ndarray, n
     qt = np.empty((nb, N, D + 1), _F32)
     qt[..., :D] = ops.q8[..., :D] * ops.q_scales[..., None]
     qt[..., D] = 0.0 if ops.q_mu is None else ops.q_mu
-    M = ops.k8.shape[-2]
     kt = np.empty(ops.k8.shape[:-1] + (D + 1,), _F32)
     kt[..., :D] = ops.k8[..., :D] * ops.k_pairs[..., :1]
     kt[..., D] = 1.0
-    del M
     return qt.reshape(tuple(bshape) + (N, D + 1)), kt

@@ -84,6 +84,48 @@ def _weight(a, shape, name: str, dtype) -> np.ndarray:
 # --------------------------------------------------------------------------
 # KV cache
 # --------------------------------------------------------------------------
+def _weight_arrays(*weights) -> list[np.ndarray]:
+    """The projections (q, k, v, out) as non-empty 2-D float arrays."""
+    names = ("q_weight", "k_weight", "v_weight", "out_weight")
+    ws = [as_float_array(to_numpy(w, nm), nm, allow_bf16=True) for w, nm in zip(weights, names)]
+    for nm, w in zip(names, ws):
+        if w.ndim != 2 or 0 in w.shape:
+            raise ValueError(
+                f"{nm} must be a non-empty 2-D array (out_features, in_features), got "
+                f"shape {w.shape}")
+    return ws
+
+
+def _per_head(w: np.ndarray, name: str, heads: int, heads_name: str, hint: str = "") -> int:
+    """Rows of the projection ``w`` per head, checked to divide evenly."""
+    if w.shape[0] % heads:
+        raise ValueError(f"{name} rows must be a multiple of {heads_name}={heads}{hint}, got "
+                         f"{name} shape {w.shape}")
+    return w.shape[0] // heads
+
+
+def _check_width(w: np.ndarray, axis: int, name: str, product: str, heads: int, dim: int):
+    """``w.shape[axis]`` checked to be ``heads * dim`` (``product`` names them)."""
+    if w.shape[axis] != heads * dim:
+        raise ValueError(f"{name} must have {product} = {heads} * {dim} = {heads * dim} "
+                         f"{('rows', 'columns')[axis]}, got {name} shape {w.shape}")
+
+
+def _head_sizes(num_heads, num_kv_heads, qw, kw, vw, ow) -> tuple[int, int, int, int]:
+    """(num_heads, num_kv_heads, head_dim, v_head_dim) of the projections,
+    checked against each other."""
+    H = parse_positive_int(num_heads, "num_heads")
+    Hkv = parse_positive_int(num_kv_heads, "num_kv_heads", True) or H
+    if H % Hkv:
+        raise ValueError(
+            f"num_kv_heads must divide num_heads, got num_kv_heads={Hkv} and num_heads={H}")
+    hd = _per_head(qw, "q_weight", H, "num_heads", " (num_heads * head_dim)")
+    _check_width(kw, 0, "k_weight", "num_kv_heads * head_dim", Hkv, hd)
+    hdv = _per_head(vw, "v_weight", Hkv, "num_kv_heads")
+    _check_width(ow, 1, "out_weight", "num_heads * v_head_dim", H, hdv)
+    return H, Hkv, hd, hdv
+
+
 class KVCache:
     """Preallocated key/value cache of one :class:`MultiHeadAttention` layer.
 
@@ -141,11 +183,7 @@ class KVCache:
         # int8 storage: one float32 scale per token and head
         self._ks = np.zeros(shape if self.quantized else (0, 0, 0), np.float32)
         self._vs = np.zeros(shape if self.quantized else (0, 0, 0), np.float32)
-        self._len = 0
-        self.mode = None
-        self._source = None
-        self._key_mask = None
-        self.shared = False
+        KVCache.reset(self)
 
     def __len__(self) -> int:
         """Number of tokens (positions) held."""
@@ -351,6 +389,20 @@ class KVCache:
 # the layer
 # --------------------------------------------------------------------------
 _BIAS_NAMES = ("q_bias", "k_bias", "v_bias")
+
+
+def _weight_property(attr: str, name: str, doc: str) -> property:
+    """A projection weight of MultiHeadAttention: the buffer ``attr``,
+    assigned in place (checked, converted to the layer's dtype)."""
+    return property(lambda self: getattr(self, attr),
+                    lambda self, v: self._set_weight(getattr(self, attr), name, v), doc=doc)
+
+
+def _bias_property(i: int, doc: str) -> property:
+    """Input projection bias ``i`` (q, k, v) of MultiHeadAttention: None
+    where the projection has none."""
+    return property(lambda self: (self._bq, self._bk, self._bv)[i] if self._has_b[i] else None,
+                    lambda self, v: self._set_bias(i, _BIAS_NAMES[i], v), doc=doc)
 
 
 class MultiHeadAttention:
@@ -578,43 +630,9 @@ class MultiHeadAttention:
     def _setup(self, num_heads, num_kv_heads, qw, kw, vw, ow, qb, kb, vb, ob, *, dtype):
         """Check the shapes against each other and lay the weights out."""
         dt = _layer_dtype(dtype)
-        qw = as_float_array(to_numpy(qw, "q_weight"), "q_weight", allow_bf16=True)
-        kw = as_float_array(to_numpy(kw, "k_weight"), "k_weight", allow_bf16=True)
-        vw = as_float_array(to_numpy(vw, "v_weight"), "v_weight", allow_bf16=True)
-        ow = as_float_array(to_numpy(ow, "out_weight"), "out_weight", allow_bf16=True)
-        for nm, w in (("q_weight", qw), ("k_weight", kw), ("v_weight", vw), ("out_weight", ow)):
-            if w.ndim != 2 or 0 in w.shape:
-                raise ValueError(
-                    f"{nm} must be a non-empty 2-D array (out_features, in_features), got "
-                    f"shape {w.shape}")
-        H = parse_positive_int(num_heads, "num_heads")
-        Hkv = parse_positive_int(num_kv_heads, "num_kv_heads", True) or H
-        if H % Hkv:
-            raise ValueError(
-                f"num_kv_heads must divide num_heads, got num_kv_heads={Hkv} and num_heads={H}")
-        Nq, E = qw.shape
-        if Nq % H:
-            raise ValueError(
-                f"q_weight rows must be a multiple of num_heads={H} (num_heads * head_dim), got "
-                f"q_weight shape {qw.shape}")
-        hd = Nq // H
-        if kw.shape[0] != Hkv * hd:
-            raise ValueError(
-                f"k_weight must have num_kv_heads * head_dim = {Hkv} * {hd} = {Hkv * hd} rows, "
-                f"got k_weight shape {kw.shape}")
-        if vw.shape[0] % Hkv:
-            raise ValueError(
-                f"v_weight rows must be a multiple of num_kv_heads={Hkv}, got v_weight shape "
-                f"{vw.shape}")
-        hdv = vw.shape[0] // Hkv
-        if ow.shape[1] != H * hdv:
-            raise ValueError(
-                f"out_weight must have num_heads * v_head_dim = {H} * {hdv} = {H * hdv} "
-                f"columns, got out_weight shape {ow.shape}")
-        kdim, vdim = kw.shape[1], vw.shape[1]
-        Nk, Nv = kw.shape[0], vw.shape[0]
-
-        self.embed_dim, self.kdim, self.vdim = E, kdim, vdim
+        qw, kw, vw, ow = _weight_arrays(qw, kw, vw, ow)
+        H, Hkv, hd, hdv = _head_sizes(num_heads, num_kv_heads, qw, kw, vw, ow)
+        self.embed_dim, self.kdim, self.vdim = qw.shape[1], kw.shape[1], vw.shape[1]
         self.num_heads, self.num_kv_heads = H, Hkv
         self.head_dim, self.v_head_dim = hd, hdv
         self.out_dim = ow.shape[0]
@@ -623,27 +641,10 @@ class MultiHeadAttention:
         # the kernels); activations, biases and products are float32
         self._cdt = _compute_dtype(dt)
         self.scale = 1.0 / math.sqrt(hd)
-
-        # input projections: one buffer where the input widths allow a fused gemm
-        if E == kdim == vdim:
-            self._w_qkv = np.empty((Nq + Nk + Nv, E), dtype=dt)
-            self._wq = self._w_qkv[:Nq]
-            self._w_kv = self._w_qkv[Nq:]
-        else:
-            self._w_qkv = None
-            self._wq = np.empty((Nq, E), dtype=dt)
-            self._w_kv = np.empty((Nk + Nv, kdim), dtype=dt) if kdim == vdim else None
-        if self._w_kv is not None:
-            self._wk = self._w_kv[:Nk]
-            self._wv = self._w_kv[Nk:]
-        else:
-            self._wk = np.empty((Nk, kdim), dtype=dt)
-            self._wv = np.empty((Nv, vdim), dtype=dt)
-        self._wq[...] = qw
-        self._wk[...] = kw
-        self._wv[...] = vw
+        self._projections(qw, kw, vw, dt)
         self._wo = np.array(ow, dtype=dt, copy=True)
         # biases: one buffer (zeros where a projection has none)
+        Nq, Nk, Nv = qw.shape[0], kw.shape[0], vw.shape[0]
         self._b_in = np.zeros(Nq + Nk + Nv, dtype=self._cdt)
         self._bq, self._bk, self._bv = (self._b_in[:Nq], self._b_in[Nq:Nq + Nk],
                                         self._b_in[Nq + Nk:])
@@ -652,6 +653,23 @@ class MultiHeadAttention:
             self._set_bias(i, nm, b)
         self._bo = None
         self.out_bias = ob
+
+    def _projections(self, qw, kw, vw, dt):
+        """The input projections' buffers, filled: one buffer where the
+        input widths allow a fused gemm (q, k and v; else k and v)."""
+        (Nq, E), (Nk, kdim), (Nv, vdim) = qw.shape, kw.shape, vw.shape
+        if E == kdim == vdim:
+            self._w_qkv = np.empty((Nq + Nk + Nv, E), dtype=dt)
+            self._wq, self._w_kv = self._w_qkv[:Nq], self._w_qkv[Nq:]
+        else:
+            self._w_qkv = None
+            self._wq = np.empty((Nq, E), dtype=dt)
+            self._w_kv = np.empty((Nk + Nv, kdim), dtype=dt) if kdim == vdim else None
+        if self._w_kv is not None:
+            self._wk, self._wv = self._w_kv[:Nk], self._w_kv[Nk:]
+        else:
+            self._wk, self._wv = np.empty((Nk, kdim), dtype=dt), np.empty((Nv, vdim), dtype=dt)
+        self._wq[...], self._wk[...], self._wv[...] = qw, kw, vw
 
     # ------------------------------------------------------------ attributes
     def _set_weight(self, buf, name, value):
@@ -666,27 +684,14 @@ class MultiHeadAttention:
             buf[...] = _weight(value, buf.shape, name, self._cdt)
             self._has_b[i] = True
 
-    q_weight = property(lambda self: self._wq,
-                        lambda self, v: self._set_weight(self._wq, "q_weight", v),
-                        doc="Query projection (num_heads * head_dim, embed_dim).")
-    k_weight = property(lambda self: self._wk,
-                        lambda self, v: self._set_weight(self._wk, "k_weight", v),
-                        doc="Key projection (num_kv_heads * head_dim, kdim).")
-    v_weight = property(lambda self: self._wv,
-                        lambda self, v: self._set_weight(self._wv, "v_weight", v),
-                        doc="Value projection (num_kv_heads * v_head_dim, vdim).")
-    out_weight = property(lambda self: self._wo,
-                          lambda self, v: self._set_weight(self._wo, "out_weight", v),
-                          doc="Output projection (out_dim, num_heads * v_head_dim).")
-    q_bias = property(lambda self: self._bq if self._has_b[0] else None,
-                      lambda self, v: self._set_bias(0, "q_bias", v),
-                      doc="Query bias (num_heads * head_dim,) or None.")
-    k_bias = property(lambda self: self._bk if self._has_b[1] else None,
-                      lambda self, v: self._set_bias(1, "k_bias", v),
-                      doc="Key bias (num_kv_heads * head_dim,) or None.")
-    v_bias = property(lambda self: self._bv if self._has_b[2] else None,
-                      lambda self, v: self._set_bias(2, "v_bias", v),
-                      doc="Value bias (num_kv_heads * v_head_dim,) or None.")
+    q_weight = _weight_property("_wq", "q_weight", "Query projection (num_heads * head_dim, embed_dim).")
+    k_weight = _weight_property("_wk", "k_weight", "Key projection (num_kv_heads * head_dim, kdim).")
+    v_weight = _weight_property("_wv", "v_weight", "Value projection (num_kv_heads * v_head_dim, vdim).")
+    out_weight = _weight_property("_wo", "out_weight",
+                                  "Output projection (out_dim, num_heads * v_head_dim).")
+    q_bias = _bias_property(0, "Query bias (num_heads * head_dim,) or None.")
+    k_bias = _bias_property(1, "Key bias (num_kv_heads * head_dim,) or None.")
+    v_bias = _bias_property(2, "Value bias (num_kv_heads * v_head_dim,) or None.")
 
     @property
     def out_bias(self):
@@ -781,9 +786,8 @@ class MultiHeadAttention:
             Default: the tensors' dtype if float64, float16 or bfloat16,
             else float32.
         window : (int, int), optional
-            Sliding window ``(left, right)`` of every call (see the class
-            parameters); default None, every key.  torch's module has no
-            such option: this adds one.
+            As in :meth:`from_arrays` (torch's module has no such option:
+            this adds one).
 
         Raises
         ------
@@ -817,8 +821,8 @@ class MultiHeadAttention:
 
     @classmethod
     def from_keras(cls, layer_or_weights: Any, config: dict | None = None, *,
-                   dtype: DTypeLike | None = None,
-                   window: tuple[int, int] | None = None) -> MultiHeadAttention:
+                   dtype: DTypeLike | None = None, window: tuple[int, int] | None = None
+                   ) -> MultiHeadAttention:
         """Layer from a Keras 3 ``keras.layers.MultiHeadAttention``.
 
         Parameters
@@ -835,8 +839,7 @@ class MultiHeadAttention:
         dtype : {float32, float64}, optional
             Default: float64 if the kernels are, else float32.
         window : (int, int), optional
-            Sliding window ``(left, right)`` of every call (see the class
-            parameters); default None, every key.
+            As in :meth:`from_arrays`.
 
         Notes
         -----

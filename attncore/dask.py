@@ -51,12 +51,9 @@ import dask.array as da
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
+from . import _call
 from .functional import _attention, merge_attention
-from ._quant import split_quantized
-from ._threads import resolve_num_threads
-from ._dtypes import resolve
-from ._validation import (as_float_array, batch_shape, check_mask, check_operands,
-                          parse_bool, parse_causal, parse_scale, parse_softcap, parse_window)
+from ._validation import parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "map_batches"]
 
@@ -111,30 +108,22 @@ def _unify_batch(arrays: list[da.Array], bshape: tuple[int, ...], head_scale: li
     groups, so boundaries inside a group are dropped.
     """
     nbatch = len(bshape)
-    new_chunks: list[list[tuple[int, ...] | None]] = [[None] * nbatch for _ in arrays]
+    specs: list[dict[int, tuple[int, ...]]] = [{} for _ in arrays]
     out_chunks = []
     for ax in range(nbatch):
-        bounds: set[int] = {0, bshape[ax]}
-        step = 1
-        for n, a in enumerate(arrays):
-            if a.shape[ax] != 1:
-                s = head_scale[n] if ax == nbatch - 1 else 1
-                step = max(step, s)
-                bounds.update(b * s for b in _boundaries(a.chunks[ax]))
+        # (n, array, query heads per head) of the arrays not broadcast along ax
+        live = [(n, a, head_scale[n] if ax == nbatch - 1 else 1)
+                for n, a in enumerate(arrays) if a.shape[ax] != 1]
+        step = max([1] + [s for _, _, s in live])
+        bounds = {0, bshape[ax]}.union(*({b * s for b in _boundaries(a.chunks[ax])}
+                                         for _, a, s in live))
         common = sorted(b for b in bounds if b % step == 0 or b == bshape[ax])
         out_chunks.append(_chunks_from(common) if bshape[ax] else (0,))
-        for n, a in enumerate(arrays):
-            if a.shape[ax] == 1:
-                continue
-            s = head_scale[n] if ax == nbatch - 1 else 1
+        for n, a, s in live:
             c = _chunks_from([b // s for b in common])
             if c != a.chunks[ax]:
-                new_chunks[n][ax] = c
-    out = []
-    for n, a in enumerate(arrays):
-        spec = {ax: c for ax, c in enumerate(new_chunks[n]) if c is not None}
-        out.append(a.rechunk(spec) if spec else a)
-    return out, out_chunks
+                specs[n][ax] = c
+    return [a.rechunk(spec) if spec else a for a, spec in zip(arrays, specs)], out_chunks
 
 
 def _parse_split_every(split_every: Any) -> int:
@@ -151,10 +140,6 @@ def _parse_split_every(split_every: Any) -> int:
 # --------------------------------------------------------------------------
 # the tasks (plain functions of NumPy blocks; pickled by reference)
 # --------------------------------------------------------------------------
-def _cast(x: np.ndarray, dt: np.dtype) -> np.ndarray:
-    return x if x.dtype == dt else x.astype(dt)
-
-
 def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.ndarray,
                    vs: np.ndarray | None, m: np.ndarray | None,
                    band: tuple[int | None, int | None] | None, scale: float, gqa: bool,
@@ -215,47 +200,137 @@ def _merge_partials(parts: list) -> tuple[np.ndarray, np.ndarray]:
 
 # (dtypes travel in the graph as numpy.dtype objects: the ``.str`` of
 # ml_dtypes' bfloat16 is '<V2', raw void)
-def _finish(part: tuple[np.ndarray, np.ndarray], rdt: np.dtype) -> np.ndarray:
-    return _cast(part[0], np.dtype(rdt))
+def _finish(part: tuple[np.ndarray, np.ndarray], n: int, dt: np.dtype) -> np.ndarray:
+    """Item ``n`` of a merged partial (0 the output, 1 the lse) as ``dt``."""
+    x, dt = part[n], np.dtype(dt)
+    return x if x.dtype == dt else x.astype(dt)
 
 
-def _finish_lse(part: tuple[np.ndarray, np.ndarray], ldt: np.dtype) -> np.ndarray:
-    return _cast(part[1], np.dtype(ldt))
-
-
-def _zeros(shape: tuple[int, ...], rdt: np.dtype) -> np.ndarray:
-    return np.zeros(shape, dtype=np.dtype(rdt))
-
-
-def _neg_inf(shape: tuple[int, ...], ldt: np.dtype) -> np.ndarray:
-    return np.full(shape, -np.inf, dtype=np.dtype(ldt))
+def _full(shape: tuple[int, ...], fill: float, dt: np.dtype) -> np.ndarray:
+    return np.full(shape, fill, dtype=np.dtype(dt))
 
 
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention: arguments
 # --------------------------------------------------------------------------
-def _standin(x: Any) -> np.ndarray:
-    """A NumPy array of ``x``'s shape and dtype whose memory is one element:
-    the core's own checks run on it as on ``x``, without computing ``x``."""
-    dt = np.dtype(x.dtype)
-    return np.broadcast_to(np.zeros((), dt if dt.isnative else dt.newbyteorder("=")), x.shape)
+def _stand_in(x: Any, name: str, optional: bool = False) -> np.ndarray:
+    """attncore._call.stand_in of the dask or NumPy array ``x`` (anything
+    else: TypeError; dask chunks of unknown size: ValueError)."""
+    if _kind(x, name, optional) == "dask":
+        _check_known(x, name)
+    return _call.stand_in(x.shape, x.dtype)
 
 
-def _operand(x: Any, name: str) -> tuple[Any, Any]:
-    """(array, scales or None) of ``key`` / ``value``: an array, or the
-    ``(int8 array, scales)`` pair of :func:`attncore.quantize_kv`; each part
-    a dask or a NumPy array (the core's checks run on stand-ins)."""
+def _operand(x: Any, name: str) -> tuple[Any, Any, Any]:
+    """(array, scales or None, stand-in) of ``key`` / ``value``: an array,
+    or the ``(int8 array, scales)`` pair of :func:`attncore.quantize_kv`
+    (each part a dask or a NumPy array; the stand-in a pair then)."""
     if isinstance(x, (tuple, list)) and len(x) == 2:
         data, scales = x
-        for part, nm in ((data, name), (scales, f"{name} scales")):
-            if _kind(part, nm) == "dask":
-                _check_known(part, nm)
-        split_quantized((_standin(data), _standin(scales)), name)
-        return data, scales
-    if _kind(x, name) == "dask":
-        _check_known(x, name)
-    split_quantized(_standin(x), name)          # a bare int8 array: an error
-    return x, None
+        pair = (_stand_in(data, name), _stand_in(scales, f"{name} scales"))
+        if pair[0].dtype != np.int8 and pair[1].shape != pair[0].shape[:-1]:
+            _kind(x, name)  # no quantized pair (nor one array): TypeError
+        return data, scales, pair
+    return x, None, _stand_in(x, name)
+
+
+class _Operands(NamedTuple):
+    """The operands by role (None: absent); dask arrays chunked
+    consistently after :func:`_aligned`."""
+
+    q: Any
+    k: Any
+    v: Any
+    m: Any
+    ks: Any     #: scales of an int8 key; (..., M, 1) once a dask array
+    vs: Any     #: likewise of an int8 value
+
+
+def _checked(query: Any, key: Any, value: Any, attn_mask: Any, opts: tuple
+             ) -> tuple[_call.Checked, _Operands]:
+    """The in-memory call's checks (attncore._call.check, with the options
+    ``opts`` after the mask) on stand-ins of the operands, and the operands
+    (the parts of int8 pairs apart)."""
+    q_s = _stand_in(query, "query")
+    kdata, kscales, k_s = _operand(key, "key")
+    vdata, vscales, v_s = _operand(value, "value")
+    m_s = None if attn_mask is None else _stand_in(attn_mask, "attn_mask", True)
+    chk = _call.check(q_s, k_s, v_s, m_s, *opts)
+    m = attn_mask
+    if m is not None and m.ndim < 2:
+        m = m[(None,) * (2 - m.ndim)]
+    return chk, _Operands(query, kdata, vdata, m, kscales, vscales)
+
+
+def _first_dask_chunks(cands: list[tuple[Any, int, int]]) -> tuple[int, ...] | None:
+    """The chunks along ``ax`` of the first dask array ``x`` of the
+    candidates ``(x, ax, size)`` that is not broadcast along it."""
+    for x, ax, size in cands:
+        if isinstance(x, da.Array) and x.shape[ax] == size and size != 1:
+            return x.chunks[ax]
+    return None
+
+
+def _as_dask(ops: _Operands, N: int, M: int) -> _Operands:
+    """Every operand as a dask array: a NumPy one wrapped with the chunks of
+    its dask partners along N and M (scales laid out like their array, as
+    (..., M, 1))."""
+    n_chunks = _first_dask_chunks([(ops.q, -2, N), (ops.m, -2, N)])
+    m_chunks = _first_dask_chunks([(ops.k, -2, M), (ops.v, -2, M), (ops.ks, -1, M),
+                                   (ops.vs, -1, M), (ops.m, -1, M)])
+    axes = {"q": {-2: n_chunks}, "m": {-2: n_chunks, -1: m_chunks}}
+    out = []
+    for nm, x in zip(_Operands._fields, ops):
+        if x is not None and nm in ("ks", "vs"):
+            x = x[..., None]
+        if isinstance(x, np.ndarray):
+            x = _wrap(x, {a: c for a, c in axes.get(nm, {-2: m_chunks}).items() if c is not None})
+        out.append(x)
+    return _Operands(*out)
+
+
+def _aligned(ops: _Operands, N: int, M: int) -> _Operands:
+    """The last axes (D, Dv) in one chunk each -- D is contracted, Dv is a
+    row of the output -- and the key / query axes chunked alike across the
+    operands (the scales rechunked like their array; others: ValueError)."""
+    q, k, v = (x if len(x.chunks[-1]) == 1 else x.rechunk({x.ndim - 1: -1})
+               for x in (ops.q, ops.k, ops.v))
+    if v.chunks[-2] != k.chunks[-2]:
+        raise ValueError(
+            f"value must be chunked like key along the key axis (-2): key chunks {k.chunks[-2]}, "
+            f"value chunks {v.chunks[-2]}; rechunk one of them")
+    kss, vss = ((s if s is None or s.chunks[:-1] == a.chunks[:-1]
+                 else s.rechunk(a.chunks[:-1] + ((1,),)))
+                for s, a in ((ops.ks, k), (ops.vs, v)))
+    dm = ops.m
+    if dm is not None:
+        if dm.shape[-1] == M and M != 1 and dm.chunks[-1] != k.chunks[-2]:
+            raise ValueError(
+                f"attn_mask must be chunked like key along the key axis: attn_mask chunks along "
+                f"axis -1 {dm.chunks[-1]}, key chunks along axis -2 {k.chunks[-2]}; rechunk "
+                f"attn_mask")
+        if dm.shape[-2] == N and N != 1 and dm.chunks[-2] != q.chunks[-2]:
+            raise ValueError(
+                f"attn_mask must be chunked like query along the query axis: attn_mask chunks "
+                f"along axis -2 {dm.chunks[-2]}, query chunks along axis -2 {q.chunks[-2]}; "
+                f"rechunk attn_mask")
+    return _Operands(q, k, v, dm, kss, vss)
+
+
+def _unified(ops: _Operands, bshape: tuple[int, ...], gq: int
+             ) -> tuple[_Operands, list[tuple[int, ...]]]:
+    """The operands brought to one rank, their batch axes unified
+    (:func:`_unify_batch`; ``gq`` query heads per key / value head): (the
+    operands, the output's chunks of the batch axes)."""
+    L = len(bshape) + 2
+    head_scale = (1, gq, gq, 1, gq, gq)
+    present = [n for n, a in enumerate(ops) if a is not None]
+    arrs = [ops[n][(None,) * (L - ops[n].ndim)] if ops[n].ndim < L else ops[n] for n in present]
+    arrs, out_batch_chunks = _unify_batch(arrs, bshape, [head_scale[n] for n in present])
+    new = list(ops)
+    for n, a in zip(present, arrs):
+        new[n] = a
+    return _Operands(*new), out_batch_chunks
 
 
 class _Band(NamedTuple):
@@ -296,21 +371,120 @@ def _band(causal: int, window: tuple[int, int], N: int, M: int) -> _Band | None:
 
 
 # --------------------------------------------------------------------------
+# scaled_dot_product_attention: the graph
+# --------------------------------------------------------------------------
+def _live_blocks(mask_np: np.ndarray | None, dm: da.Array | None) -> np.ndarray | None:
+    """Per block of the (dask) mask ``dm``: whether its NumPy original
+    ``mask_np`` lets any query see any key there (None: no NumPy mask)."""
+    if mask_np is None or dm is None:
+        return None
+    mask_np = mask_np.reshape((1,) * (dm.ndim - mask_np.ndim) + mask_np.shape)
+    allowed = mask_np if mask_np.dtype == np.bool_ else (mask_np != -np.inf)
+    live = np.zeros(dm.numblocks, dtype=bool)
+    bnds = [_boundaries(c) for c in dm.chunks]
+    for idx in np.ndindex(*dm.numblocks):
+        sl = tuple(slice(b[i], b[i + 1]) for b, i in zip(bnds, idx))
+        live[idx] = bool(allowed[sl].any())
+    return live
+
+
+def _block_key(a: da.Array, idx: tuple[int, ...]) -> tuple:
+    """The key of block ``idx`` of the output's grid in ``a`` (axes of one
+    block, broadcast or not, take block 0)."""
+    return (a.name,) + tuple(b if n > 1 else 0 for n, b in zip(a.numblocks, idx))
+
+
+class _Graph(NamedTuple):
+    """What the tasks of one call share."""
+
+    name: str                    #: of the output; the lse's is ``lname``
+    lname: str
+    qb: list[int]                #: query chunk boundaries
+    kb: list[int]                #: key chunk boundaries
+    band: _Band | None
+    live: np.ndarray | None      #: per mask block (a NumPy mask): any key seen
+    se: int                      #: split_every
+    task_args: tuple             #: _block_partial's (scale, gqa, softcap, threads, precision)
+    rdt: np.dtype
+    ldt: np.dtype
+    Dv: int
+
+
+def _partials(dsk: dict, g: _Graph, ops: _Operands, bidx: tuple[int, ...], i: int) -> list:
+    """The partial tasks of query chunk ``i`` of batch block ``bidx``, one
+    per key chunk with something to attend; returns their keys."""
+    i0, i1 = g.qb[i], g.qb[i + 1]
+    parts = []
+    for j in range(len(g.kb) - 1):
+        j0, j1 = g.kb[j], g.kb[j + 1]
+        if i1 == i0 or j1 == j0 or (g.band is not None and not g.band.live(i0, i1, j0, j1)):
+            continue                       # outside every row's band: no task
+        mkey = None if ops.m is None else _block_key(ops.m, bidx + (i, j))
+        if mkey is not None and g.live is not None and not g.live[mkey[1:]]:
+            continue
+        kv = [None if a is None else _block_key(a, bidx + (j, 0))
+              for a in (ops.k, ops.ks, ops.v, ops.vs)]
+        key_ = (f"{g.name}-partial",) + bidx + (i, j)
+        dsk[key_] = (_block_partial, _block_key(ops.q, bidx + (i, 0)), *kv, mkey,
+                     None if g.band is None else g.band.block(i0, i1, j0, j1), *g.task_args)
+        parts.append(key_)
+    return parts
+
+
+def _merged(dsk: dict, g: _Graph, parts: list, tail: tuple[int, ...]) -> Any:
+    """Merge tasks combining ``parts`` ``split_every`` at a time, as a tree;
+    returns the key of the last one (or the one part)."""
+    level, depth, se = parts, 0, g.se
+    while len(level) > 1:
+        nxt = []
+        for n in range(0, len(level), se):
+            grp = level[n:n + se]
+            if len(grp) == 1:
+                nxt.append(grp[0])
+                continue
+            ck = (f"{g.name}-merge", depth) + tail + (n // se,)
+            dsk[ck] = (_merge_partials, list(grp))
+            nxt.append(ck)
+        level, depth = nxt, depth + 1
+    return level[0]
+
+
+def _graph(g: _Graph, ops: _Operands, out_batch_chunks: list[tuple[int, ...]]) -> dict:
+    """The tasks of the output and lse blocks."""
+    dsk: dict = {}
+    for bidx in itertools.product(*[range(len(c)) for c in out_batch_chunks]):
+        bsizes = tuple(out_batch_chunks[ax][b] for ax, b in enumerate(bidx))
+        for i in range(len(g.qb) - 1):
+            okey, lkey = (g.name,) + bidx + (i, 0), (g.lname,) + bidx + (i,)
+            parts = _partials(dsk, g, ops, bidx, i)
+            rows = bsizes + (g.qb[i + 1] - g.qb[i],)
+            if not parts:
+                dsk[okey] = (_full, rows + (g.Dv,), 0.0, g.rdt)
+                dsk[lkey] = (_full, rows, -np.inf, g.ldt)
+                continue
+            top = _merged(dsk, g, parts, bidx + (i,))
+            dsk[okey] = (_finish, top, 0, g.rdt)
+            dsk[lkey] = (_finish, top, 1, g.ldt)
+    return dsk
+
+
+def _array(dsk: dict, name: str, other: str, deps: _Operands, chunks: tuple, dt: np.dtype
+           ) -> da.Array:
+    """The dask array ``name`` of the graph ``dsk`` (less the tasks of the
+    array ``other``)."""
+    layer = {key: t for key, t in dsk.items() if key[0] != other}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[a for a in deps if a is not None])
+    return da.Array(graph, name, chunks=chunks, dtype=dt, meta=np.empty((0,) * len(chunks), dtype=dt))
+
+
+# --------------------------------------------------------------------------
 # scaled_dot_product_attention
 # --------------------------------------------------------------------------
 def scaled_dot_product_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    *,
-    is_causal: bool | Literal["upper_left", "lower_right"] = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
-    num_threads: int | None = None,
+    query: Any, key: Any, value: Any, attn_mask: Any = None, *,
+    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
+    enable_gqa: bool = False, return_lse: bool = False, window: tuple[int, int] | None = None,
+    softcap: float | None = None, num_threads: int | None = None,
     precision: Literal["float32", "bfloat16", "int8"] | None = None,
     split_every: int | None = None,
 ) -> Any:
@@ -413,216 +587,47 @@ def scaled_dot_product_attention(
       before the first key under ``'lower_right'`` with N > M) gives 0 and
       lse -inf; NaN in attended inputs propagates, as in the in-memory call.
     """
-    # ---- the core's checks, on stand-ins of the operands ----
-    if _kind(query, "query") == "dask":
-        _check_known(query, "query")
-    kdata, kscales = _operand(key, "key")
-    vdata, vscales = _operand(value, "value")
-    if attn_mask is not None and _kind(attn_mask, "attn_mask", True) == "dask":
-        _check_known(attn_mask, "attn_mask")
-    q_s = _standin(query)
-    k_s, v_s = _standin(kdata), _standin(vdata)
-    if kscales is not None or vscales is not None:
-        # int8 takes no part in the checks' dtype rules (as in the core)
-        qdt = as_float_array(q_s, "query").dtype
-        if kscales is not None:
-            k_s = np.broadcast_to(np.zeros((), qdt), kdata.shape)
-        if vscales is not None:
-            v_s = np.broadcast_to(np.zeros((), qdt), vdata.shape)
-    q_s, k_s, v_s = check_operands(q_s, k_s, v_s)
-    N, D = q_s.shape[-2], q_s.shape[-1]
-    M, Dv = k_s.shape[-2], v_s.shape[-1]
-    m_s, _ = check_mask(None if attn_mask is None else _standin(attn_mask), N, M)
-    causal = parse_causal(is_causal)
-    sc = parse_scale(scale, D)
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
     return_lse = parse_bool(return_lse, "return_lse")
     win = parse_window(window)
-    cap = parse_softcap(softcap) or None
-    resolve_num_threads(num_threads)  # validates; each task resolves it on its worker
+    chk, ops = _checked(query, key, value, attn_mask,
+                        (is_causal, scale, enable_gqa, False, return_lse, num_threads, win,
+                         parse_softcap(softcap), precision))
     se = _parse_split_every(split_every)
-    bshape, group = batch_shape(q_s, k_s, v_s, m_s, enable_gqa)
-    pol = resolve((q_s.dtype, k_s.dtype, v_s.dtype), ("query", "key", "value"), precision)
-    cdt, rdt = pol.compute, pol.result
-    pol_prec = None if precision is None else str(precision)
+    cap = chk.softcap or None
+    N, M, Dv = chk.q.shape[-2], chk.k.shape[-2], chk.v.shape[-1]
+    bshape, cdt, rdt = chk.bshape, chk.pol.compute, chk.pol.result
     ldt = cdt  # the core's log-sum-exp dtype
-    m = attn_mask
-    if m is not None and m.ndim < 2:
-        m = m[(None,) * (2 - m.ndim)]
     dv_dummy = Dv == 0 and return_lse and N > 0 and M > 0 and math.prod(bshape) > 0
     if dv_dummy:
         # the lse is defined without value columns: run with one zero column
         # (of value's dtype, as the core's own dummy column)
-        vdata, vscales = np.broadcast_to(np.zeros((), v_s.dtype), vdata.shape[:-1] + (1,)), None
-
-    # ---- every operand as a dask array, chunked consistently ----
-    def first_dask_chunks(cands):
-        for x, ax, size in cands:
-            if isinstance(x, da.Array) and x.shape[ax] == size and size != 1:
-                return x.chunks[ax]
-        return None
-
-    n_chunks = first_dask_chunks([(query, -2, N)] + ([(m, -2, N)] if m is not None else []))
-    m_cands = [(kdata, -2, M), (vdata, -2, M)]
-    m_cands += [(s, -1, M) for s in (kscales, vscales) if s is not None]
-    m_cands += [(m, -1, M)] if m is not None else []
-    m_chunks = first_dask_chunks(m_cands)
-    mask_np = m if isinstance(m, np.ndarray) else None
-    ops: dict[str, Any] = {}
-    for nm, x in (("query", query), ("key", kdata), ("value", vdata), ("attn_mask", m),
-                  ("key scales", kscales), ("value scales", vscales)):
-        if x is None:
-            continue
-        if nm.endswith("scales"):
-            x = x[..., None]                 # (..., M, 1): laid out like its array
-        if isinstance(x, np.ndarray):
-            spec = {-2: n_chunks} if nm == "query" else {-2: m_chunks}
-            if nm == "attn_mask":
-                spec = {-2: n_chunks, -1: m_chunks}
-            x = _wrap(x, {a: c for a, c in spec.items() if c is not None})
-        ops[nm] = x
-    q, k, v = ops["query"], ops["key"], ops["value"]
-    dm = ops.get("attn_mask")
-    # last axes whole (one chunk) -- D is contracted, Dv is a row of the output
-    q = q if len(q.chunks[-1]) == 1 else q.rechunk({q.ndim - 1: -1})
-    k = k if len(k.chunks[-1]) == 1 else k.rechunk({k.ndim - 1: -1})
-    v = v if len(v.chunks[-1]) == 1 else v.rechunk({v.ndim - 1: -1})
-    if v.chunks[-2] != k.chunks[-2]:
-        raise ValueError(
-            f"value must be chunked like key along the key axis (-2): key chunks {k.chunks[-2]}, "
-            f"value chunks {v.chunks[-2]}; rechunk one of them")
-    # the scales follow their array (they are small: rechunked, not refused)
-    kss, vss = ops.get("key scales"), ops.get("value scales")
-    if kss is not None and kss.chunks[:-1] != k.chunks[:-1]:
-        kss = kss.rechunk(k.chunks[:-1] + ((1,),))
-    if vss is not None and vss.chunks[:-1] != v.chunks[:-1]:
-        vss = vss.rechunk(v.chunks[:-1] + ((1,),))
-    if dm is not None:
-        if dm.shape[-1] == M and M != 1 and dm.chunks[-1] != k.chunks[-2]:
-            raise ValueError(
-                f"attn_mask must be chunked like key along the key axis: attn_mask chunks along "
-                f"axis -1 {dm.chunks[-1]}, key chunks along axis -2 {k.chunks[-2]}; rechunk "
-                f"attn_mask")
-        if dm.shape[-2] == N and N != 1 and dm.chunks[-2] != q.chunks[-2]:
-            raise ValueError(
-                f"attn_mask must be chunked like query along the query axis: attn_mask chunks "
-                f"along axis -2 {dm.chunks[-2]}, query chunks along axis -2 {q.chunks[-2]}; "
-                f"rechunk attn_mask")
-
-    # ---- one rank for all; batch axes unified ----
-    L = len(bshape) + 2
-    gq = group if enable_gqa and group > 1 else 1
-    named = [("q", q, 1), ("k", k, gq), ("v", v, gq), ("m", dm, 1), ("ks", kss, gq),
-             ("vs", vss, gq)]
-    named = [(nm, a, s) for nm, a, s in named if a is not None]
-    arrs = [a[(None,) * (L - a.ndim)] if a.ndim < L else a for _, a, _ in named]
-    if mask_np is not None:
-        mask_np = mask_np.reshape((1,) * (L - mask_np.ndim) + mask_np.shape)
-    arrs, out_batch_chunks = _unify_batch(arrs, tuple(bshape), [s for _, _, s in named])
-    unified = {nm: a for (nm, _, _), a in zip(named, arrs)}
-    q, k, v = unified["q"], unified["k"], unified["v"]
-    dm, kss, vss = unified.get("m"), unified.get("ks"), unified.get("vs")
-
-    out_chunks = tuple(out_batch_chunks) + (q.chunks[-2], (v.shape[-1],))
+        ops = ops._replace(v=np.broadcast_to(np.zeros((), chk.v.dtype), chk.v.shape[:-1] + (1,)),
+                           vs=None)
+    mask_np = ops.m if isinstance(ops.m, np.ndarray) else None
+    gq = chk.group if enable_gqa and chk.group > 1 else 1
+    dops, out_batch_chunks = _unified(_aligned(_as_dask(ops, N, M), N, M), tuple(bshape), gq)
+    q, k, v, dm, kss, vss = dops
+    token = tokenize(q, k, v, dm, kss, vss, chk.causal, chk.scale, enable_gqa, win, cap,
+                     num_threads, se, return_lse, str(cdt), str(rdt), precision)
     out_shape = tuple(bshape) + (N, v.shape[-1])
     lse_chunks = tuple(out_batch_chunks) + (q.chunks[-2],)
-    token = tokenize(q, k, v, dm, kss, vss, causal, sc, enable_gqa, win, cap, num_threads, se,
-                     return_lse, str(cdt), str(rdt), precision)
-    name = f"attncore-sdpa-{token}"
-    lname = f"attncore-sdpa-lse-{token}"
-
-    def results(out: da.Array, lse: da.Array) -> Any:
-        if dv_dummy:
-            out = out[..., :0]
-        return (out, lse) if return_lse else out
-
     if 0 in out_shape or M == 0:
-        return results(da.zeros(out_shape, chunks=out_chunks, dtype=rdt),
-                       da.full(out_shape[:-1], -np.inf, chunks=lse_chunks, dtype=ldt))
-
-    # ---- structure known now: causal diagonal and window, NumPy mask ----
-    qb = _boundaries(q.chunks[-2])
-    kb = _boundaries(k.chunks[-2])
-    band = _band(causal, win, N, M)
-    live_mask = None
-    if mask_np is not None and dm is not None:
-        allowed = mask_np if mask_np.dtype == np.bool_ else (mask_np != -np.inf)
-        live_mask = np.zeros(dm.numblocks, dtype=bool)
-        bnds = [_boundaries(c) for c in dm.chunks]
-        for idx in np.ndindex(*dm.numblocks):
-            sl = tuple(slice(b[i], b[i + 1]) for b, i in zip(bnds, idx))
-            live_mask[idx] = bool(allowed[sl].any())
-
-    def block_of(a: da.Array, ax: int, b: int) -> int:
-        return b if a.numblocks[ax] > 1 else 0
-
-    def kv_key(a: da.Array | None, bidx: tuple[int, ...], j: int) -> Any:
-        if a is None:
-            return None
-        return (a.name,) + tuple(block_of(a, ax, b) for ax, b in enumerate(bidx)) + (j, 0)
-
-    dsk: dict = {}
-    pname, mname = f"{name}-partial", f"{name}-merge"
-    nq, nk = len(qb) - 1, len(kb) - 1
-    rdt_s, ldt_s = np.dtype(rdt), np.dtype(ldt)
-    batch_ranges = [range(len(c)) for c in out_batch_chunks]
-    for bidx in itertools.product(*batch_ranges):
-        bsizes = tuple(out_batch_chunks[ax][b] for ax, b in enumerate(bidx))
-        for i in range(nq):
-            i0, i1 = qb[i], qb[i + 1]
-            qkey = (q.name,) + tuple(block_of(q, ax, b) for ax, b in enumerate(bidx)) + (i, 0)
-            parts = []
-            for j in range(nk):
-                j0, j1 = kb[j], kb[j + 1]
-                if i1 == i0 or j1 == j0:
-                    continue
-                blk = None
-                if band is not None:
-                    if not band.live(i0, i1, j0, j1):   # outside every row's band: no task
-                        continue
-                    blk = band.block(i0, i1, j0, j1)
-                mkey = None
-                if dm is not None:
-                    mb = tuple(block_of(dm, ax, b) for ax, b in enumerate(bidx))
-                    mb += (i if dm.numblocks[-2] > 1 else 0, j if dm.numblocks[-1] > 1 else 0)
-                    if live_mask is not None and not live_mask[mb]:
-                        continue
-                    mkey = (dm.name,) + mb
-                key_ = (pname,) + bidx + (i, j)
-                dsk[key_] = (_block_partial, qkey, kv_key(k, bidx, j), kv_key(kss, bidx, j),
-                             kv_key(v, bidx, j), kv_key(vss, bidx, j), mkey, blk, sc,
-                             enable_gqa, cap, num_threads, pol_prec)
-                parts.append(key_)
-            okey = (name,) + bidx + (i, 0)
-            lkey = (lname,) + bidx + (i,)
-            if not parts:
-                dsk[okey] = (_zeros, bsizes + (i1 - i0, v.shape[-1]), rdt_s)
-                dsk[lkey] = (_neg_inf, bsizes + (i1 - i0,), ldt_s)
-                continue
-            level, depth = parts, 0
-            while len(level) > 1:
-                nxt = []
-                for g in range(0, len(level), se):
-                    grp = level[g:g + se]
-                    if len(grp) == 1:
-                        nxt.append(grp[0])
-                        continue
-                    ck = (mname,) + (depth,) + bidx + (i, g // se)
-                    dsk[ck] = (_merge_partials, list(grp))
-                    nxt.append(ck)
-                level, depth = nxt, depth + 1
-            dsk[okey] = (_finish, level[0], rdt_s)
-            dsk[lkey] = (_finish_lse, level[0], ldt_s)
-    deps: list[Any] = [a for a in (q, k, v, dm, kss, vss) if a is not None]
-    out_keys = {key: t for key, t in dsk.items() if key[0] != lname}
-    lse_keys = {key: t for key, t in dsk.items() if key[0] != name}
-    out = da.Array(HighLevelGraph.from_collections(name, out_keys, dependencies=deps), name,
-                   chunks=out_chunks, dtype=rdt, meta=np.empty((0,) * L, dtype=rdt))
-    if not return_lse:
-        return results(out, out)
-    lse = da.Array(HighLevelGraph.from_collections(lname, lse_keys, dependencies=deps), lname,
-                   chunks=lse_chunks, dtype=ldt, meta=np.empty((0,) * (L - 1), dtype=ldt))
-    return results(out, lse)
+        out = da.zeros(out_shape, chunks=lse_chunks + ((v.shape[-1],),), dtype=rdt)
+        lse = da.full(out_shape[:-1], -np.inf, chunks=lse_chunks, dtype=ldt)
+    else:
+        g = _Graph(f"attncore-sdpa-{token}", f"attncore-sdpa-lse-{token}",
+                   _boundaries(q.chunks[-2]), _boundaries(k.chunks[-2]),
+                   _band(chk.causal, win, N, M), _live_blocks(mask_np, dm), se,
+                   (chk.scale, enable_gqa, cap, num_threads,
+                    None if precision is None else str(precision)),
+                   np.dtype(rdt), np.dtype(ldt), v.shape[-1])
+        dsk = _graph(g, dops, out_batch_chunks)
+        out = _array(dsk, g.name, g.lname, dops, lse_chunks + ((v.shape[-1],),), g.rdt)
+        lse = _array(dsk, g.lname, g.name, dops, lse_chunks, g.ldt) if return_lse else out
+    if dv_dummy:
+        out = out[..., :0]
+    return (out, lse) if return_lse else out
 
 
 # --------------------------------------------------------------------------
@@ -637,12 +642,6 @@ class _Bound:
     def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         self.fn = fn
         self.kwargs = kwargs
-
-    def __getstate__(self):
-        return (self.fn, self.kwargs)
-
-    def __setstate__(self, state):
-        self.fn, self.kwargs = state
 
 
 def _apply_batch(bound: _Bound, arg_names: tuple, *blocks: np.ndarray) -> Any:
@@ -660,6 +659,80 @@ def _take(result: Any, n: int, nb: int) -> np.ndarray:
                          f"{x.shape} for a batch chunk of {nb}; outputs must keep the batch "
                          f"axis first")
     return x
+
+
+def _batched(arrays: tuple, kwargs: dict[str, Any]
+             ) -> tuple[list[tuple[str | None, Any]], dict[str, Any], list[str]]:
+    """(the batched arguments as (keyword or None, array), the constant
+    keyword arguments, the batched arguments' labels in errors); checks
+    that every batched array has one batch length."""
+    batched: list[tuple[str | None, Any]] = [(None, a) for a in arrays]
+    static: dict[str, Any] = {}
+    for nm, x in kwargs.items():
+        if isinstance(x, da.Array):
+            batched.append((nm, x))
+        else:
+            static[nm] = x
+    labels = [f"arrays[{i}]" for i in range(len(arrays))] + [str(nm) for nm, _ in batched[len(arrays):]]
+    B = None
+    for lab, (_, x) in zip(labels, batched):
+        _kind(x, lab)
+        if x.ndim < 1:
+            raise ValueError(f"{lab} must have a batch axis (axis 0), got shape {x.shape}")
+        if B is None:
+            B = x.shape[0]
+        elif x.shape[0] != B:
+            raise ValueError(f"{lab} has batch length {x.shape[0]} (axis 0), {labels[0]} has {B}; "
+                             f"all batched arrays must have the same batch length")
+    return batched, static, labels
+
+
+def _batch_chunked(batched: list[tuple[str | None, Any]], labels: list[str]
+                   ) -> tuple[list[da.Array], tuple[int, ...]]:
+    """(the batched arrays as dask arrays chunked alike along the batch axis,
+    one chunk along every other; the batch chunks)."""
+    B = batched[0][1].shape[0]
+    bounds: set[int] = {0, B}
+    for lab, (_, x) in zip(labels, batched):
+        if isinstance(x, da.Array):
+            _check_known(x, lab)
+            bounds.update(_boundaries(x.chunks[0]))
+    bchunks = _chunks_from(sorted(bounds)) if B else (0,)
+    darrs = []
+    for (_, x) in batched:
+        if isinstance(x, np.ndarray):
+            x = da.from_array(x, chunks=(bchunks,) + tuple((n,) for n in x.shape[1:]))
+        spec: dict[int, Any] = {ax: -1 for ax in range(1, x.ndim) if len(x.chunks[ax]) != 1}
+        if x.chunks[0] != bchunks:
+            spec[0] = bchunks
+        darrs.append(x.rechunk(spec) if spec else x)
+    return darrs, bchunks
+
+
+def _probe(fn: Callable[..., Any], static: dict[str, Any], arg_names: tuple,
+           darrs: list[da.Array]) -> tuple[list[Any], bool]:
+    """The structure of ``fn``'s result, from one batch element of zeros:
+    (its outputs, None where ``fn`` returns None; whether it is a tuple /
+    list)."""
+    probe_args = [np.zeros((1,) + x.shape[1:], dtype=x.dtype) for x in darrs]
+    with np.errstate(all="ignore"):
+        res = _apply_batch(_Bound(fn, static), arg_names, *probe_args)
+    if isinstance(res, (tuple, list)):
+        return [None if r is None else _take(res, n, 1) for n, r in enumerate(res)], True
+    return [_take(res, -1, 1)], False
+
+
+def _output(dsk: dict, o: np.ndarray, n: int, oname: str, tname: str,
+            bchunks: tuple[int, ...], deps: list[Any]) -> da.Array:
+    """Output ``n`` (-1: the one output) of the batch tasks ``tname`` of the
+    graph ``dsk``, shaped like ``o`` (its value on one batch element)."""
+    odsk: dict = {}
+    for b in range(len(bchunks)):
+        odsk[(oname, b) + (0,) * (o.ndim - 1)] = (_take, (tname, b), n, bchunks[b])
+    graph = HighLevelGraph.from_collections(oname, {**dsk, **odsk}, dependencies=deps)
+    chunks = (bchunks,) + tuple((s,) for s in o.shape[1:])
+    return da.Array(graph, oname, chunks=chunks, dtype=o.dtype,
+                    meta=np.empty((0,) * o.ndim, dtype=o.dtype))
 
 
 def map_batches(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
@@ -711,73 +784,18 @@ def map_batches(fn: Callable[..., Any], *arrays: Any, **kwargs: Any) -> Any:
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if not arrays:
         raise TypeError("map_batches needs at least one batched array after fn")
-    batched: list[tuple[str | None, Any]] = [(None, a) for a in arrays]
-    static: dict[str, Any] = {}
-    for nm, x in kwargs.items():
-        if isinstance(x, da.Array):
-            batched.append((nm, x))
-        else:
-            static[nm] = x
-    labels = [f"arrays[{i}]" for i in range(len(arrays))] + [str(nm) for nm, _ in batched[len(arrays):]]
-    B = None
-    for lab, (_, x) in zip(labels, batched):
-        _kind(x, lab)
-        if x.ndim < 1:
-            raise ValueError(f"{lab} must have a batch axis (axis 0), got shape {x.shape}")
-        if B is None:
-            B = x.shape[0]
-        elif x.shape[0] != B:
-            raise ValueError(f"{lab} has batch length {x.shape[0]} (axis 0), {labels[0]} has {B}; "
-                             f"all batched arrays must have the same batch length")
-    assert B is not None
-    bounds: set[int] = {0, B}
-    for lab, (_, x) in zip(labels, batched):
-        if isinstance(x, da.Array):
-            _check_known(x, lab)
-            bounds.update(_boundaries(x.chunks[0]))
-    bchunks = _chunks_from(sorted(bounds)) if B else (0,)
-    darrs = []
-    for (_, x) in batched:
-        if isinstance(x, np.ndarray):
-            x = da.from_array(x, chunks=(bchunks,) + tuple((n,) for n in x.shape[1:]))
-        spec: dict[int, Any] = {ax: -1 for ax in range(1, x.ndim) if len(x.chunks[ax]) != 1}
-        if x.chunks[0] != bchunks:
-            spec[0] = bchunks
-        darrs.append(x.rechunk(spec) if spec else x)
-
-    # the structure of fn's result, from one element of zeros
-    probe_args = [np.zeros((1,) + x.shape[1:], dtype=x.dtype) for x in darrs]
-    with np.errstate(all="ignore"):
-        res = _apply_batch(_Bound(fn, static), tuple(nm for nm, _ in batched), *probe_args)
-    if isinstance(res, (tuple, list)):
-        outs: list[Any] = [None if r is None else _take(res, n, 1) for n, r in enumerate(res)]
-    else:
-        outs = [_take(res, -1, 1)]
-
-    token = tokenize(fn, static, [x.name for x in darrs], [nm for nm, _ in batched])
+    batched, static, labels = _batched(arrays, kwargs)
+    darrs, bchunks = _batch_chunked(batched, labels)
+    arg_names = tuple(nm for nm, _ in batched)
+    outs, multi = _probe(fn, static, arg_names, darrs)
+    token = tokenize(fn, static, [x.name for x in darrs], list(arg_names))
     fname = f"attncore-map-batches-fn-{token}"
     tname = f"attncore-map-batches-{token}"
     dsk: dict = {fname: _Bound(fn, static)}
-    arg_names = tuple(nm for nm, _ in batched)
     for b in range(len(bchunks)):
         dsk[(tname, b)] = (_apply_batch, fname, arg_names,
                            *[(x.name, b) + (0,) * (x.ndim - 1) for x in darrs])
-    graph_deps: list[Any] = list(darrs)
-    results: list[Any] = []
-    for n, o in enumerate(outs):
-        if o is None:
-            results.append(None)
-            continue
-        oname = f"attncore-map-batches-out{n}-{token}"
-        odsk: dict = {}
-        for b in range(len(bchunks)):
-            odsk[(oname, b) + (0,) * (o.ndim - 1)] = (
-                _take, (tname, b), n if isinstance(res, (tuple, list)) else -1, bchunks[b])
-        layer = {**dsk, **odsk}
-        graph = HighLevelGraph.from_collections(oname, layer, dependencies=graph_deps)
-        chunks = (bchunks,) + tuple((s,) for s in o.shape[1:])
-        results.append(da.Array(graph, oname, chunks=chunks, dtype=o.dtype,
-                                meta=np.empty((0,) * o.ndim, dtype=o.dtype)))
-    if isinstance(res, (tuple, list)):
-        return tuple(results)
-    return results[0]
+    results = [None if o is None else
+               _output(dsk, o, n if multi else -1, f"attncore-map-batches-out{n}-{token}", tname,
+                       bchunks, list(darrs)) for n, o in enumerate(outs)]
+    return tuple(results) if multi else results[0]

@@ -24,7 +24,7 @@ import numbers
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from ._validation import as_float_array, parse_float_dtype, parse_positive_int, to_array
+from ._validation import _positive_real, as_float_array, parse_float_dtype, parse_positive_int, to_array
 from ._interop import foreign_arrays
 
 __all__ = ["sinusoidal_encoding", "add_positional_encoding"]
@@ -34,11 +34,13 @@ _MODES = ("add", "concat")
 
 
 def _check_base(base) -> float:
-    if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
-        raise TypeError(f"base must be a real number > 1, got {type(base).__name__} {base!r}")
-    b = float(base)
-    if not math.isfinite(b) or b <= 1.0:
-        raise ValueError(f"base must be finite and > 1, got {b}")
+    """``base`` as a float: a real number (TypeError), finite and > 1."""
+    try:
+        b = _positive_real(base, "base", "a real number > 1")
+    except ValueError:          # not finite, or <= 0
+        b = 0.0
+    if b <= 1.0:
+        raise ValueError(f"base must be finite and > 1, got {float(base)}")
     return b
 
 

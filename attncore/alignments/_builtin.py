@@ -207,19 +207,20 @@ class MLP(Alignment):
         """Parameter ``name`` cast to ``dtype`` (cached)."""
         return _cast(getattr(self, name), dtype, self._cache, name)
 
+    def _check_dim(self, what: str, weight: str, d: int) -> None:
+        """``d``, the key or query dimension, checked against ``weight``."""
+        w = getattr(self, weight)
+        want = self.v.shape[0] if w is None else w.shape[1]
+        if d != want:
+            src = f"A = len(v) ({weight} is None: identity)" if w is None else f"{weight}.shape[1]"
+            raise ValueError(f"mlp: the {what} dimension must be {src} = {want}, got "
+                             f"D{what[0]} = {d}")
+
     def check_key_dim(self, Dk):
-        want = self.v.shape[0] if self.k_weight is None else self.k_weight.shape[1]
-        if Dk != want:
-            src = "A = len(v) (k_weight is None: identity)" if self.k_weight is None \
-                else "k_weight.shape[1]"
-            raise ValueError(f"mlp: the key dimension must be {src} = {want}, got Dk = {Dk}")
+        self._check_dim("key", "k_weight", Dk)
 
     def check_query_dim(self, Dq):
-        want = self.v.shape[0] if self.q_weight is None else self.q_weight.shape[1]
-        if Dq != want:
-            src = "A = len(v) (q_weight is None: identity)" if self.q_weight is None \
-                else "q_weight.shape[1]"
-            raise ValueError(f"mlp: the query dimension must be {src} = {want}, got Dq = {Dq}")
+        self._check_dim("query", "q_weight", Dq)
 
     def project_keys(self, keys):
         """``W_k k + b`` as a C-contiguous (B, S, A) array of keys' dtype."""

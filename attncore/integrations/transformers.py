@@ -199,9 +199,13 @@ def _fast_numpy(t, bf16):
 # ``sliding_window - 1`` of it on either side
 # (``sliding_window_bidirectional_overlay``: |qpos - kpos| <= w for
 # ModernBERT's ``config.sliding_window`` w, which passes w + 1 here).
-def _sliding_window(window, L, S, causal):
-    """(causal, kernel window or None, bool mask or None) for the keyword
-    ``sliding_window`` when transformers passed no mask."""
+def _sliding_window(module, is_causal, kwargs, L, S):
+    """(causal, kernel window or None, bool mask or None) of a call without
+    mask: causal for L > 1 per ``is_causal`` (None: ``module.is_causal``),
+    and the keyword ``sliding_window``."""
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal, window = bool(is_causal) and L > 1, kwargs.get("sliding_window")
     if window is None or S <= window:       # every key within reach
         return causal, None, None
     w = int(window)
@@ -213,6 +217,82 @@ def _sliding_window(window, L, S, causal):
     kpos = np.arange(S)[None, :]
     return False, None, np.abs(kpos - qpos) <= w - 1
 # ---- end of sliding windows -------------------------------------------------
+
+
+def _check_inference(module, query, key, value, dropout) -> None:
+    """Dropout and training refused; tensors that require gradients: a
+    warning (the output is detached)."""
+    torch = sys.modules["torch"]
+    if dropout:
+        raise ValueError(
+            f"dropout={dropout!r}: attncore is inference only; call model.eval() (dropout is "
+            f"then 0)")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad):
+        if getattr(module, "training", False):
+            raise NotImplementedError(
+                "attncore computes no gradients: training needs another attn_implementation "
+                "(e.g. 'sdpa'); for inference call model.eval() and run under torch.no_grad() "
+                "or torch.inference_mode()")
+        warnings.warn(
+            "attncore computes no gradients: the attention output is detached; run inference "
+            "under torch.no_grad() or torch.inference_mode()", stacklevel=3)
+
+
+def _lean(module, query, key, value, is_causal, scaling, kwargs):
+    """The lean path of most calls (decoding steps, unpadded prefill) for a
+    call without mask, weights, bias, sinks or precision: views, the
+    kernel, and the output back as a torch tensor; None where it does not
+    apply (then the general path runs)."""
+    torch = sys.modules["torch"]
+    if not (query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and all(t.device == query.device and t.dtype is query.dtype
+                    and t.layout is torch.strided for t in (query, key, value))):
+        return None
+    bf = None
+    if query.dtype is torch.bfloat16:
+        bf = bfloat16_dtype() if bfloat16_available() else False
+    if bf is False:
+        return None
+    causal, win, mask = _sliding_window(module, is_causal, kwargs, query.shape[2], key.shape[2])
+    if mask is not None:
+        return None
+    out = attention_prepared(
+        _fast_numpy(query, bf), _fast_numpy(key, bf), _fast_numpy(value, bf),
+        2 if causal else 0, scaling, resolve_num_threads(torch.get_num_threads()),
+        win or (-1, -1), parse_softcap(kwargs.get("softcap")))
+    return None if out is None else numpy_to_torch(out).transpose(1, 2).contiguous()
+
+
+def _mask(module, attention_mask, is_causal, L, S, kwargs):
+    """(causal, kernel window or None, mask or None) of the general path:
+    the mask given (cut to the S keys) or causal / the sliding window, and
+    ``position_bias`` added."""
+    causal, win, mask = False, None, None
+    if attention_mask is not None:
+        m = attention_mask
+        if m.shape[-1] > S:  # a mask sized for a longer (static) cache
+            m = m[..., :S]
+        mask = _as_numpy(m, "attention_mask")
+    else:   # the kernel's band where it can (out-of-band key tiles skipped)
+        causal, win, mask = _sliding_window(module, is_causal, kwargs, L, S)
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        b = _as_numpy(bias, "position_bias")
+        if mask is None:
+            mask = b
+        elif mask.dtype == np.bool_:
+            mask = np.where(mask, b, b.dtype.type(-np.inf))
+        else:
+            mask = mask + b
+    return causal, win, mask
+
+
+def _to_torch(a, dtype):
+    """A NumPy result as a torch tensor of ``dtype``."""
+    t = numpy_to_torch(a)
+    return t if t.dtype is dtype else t.to(dtype)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -255,96 +335,27 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attn_output : torch.Tensor, (B, L, H, D), contiguous
     attn_weights : torch.Tensor (B, H, L, S) or None
     """
-    torch = sys.modules["torch"]
-    if dropout:
-        raise ValueError(
-            f"dropout={dropout!r}: attncore is inference only; call model.eval() (dropout is "
-            f"then 0)")
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                    or value.requires_grad):
-        if getattr(module, "training", False):
-            raise NotImplementedError(
-                "attncore computes no gradients: training needs another attn_implementation "
-                "(e.g. 'sdpa'); for inference call model.eval() and run under torch.no_grad() "
-                "or torch.inference_mode()")
-        warnings.warn(
-            "attncore computes no gradients: the attention output is detached; run inference "
-            "under torch.no_grad() or torch.inference_mode()", stacklevel=2)
-
+    _check_inference(module, query, key, value, dropout)
     need_weights = kwargs.get("output_attentions")
     if need_weights is None:
         need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
     s_aux = kwargs.get("s_aux")
     precision = kwargs.get("attncore_precision")
     if (attention_mask is None and not need_weights and kwargs.get("position_bias") is None
-            and s_aux is None and precision is None
-            and query.device.type == "cpu" and key.device == query.device
-            and value.device == query.device and key.dtype is query.dtype
-            and value.dtype is query.dtype
-            and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and query.layout is torch.strided and key.layout is torch.strided
-            and value.layout is torch.strided):
-        # the lean path of most calls (decoding steps, unpadded prefill):
-        # views, the kernel, and the output back as a torch tensor
-        bf = None
-        if query.dtype is torch.bfloat16:
-            bf = bfloat16_dtype() if bfloat16_available() else False
-        if bf is not False:
-            L, S = query.shape[2], key.shape[2]
-            if is_causal is None:
-                is_causal = getattr(module, "is_causal", True)
-            causal, win, mask = _sliding_window(kwargs.get("sliding_window"), L, S,
-                                                bool(is_causal) and L > 1)
-            if mask is None:
-                out = attention_prepared(
-                    _fast_numpy(query, bf), _fast_numpy(key, bf), _fast_numpy(value, bf),
-                    2 if causal else 0, scaling, resolve_num_threads(torch.get_num_threads()),
-                    win or (-1, -1), parse_softcap(kwargs.get("softcap")))
-                if out is not None:
-                    return numpy_to_torch(out).transpose(1, 2).contiguous(), None
-
+            and s_aux is None and precision is None):
+        out = _lean(module, query, key, value, is_causal, scaling, kwargs)
+        if out is not None:
+            return out, None
     q = _as_numpy(query, "query")
     k = _as_numpy(key, "key")
     v = _as_numpy(value, "value")
-    L, S = q.shape[2], k.shape[2]
-
-    causal = False
-    mask = None
-    win = None
-    if attention_mask is not None:
-        m = attention_mask
-        if m.shape[-1] > S:  # a mask sized for a longer (static) cache
-            m = m[..., :S]
-        mask = _as_numpy(m, "attention_mask")
-    else:
-        if is_causal is None:
-            is_causal = getattr(module, "is_causal", True)
-        causal = bool(is_causal) and L > 1
-        # the kernel's band where it can (out-of-band key tiles skipped)
-        causal, win, mask = _sliding_window(kwargs.get("sliding_window"), L, S, causal)
-    bias = kwargs.get("position_bias")
-    if bias is not None:
-        b = _as_numpy(bias, "position_bias")
-        if mask is None:
-            mask = b
-        elif mask.dtype == np.bool_:
-            mask = np.where(mask, b, b.dtype.type(-np.inf))
-        else:
-            mask = mask + b
-
+    causal, win, mask = _mask(module, attention_mask, is_causal, q.shape[2], k.shape[2], kwargs)
+    torch = sys.modules["torch"]
     res = scaled_dot_product_attention(
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
         enable_gqa=True, return_weights=bool(need_weights), window=win,
         softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads(),
         sinks=None if s_aux is None else _as_numpy(s_aux, "s_aux"), precision=precision)
     out, w = res if need_weights else (res, None)
-
-    o = numpy_to_torch(out)
-    if o.dtype is not query.dtype:
-        o = o.to(query.dtype)
-    o = o.transpose(1, 2).contiguous()
-    if w is not None:
-        w = numpy_to_torch(w)
-        if w.dtype is not query.dtype:
-            w = w.to(query.dtype)
-    return o, w
+    return (_to_torch(out, query.dtype).transpose(1, 2).contiguous(),
+            None if w is None else _to_torch(w, query.dtype))
