@@ -412,7 +412,10 @@ def test_layer_int8_cache_decoding():
             [mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")[0] for t in range(32, 40)],
             axis=1)
     err = _cos_err(outs["int8"], outs[None])
-    assert 0 < err < 1e-4
+    if int8_in_use():
+        assert 0 < err < 1e-4
+    else:  # float32 products: the same call
+        np.testing.assert_array_equal(outs["int8"], outs[None])
 
 
 
