@@ -50,6 +50,7 @@ __all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe", 
            "modes", "per_batch"]
 
 INT32_MAX = 2**31 - 1
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 # query blocks of at most this many rows take the direct loops (decoding);
 # the C kernels' constant
 SMALL_ROWS = _sdpa.SMALL_ROWS
@@ -436,18 +437,21 @@ def bits(a: np.ndarray, fmt: int) -> np.ndarray:
 def describe(chk: Checked) -> Call:
     """The kernel call of a checked, non-empty call."""
     cdt = chk.pol.compute
-    if cdt == np.float64 or chk.need_weights:
+    if cdt == F64 or chk.need_weights:
         # the float64 kernel and the weights path (BLAS over whole rows)
         # take 16-bit operands converted (a copy)
         chk = chk._replace(
             q=to_float(chk.q, cdt) if half_code(chk.q.dtype) else chk.q,
             k=to_float(chk.k, cdt) if half_code(chk.k.dtype) and chk.k8 is None else chk.k,
             v=to_float(chk.v, cdt) if half_code(chk.v.dtype) and chk.v8 is None else chk.v)
-    N, D, M, Dv = chk.q.shape[-2], chk.q.shape[-1], chk.k.shape[-2], chk.v.shape[-1]
+    (_, _, _, _, _, _, mask_kind, pol, bshape, group, causal, scale, nthreads, window, softcap,
+     slopes, sinks, need_w, need_lse) = chk
+    N, D = chk.q.shape[-2:]
+    M, Dv = chk.k.shape[-2], chk.v.shape[-1]
     if max(N, M, D, Dv) > INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     q, k, v, ks, vs, m, fmts = _layout(chk)
-    md = modes(chk.pol, D)
+    md = modes(pol, D)
     q_scales = q_mu = None
     qk8 = md.qk8
     if qk8:
@@ -455,36 +459,35 @@ def describe(chk: Checked) -> Call:
     # (int8 Q.K^T reads its int8 keys in place: only the values convert)
     conv = bool(fmts[2] or vs is not None or md.bf16dot) if qk8 else \
         bool(fmts[1] or fmts[2] or ks is not None or vs is not None or md.bf16dot)
-    pl = plan_call(cdt, N, M, D, Dv, chk.causal, math.prod(chk.bshape), chk.nthreads,
-                   chk.need_weights, kernel_path="portable" if qk8 == 3 else None,
-                   converted_kv=conv)
-    q, k, v = (bits(a, f) for a, f in zip((q, k, v), fmts))
-    return Call(q, k, v, m, chk.mask_kind, chk.bshape, chk.group, N, M, D, Dv, chk.causal,
-                chk.scale, chk.window, chk.softcap, ks, vs, q_scales, fmts, chk.slopes,
-                chk.sinks, md.bf16dot if pl.fused else 0, qk8, pl, cdt, chk.need_weights,
-                chk.need_lse, None if q_mu is None else np.float32(chk.scale) * q_mu)
+    pl = plan_call(cdt, N, M, D, Dv, causal, math.prod(bshape), nthreads, need_w,
+                   kernel_path="portable" if qk8 == 3 else None, converted_kv=conv)
+    if HALF_BF16 in fmts:
+        q, k, v = bits(q, fmts[0]), bits(k, fmts[1]), bits(v, fmts[2])
+    return Call(q, k, v, m, mask_kind, bshape, group, N, M, D, Dv, causal, scale, window,
+                softcap, ks, vs, q_scales, fmts, slopes, sinks, md.bf16dot if pl.fused else 0,
+                qk8, pl, cdt, need_w, need_lse,
+                None if q_mu is None else np.float32(scale) * q_mu)
 
 
 # --------------------------------------------------------------------------
 # launching: the one call of the kernels
 # --------------------------------------------------------------------------
-def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Run the kernel of ``c``: (out, weights or None, lse or None) in the
-    compute dtype; dense calls (nb, N, Dv) / (nb, N, M) / (nb, N), packed
-    ones (total_q, Hq, Dv).  The one call site of the compiled kernels,
-    which read the description itself."""
+def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
+    """Run the kernel of ``c``: (out, weights or None, lse or None, whether
+    out is all finite), in the compute dtype; dense calls (nb, N, Dv) /
+    (nb, N, M) / (nb, N), packed ones (total_q, Hq, Dv).  The one call site
+    of the compiled kernels, which read the description itself."""
     if c.cu_q is not None:
         out = np.zeros((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
-        _sdpa.sdpa_varlen(c, out)
-        return out, None, None
+        return out, None, None, _sdpa.sdpa_varlen(c, out)
     nb = math.prod(c.bshape)
     out = np.empty((nb, c.N, c.Dv), dtype=c.compute)
     weights = np.empty((nb, c.N, c.M), dtype=c.compute) if c.need_weights else None
     lse = np.empty((nb, c.N), dtype=c.compute) if c.need_lse else None
-    _sdpa.sdpa(c, out, weights, lse)
+    finite = _sdpa.sdpa(c, out, weights, lse)
     if lse is not None and c.lse_shift is not None:
         lse += c.lse_shift
-    return out, weights, lse
+    return out, weights, lse, finite
 
 
 def stand_in(shape: tuple, dtype: Any) -> np.ndarray:

@@ -299,9 +299,9 @@ def varlen_attention(
     # causal: lower-right per sequence (2); a window alone: lower-right
     # alignment without the causal bound (3)
     causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
-    out, _, _ = _call.launch(_packed_call(qa, ka, va, cq, ck, pol, group, sc, causal, win, cap,
-                                          slopes, nthreads))
-    if cdt == np.float32 and not all_finite(out):
+    out, _, _, finite = _call.launch(_packed_call(qa, ka, va, cq, ck, pol, group, sc, causal, win,
+                                                  cap, slopes, nthreads))
+    if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum) if the
         # operands are finite: the call again in float64
         f64 = [to_float(a, np.dtype(np.float64)) for a in operands]

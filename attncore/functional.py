@@ -362,8 +362,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
             _attention(chk.q[..., :1, :], key, value, chk.mask, *opts, **kw),
             chk.bshape, chk.q.shape[-2])
     c = _call.describe(chk)
-    out, weights, lse = _call.launch(c)
-    if c.compute == np.float32 and not all_finite(out) and _finite_operands((query, key, value)):
+    out, weights, lse, finite = _call.launch(c)
+    if not finite and c.compute == _call.F32 and _finite_operands((query, key, value)):
         # float32 accumulation overflowed (values near the float32 maximum:
         # the unnormalized P.V sums exceed it before the division by the
         # row sum): the call again in float64
@@ -461,9 +461,9 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
                        _sdpa.bf16_mode() if fmt == HALF_BF16 else 0, sc, window, softcap)
     if not c.plan.fused and N > _SMALL_ROWS:
         return None  # the BLAS path: the general call decides its threads
-    out, _, _ = _call.launch(c._replace(q=_call.bits(q, fmt), k=_call.bits(k, fmt),
-                                        v=_call.bits(v, fmt)))
-    if not all_finite(out):
+    out, _, _, finite = _call.launch(_call.Call(_call.bits(q, fmt), _call.bits(k, fmt),
+                                                _call.bits(v, fmt), *c[3:]))
+    if not finite:
         return None  # an overflow or non-finite inputs: the general call decides
     out = out.reshape(B, H, N, Dv)
     return out.astype(dt) if fmt else out

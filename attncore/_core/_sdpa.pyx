@@ -11,12 +11,13 @@ offsets (one per flattened batch element).  Offsets carry broadcasting
 (stride 0), grouped-query head mapping and arbitrary batch strides, so no
 operand is ever expanded or copied here.
 """
-from cpython.buffer cimport PyBUF_RECORDS_RO, PyBUF_RECORDS, PyBuffer_IsContiguous
+from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_RECORDS, PyBUF_C_CONTIGUOUS,
+                             PyBuffer_IsContiguous, PyObject_GetBuffer, PyBuffer_Release)
 from cpython.pycapsule cimport PyCapsule_New
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free, qsort
 from libc.string cimport memcpy
-from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int8_t, int32_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -818,6 +819,9 @@ def sdpa(call, out, weights=None, lse=None):
     qk8 3 or N <= SMALL_ROWS).  1 vpdpbusd (the CPU must have AVX512_VNNI),
     2 the same in AVX-512BW (tests), 3 products of the dequantized rows.
     plan: Bq, Bk (tiles), nsplit, chunk (key splits), nthreads.
+
+    Returns whether every element of ``out`` is finite (a float32 output of
+    finite operands that is not: an overflow, computed again in float64).
     """
     q, k, v, mask = call.q, call.k, call.v, call.mask
     cdef tuple bshape = call.bshape
@@ -860,7 +864,7 @@ def sdpa(call, out, weights=None, lse=None):
         shp[d] = bshape[d]
         nb *= shp[d]
     if nb == 0 or N == 0:
-        return
+        return True
     offs = <Py_ssize_t *>malloc(6 * nb * sizeof(Py_ssize_t))
     if offs == NULL:
         raise MemoryError()
@@ -1014,6 +1018,7 @@ def sdpa(call, out, weights=None, lse=None):
                     err = _run_flash(&p, &ops, nb, nsplit, chunk, nthreads, <float>0)
         if err:
             raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+        return _finite(bo)
     finally:
         _release_all(&bufs)
         free(offs)
@@ -1280,7 +1285,7 @@ def sdpa_varlen(call, out):
                 or bv.shape[0] != bk.shape[0]):
             raise ValueError("operand shapes do not match")
         if B == 0 or Hq == 0 or bq.shape[0] == 0 or Dv == 0:
-            return
+            return True
         p.N = 0
         p.M = 0
         if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
@@ -1339,7 +1344,7 @@ def sdpa_varlen(call, out):
                 raise ValueError("cu_q and cu_k must be non-decreasing")
             W += (n + Bq - 1) // Bq * Hq
         if W == 0:
-            return
+            return True
         items = <_VItem *>malloc(W * sizeof(_VItem))
         if items == NULL:
             raise MemoryError()
@@ -1381,9 +1386,44 @@ def sdpa_varlen(call, out):
                 err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <float>0)
         if err:
             raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+        return _finite(bo)
     finally:
         _release_all(&bufs)
         free(items)
+
+
+cdef bint _finite(const Py_buffer *view) noexcept nogil:
+    """Whether every float32 / float64 element of the contiguous buffer is
+    finite: one pass over the exponent bits."""
+    cdef const uint32_t *u4 = <const uint32_t *>view.buf
+    cdef const uint64_t *u8 = <const uint64_t *>view.buf
+    cdef Py_ssize_t i
+    cdef uint32_t bad4 = 0
+    cdef uint64_t bad8 = 0
+    if view.itemsize == 4:
+        for i in range(view.len // 4):
+            bad4 |= <uint32_t>((u4[i] & 0x7F800000u) == 0x7F800000u)
+        return bad4 == 0
+    for i in range(view.len // 8):
+        bad8 |= <uint64_t>((u8[i] & 0x7FF0000000000000u) == 0x7FF0000000000000u)
+    return bad8 == 0
+
+
+def all_finite(a):
+    """Whether every element of the C-contiguous float32 / float64 array
+    ``a`` is finite: one pass over the exponent bits (no temporary, no
+    floating-point warning), the GIL released."""
+    cdef Py_buffer view
+    cdef bint ok
+    PyObject_GetBuffer(a, &view, PyBUF_C_CONTIGUOUS)
+    try:
+        if view.itemsize not in (4, 8):
+            raise TypeError("all_finite: float32 or float64 arrays only")
+        with nogil:
+            ok = _finite(&view)
+        return ok
+    finally:
+        PyBuffer_Release(&view)
 
 
 def exp_array(x):
