@@ -14,7 +14,7 @@ Every entry point that runs attention builds its call here::
                     the BLAS policy); immutable
     launch(call)    the one call of the kernels (dense or packed variable
                     length); returns the output, weights and lse in the
-                    compute dtype
+                    compute dtype, and whether the output is all finite
 
 Policies and their homes:
 
