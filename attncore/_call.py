@@ -31,6 +31,7 @@ Policies and their homes:
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, NamedTuple
@@ -182,16 +183,24 @@ def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthr
       ``OPENBLAS_SERIAL_MNK``, so it runs each one on the calling thread:
       at any thread count, so that ``num_threads=1`` uses one core;
     * any other such BLAS gets a region of one thread, and keeps its own.
+
+    The tiles are cached per argument set (:func:`plan` is pure once the
+    kernel path is known); the BLAS policy is applied to them on every call
+    (it reads the BLAS libraries' current thread counts).
     """
-    args = (dtype, N, M, D, Dv, causal, nb, nthreads, return_weights, kernel_path)
-    pl = plan(*args, converted_kv=converted_kv)
+    args = (np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads, bool(return_weights),
+            kernel_path or _sdpa.kernel_path())
+    pl = _plan_cached(*args, None, bool(converted_kv))
     uses_blas = not pl.fused and (return_weights or N > SMALL_ROWS)
     if uses_blas and not blas_hold_supported():
         if blas_small_products_ok():
-            pl = plan(*args, blas_mnk=OPENBLAS_SERIAL_MNK, converted_kv=converted_kv)
+            pl = _plan_cached(*args, OPENBLAS_SERIAL_MNK, bool(converted_kv))
         elif pl.nthreads > 1:
             pl = pl._replace(nthreads=blas_parallel_threads(pl.nthreads))
     return pl
+
+
+_plan_cached = functools.lru_cache(maxsize=1024)(plan)
 
 
 # --------------------------------------------------------------------------
