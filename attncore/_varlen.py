@@ -120,7 +120,7 @@ def _packed_call(qa, ka, va, cq, ck, pol, group: int, scale: float, causal: int,
     md = _call.modes(pol, D)
     pl = _call.plan_call(cdt, int(lq.max()), max(int(lk.max()), 1), D, Dv, causal,
                          len(lq) * Hq, nthreads,
-                         converted_kv=bool(fmts[1] or fmts[2] or md.bf16dot))
+                         converted_kv=_call.conversion(md, 0, fmts, None, None))
     items = int(Hq * (-(-lq // pl.Bq)).sum())
     pl = pl._replace(nthreads=max(1, min(pl.nthreads, items)))
     qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))

@@ -408,7 +408,8 @@ def _prepared_call(dtype: np.dtype, N: int, M: int, D: int, Dv: int, causal: int
     operands still to be filled in."""
     fmt = half_code(dtype)
     pl = _call.plan_call(np.dtype(np.float32 if fmt else dtype), N, M, D, Dv, causal, B * H,
-                         nthreads, kernel_path=kernel_path, converted_kv=bool(fmt))
+                         nthreads, kernel_path=kernel_path,
+                         converted_kv=2 if bf16 and kernel_path == "avx512" else int(bool(fmt)))
     return _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, scale,
                       window, softcap, None, None, None, (fmt, fmt, fmt), None, None,
                       bf16 if pl.fused else 0, 0, pl, np.dtype(np.float32 if fmt else dtype))
