@@ -310,3 +310,21 @@ def test_nonfinite_values_of_unattended_keys_never_leak(path):
             keep[bad] = False
             r = sdpa_ref(*_f64(q.astype(x), k.astype(x)[..., keep, :], v.astype(x)[..., keep, :]))
             np.testing.assert_allclose(np.asarray(out, np.float64), r, atol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tall_query_blocks_of_packed_tiles(path, causal):
+    """Long prefill with bfloat16 products and int8 Q.K^T: the planner takes
+    query blocks of up to 32 panels there (the pair-packed key / value
+    tiles serve every panel of a block); the results still match the
+    float64 reference (of the rounded inputs), rows past a block included."""
+    N, M, D = 1100, 1300, 72
+    q, k, v = (rand((1, 2, n, D), s) for s, n in ((0, N), (1, M), (2, M)))
+    qb, kb, vb = (x.astype(BF16) for x in (q, k, v))
+    ref = sdpa_ref(*_f64(qb, kb, vb), is_causal=causal)
+    out = sd(qb, kb, vb, is_causal=causal, num_threads=2)
+    assert np.abs(out.astype(np.float64) - ref).max() <= 1.5 * _torch_err(
+        qb, kb, vb, BF16, ref, is_causal=causal) + 1e-3
+    o8 = sd(q, k, v, is_causal=causal, precision="int8", num_threads=2).astype(np.float64)
+    r32 = sdpa_ref(q, k, v, is_causal=causal)
+    assert 1 - (o8 * r32).sum() / np.linalg.norm(o8) / np.linalg.norm(r32) < 1e-4
