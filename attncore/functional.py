@@ -363,11 +363,13 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
             chk.bshape, chk.q.shape[-2])
     c = _call.describe(chk)
     out, weights, lse, finite = _call.launch(c)
-    if not finite and c.compute == _call.F32 and _finite_operands((query, key, value)):
-        # float32 accumulation overflowed (values near the float32 maximum:
-        # the unnormalized P.V sums exceed it before the division by the
-        # row sum): the call again in float64
-        return _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
+    if not finite and c.compute == _call.F32:
+        # float32 accumulation overflowed if the operands are finite (values
+        # near the float32 maximum: the unnormalized P.V sums exceed it
+        # before the division by the row sum): the call again in float64
+        again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
+        if again is not None:
+            return again
     return _finish(c, chk.bshape, rdt, out, weights, lse)
 
 
@@ -381,17 +383,15 @@ def _float64_operands(operands) -> list:
     return ops
 
 
-def _finite_operands(operands) -> bool:
-    """Whether query, keys and values are all finite (a non-finite output
-    of finite operands is a float32 overflow; of others, their inf / NaN)."""
-    return all(all_finite(a) for a in _float64_operands(operands))
-
-
 def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
-    """A float32-computed call of finite operands whose output overflowed,
-    computed again in float64 (a copy of the operands) and returned in the
-    first call's dtypes: output and weights in ``rdt``, the lse in float32."""
+    """A float32-computed call whose output is not finite, computed again in
+    float64 (one float64 copy of the operands) and returned in the first
+    call's dtypes: output and weights in ``rdt``, the lse in float32.  None
+    where an operand is not finite (the output's inf / NaN are then the
+    inputs', not an overflow)."""
     ops = _float64_operands(operands)
+    if not all(all_finite(a) for a in ops):
+        return None
     out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
     return (out.astype(rdt), None if weights is None else weights.astype(rdt),
             None if lse is None else lse.astype(np.float32))
