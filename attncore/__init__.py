@@ -12,6 +12,9 @@ scaled_dot_product_attention
 varlen_attention
     Attention over a packed batch of variable-length sequences
     (flash-attention's varlen layout), without padding.
+paged_attention
+    Attention of packed queries over a paged key / value cache (mixed
+    decode + prefill batches), the blocks read in place.
 merge_attention
     Combine attention over disjoint key sets into attention over all keys.
 show_config
@@ -30,6 +33,7 @@ Attention, Alignment, alignments, plot_alignment
 from .functional import merge_attention, scaled_dot_product_attention
 from ._quant import quantize_kv
 from ._varlen import varlen_attention
+from ._paged import paged_attention
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
@@ -43,5 +47,5 @@ __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
-__all__ += ["rotary_embedding", "varlen_attention"]
+__all__ += ["rotary_embedding", "varlen_attention", "paged_attention"]
 __all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

@@ -352,7 +352,8 @@ def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
 class Call(NamedTuple):
     """One kernel call, immutable: what :func:`launch` passes to the
     kernels.  Dense calls: ``bshape`` batch elements of (N, M); packed
-    variable-length calls: ``cu_q`` / ``cu_k`` offsets (bshape (Hq,))."""
+    variable-length calls: ``cu_q`` / ``cu_k`` offsets (bshape (Hq,));
+    paged calls: ``cu_q`` and a ``block_table`` (k / v the block pools)."""
 
     q: Any                    #: np.ndarray (bfloat16 as its bits; None in a cached template)
     k: Any
@@ -384,6 +385,9 @@ class Call(NamedTuple):
     lse_shift: np.ndarray | None = None   #: added to the lse (int8 smoothing's q . mu)
     cu_q: np.ndarray | None = None
     cu_k: np.ndarray | None = None
+    block_table: np.ndarray | None = None   #: paged calls: (S, max_blocks) int32
+    seq_lens: np.ndarray | None = None      #: paged calls: (S,) int64 keys per sequence
+    fold: bool = False        #: paged: a one-query sequence's query heads as rows of one item
 
 
 def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
@@ -509,6 +513,10 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
     out is all finite), in the compute dtype; dense calls (nb, N, Dv) /
     (nb, N, M) / (nb, N), packed ones (total_q, Hq, Dv).  The one call site
     of the compiled kernels, which read the description itself."""
+    if c.block_table is not None:
+        out = np.empty((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
+        lse = np.empty(c.q.shape[:2], dtype=c.compute) if c.need_lse else None
+        return out, None, lse, _sdpa.sdpa_paged(c, out, lse)
     if c.cu_q is not None:
         out = np.zeros((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
         return out, None, None, _sdpa.sdpa_varlen(c, out)

@@ -1392,6 +1392,576 @@ def sdpa_varlen(call, out):
         free(items)
 
 
+# --------------------------------------------------------------------------
+# paged key / value caches
+# --------------------------------------------------------------------------
+cdef struct _PItem:
+    double cost     # query rows x keys seen (the order of the work list)
+    int seq
+    int head        # query head; with fold, the key head
+    int fold        # 1: the rows are the query heads of one key head (one query)
+    int qb          # query block (rows of the sequence, or of the head group)
+    int split       # key split of the item
+    int nsplit      # key splits of its (sequence, head, block)
+    int slot        # where a split item's partial lives (part, pbad)
+
+
+cdef struct _POps:
+    char *q
+    char *k
+    char *v
+    char *ksc
+    char *vsc
+    char *out
+    char *lse
+    char *part      # split items' partials: Bq x (Dv + 2) per slot
+    int *pbad       # their flags: Bq per slot
+    const int32_t *bt
+    const int64_t *cuq
+    const int64_t *lens
+    Py_ssize_t bt_rs              # block table row stride (elements)
+    Py_ssize_t q_hs               # query head stride (elements; q_rs: token stride)
+    Py_ssize_t k_bs, k_hs, v_bs, v_hs     # block / head strides (elements)
+    Py_ssize_t ks_bs, ks_hs, vs_bs, vs_hs   # the same of int8 scales
+    Py_ssize_t chunk              # keys per split (a multiple of bs)
+    int Hq, group, bs
+    int qkind, kkind, vkind       # 0 compute dtype, 1 16-bit, 2 int8 (bytes)
+    int runs                      # physically consecutive blocks read as one range
+    const double *slopes          # ALiBi slope per (sequence, query head), or NULL
+    const double *sinks           # sink logit per (sequence, query head), or NULL
+
+
+cdef inline const floating *_elems(const char *base, Py_ssize_t off, int kind,
+                                   floating dummy) noexcept nogil:
+    """The operand at element offset off: kind 0 compute-dtype elements,
+    1 16-bit elements (read as uint16_t by the kernel), 2 int8 (bytes)."""
+    if kind == 1:
+        return <const floating *>((<const uint16_t *>base) + off)
+    if kind == 2:
+        return <const floating *>(base + off)
+    return (<const floating *>base) + off
+
+
+cdef inline void _absorb(int nq, int Dv, floating *acc, floating *m, floating *l, int *bad,
+                         const floating *acc2, const floating *m2, const floating *l2,
+                         const int *bad2) noexcept nogil:
+    """Fold the partial (acc2, m2, l2, bad2) of a further key range into
+    the running state (acc, m, l, bad): the exact online-softmax merge."""
+    cdef int r, d
+    cdef floating mx, a, b
+    cdef floating *ar
+    cdef const floating *br
+    for r in range(nq):
+        bad[r] = bad[r] | bad2[r]
+        if l2[r] == 0:
+            continue
+        ar = acc + r * Dv
+        br = acc2 + r * Dv
+        if l[r] == 0:
+            memcpy(ar, br, Dv * sizeof(floating))
+            m[r] = m2[r]
+            l[r] = l2[r]
+            continue
+        mx = m[r] if m[r] > m2[r] else m2[r]
+        a = exp(m[r] - mx)
+        b = exp(m2[r] - mx)
+        for d in range(Dv):
+            ar[d] = a * ar[d] + b * br[d]
+        l[r] = a * l[r] + b * l2[r]
+        m[r] = mx
+
+
+cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
+                            Py_ssize_t hk, const floating *q, Py_ssize_t i0, int nq,
+                            Py_ssize_t ks, Py_ssize_t ke, floating *buf) noexcept nogil:
+    """Query rows [i0, i0 + nq) of pb over the sequence's keys [ks, ke),
+    block by block (runs of physically consecutive blocks at once), into
+    the running state at buf + s_len (acc, m, l, alpha, bad), the next
+    range's partial after it.  Returns whether any key tile was processed."""
+    cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv, bs = ops.bs
+    cdef floating *S = buf
+    cdef floating *acc = S + pb.s_len
+    cdef floating *m = acc + Bq * Dv
+    cdef floating *l = m + Bq
+    cdef floating *alpha = l + Bq
+    cdef int *bad = <int *>(alpha + Bq)
+    cdef floating *acc2 = alpha + 2 * Bq
+    cdef floating *m2 = acc2 + Bq * Dv
+    cdef floating *l2 = m2 + Bq
+    cdef int *bad2 = <int *>(l2 + Bq)
+    cdef const int32_t *row = ops.bt + s * ops.bt_rs
+    cdef ac_params pc = pb[0]
+    cdef Py_ssize_t j = ks, je, blk, bid, off
+    cdef int any = 0, got
+    cdef const floating *kp
+    cdef const floating *vp
+    cdef const floating *ksp = NULL
+    cdef const floating *vsp = NULL
+    cdef floating dummy = 0
+    while j < ke:
+        blk = j // bs
+        bid = row[blk]
+        je = (blk + 1) * bs
+        if ops.runs:
+            while je < ke and row[je // bs] == row[je // bs - 1] + 1:
+                je += bs
+        if je > ke:
+            je = ke
+        off = j - blk * bs
+        kp = _elems(ops.k, bid * ops.k_bs + off * pb.k_rs + hk * ops.k_hs, ops.kkind, dummy)
+        vp = _elems(ops.v, bid * ops.v_bs + off * pb.v_rs + hk * ops.v_hs, ops.vkind, dummy)
+        if ops.kkind == 2:
+            ksp = (<const floating *>ops.ksc) + bid * ops.ks_bs + off * pb.ks_rs + hk * ops.ks_hs
+        if ops.vkind == 2:
+            vsp = (<const floating *>ops.vsc) + bid * ops.vs_bs + off * pb.vs_rs + hk * ops.vs_hs
+        # key j of the sequence is key 0 of this range: the band and ALiBi
+        # see the same distances with M shifted by j
+        pc.M = <int>(pb.M - j)
+        if not any:
+            any = _range(&pc, q, kp, vp, ksp, vsp, NULL, <const floating *>NULL, i0, nq, 0,
+                         je - j, S, acc, m, l, alpha, bad)
+        else:
+            got = _range(&pc, q, kp, vp, ksp, vsp, NULL, <const floating *>NULL, i0, nq, 0,
+                         je - j, S, acc2, m2, l2, alpha, bad2)
+            if got:
+                _absorb(nq, pb.Dv, acc, m, l, bad, acc2, m2, l2, bad2)
+        j = je
+    if not any:
+        for got in range(nq):
+            m[got] = -INFINITY
+            l[got] = 0
+            bad[got] = 0
+    return any
+
+
+cdef inline void _paged_rows(const ac_params *p0, const _POps *ops, const _PItem *it,
+                             ac_params *pb, Py_ssize_t *h0, Py_ssize_t *i0, int *nq,
+                             Py_ssize_t *orow, Py_ssize_t *ors, Py_ssize_t *lrow,
+                             Py_ssize_t *lrs) noexcept nogil:
+    """The params and rows of item it: pb (this sequence's N, M, slope;
+    a folded item: no band, rows one query apart by a head), its first
+    query head h0 and rows [i0, i0 + nq), its first output row and row
+    stride (elements of out) and the same of the lse."""
+    cdef Py_ssize_t s = it.seq, q0 = ops.cuq[it.seq], G = ops.group, Bq = p0.Bq
+    pb[0] = p0[0]
+    pb.M = <int>ops.lens[s]
+    if it.fold:
+        h0[0] = it.head * G + it.qb * Bq
+        i0[0] = 0
+        nq[0] = <int>(Bq if G - it.qb * Bq > Bq else G - it.qb * Bq)
+        pb.N = nq[0]
+        pb.q_rs = ops.q_hs
+        pb.causal = AC_CAUSAL_NONE
+        pb.band = 0
+        orow[0] = q0 * ops.Hq * p0.Dv + h0[0] * p0.Dv
+        ors[0] = p0.Dv
+        lrow[0] = q0 * ops.Hq + h0[0]
+        lrs[0] = 1
+    else:
+        h0[0] = it.head
+        i0[0] = it.qb * Bq
+        pb.N = <int>(ops.cuq[s + 1] - q0)
+        nq[0] = <int>(Bq if pb.N - i0[0] > Bq else pb.N - i0[0])
+        orow[0] = (q0 + i0[0]) * ops.Hq * p0.Dv + h0[0] * p0.Dv
+        ors[0] = ops.Hq * p0.Dv
+        lrow[0] = (q0 + i0[0]) * ops.Hq + h0[0]
+        lrs[0] = ops.Hq
+        if ops.slopes != NULL:
+            pb.alibi = ops.slopes[s * ops.Hq + it.head]
+
+
+cdef inline void _paged_item(const ac_params *p0, const _POps *ops, const _PItem *it,
+                             floating *buf) noexcept nogil:
+    """One (sequence, head or head group, query block, key split) of a
+    paged call; buf is the calling thread's scratch."""
+    cdef ac_params pb
+    cdef Py_ssize_t h0, i0, orow, ors, lrow, lrs, lo, hi, ks, ke, r, hq
+    cdef Py_ssize_t s = it.seq, Bq = p0.Bq, Dv = p0.Dv
+    cdef int nq, processed
+    cdef floating dummy = 0
+    _paged_rows(p0, ops, it, &pb, &h0, &i0, &nq, &orow, &ors, &lrow, &lrs)
+    cdef const floating *q = _elems(ops.q, ops.cuq[s] * p0.q_rs + h0 * ops.q_hs, ops.qkind,
+                                    dummy)
+    # the keys the rows see (the band's hull), within this split
+    lo = 0
+    hi = pb.M
+    if it.fold:
+        if p0.win_l >= 0:
+            lo = pb.M - 1 - p0.win_l
+    elif pb.band:
+        lo = ac_band_lo(&pb, i0)
+        hi = ac_causal_limit(&pb, i0 + nq - 1)
+    ks = it.split * ops.chunk if it.nsplit > 1 else 0
+    ke = ks + ops.chunk if it.nsplit > 1 else pb.M
+    if ks < lo:
+        ks = lo
+    if ks < 0:
+        ks = 0
+    if ke > hi:
+        ke = hi
+    processed = _paged_keys(&pb, ops, s, h0 // ops.group, q, i0, nq, ks, ke, buf)
+    cdef floating *acc = buf + pb.s_len
+    cdef floating *m = acc + Bq * Dv
+    cdef floating *l = m + Bq
+    cdef int *bad = <int *>(l + 2 * Bq)
+    cdef floating *part
+    if it.nsplit > 1:
+        part = (<floating *>ops.part) + it.slot * Bq * (Dv + 2)
+        memcpy(part, acc, nq * Dv * sizeof(floating))
+        memcpy(part + Bq * Dv, m, nq * sizeof(floating))
+        memcpy(part + Bq * Dv + Bq, l, nq * sizeof(floating))
+        memcpy(ops.pbad + it.slot * Bq, bad, nq * sizeof(int))
+        return
+    for r in range(nq):
+        hq = h0 + r if it.fold else h0
+        _finish(1, pb.Dv, processed, acc + r * Dv, l + r, bad + r,
+                (<floating *>ops.out) + orow + r * ors, Dv, m + r,
+                ops.sinks[s * ops.Hq + hq] if ops.sinks != NULL else -INFINITY)
+        if ops.lse != NULL:
+            _lse_rows(1, processed, m + r, l + r, bad + r,
+                      (<floating *>ops.lse) + lrow + r * lrs,
+                      ops.sinks[s * ops.Hq + hq] if ops.sinks != NULL else -INFINITY)
+
+
+cdef inline void _paged_merge(const ac_params *p0, const _POps *ops, const _PItem *it,
+                              floating dummy) noexcept nogil:
+    """The key splits of item it's (sequence, head, block) merged into
+    the output (it: the first split)."""
+    cdef ac_params pb
+    cdef Py_ssize_t h0, i0, orow, ors, lrow, lrs, r, hq
+    cdef Py_ssize_t Bq = p0.Bq, Dv = p0.Dv, ss = Bq * (Dv + 2)
+    cdef int nq
+    cdef floating *part = (<floating *>ops.part) + it.slot * ss
+    _paged_rows(p0, ops, it, &pb, &h0, &i0, &nq, &orow, &ors, &lrow, &lrs)
+    for r in range(nq):
+        hq = h0 + r if it.fold else h0
+        _merge(it.nsplit, 1, pb.Dv, part + r * Dv, ss, part + Bq * Dv + r,
+               part + Bq * Dv + Bq + r, ss, ops.pbad + it.slot * Bq + r, Bq,
+               (<floating *>ops.out) + orow + r * ors, Dv,
+               (<floating *>ops.lse) + lrow + r * lrs if ops.lse != NULL else NULL,
+               ops.sinks[it.seq * ops.Hq + hq] if ops.sinks != NULL else -INFINITY)
+
+
+cdef int _pitem_cmp(const void *a, const void *b) noexcept nogil:
+    """Costliest first; ties in the order built (sequence, head, block)."""
+    cdef const _PItem *x = <const _PItem *>a
+    cdef const _PItem *y = <const _PItem *>b
+    if x.cost != y.cost:
+        return -1 if x.cost > y.cost else 1
+    if x.seq != y.seq:
+        return -1 if x.seq < y.seq else 1
+    if x.head != y.head:
+        return -1 if x.head < y.head else 1
+    if x.qb != y.qb:
+        return -1 if x.qb < y.qb else 1
+    return -1 if x.split < y.split else (1 if x.split > y.split else 0)
+
+
+cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, Py_ssize_t W,
+                    const _PItem *firsts, Py_ssize_t F, int nthreads,
+                    floating dummy) noexcept nogil:
+    """The items in one parallel region, dynamically scheduled in the
+    order given, then the merge of the split ones (firsts: their first
+    splits).  Each thread's scratch: the kernel's, the running state and
+    one partial.  0 on success, -1 when memory ran out."""
+    cdef Py_ssize_t Bq = p.Bq
+    cdef Py_ssize_t nbuf = p.s_len + 2 * (Bq * p.Dv + 5 * Bq)
+    cdef void *raw = NULL
+    cdef floating *buf = NULL
+    cdef int err = 0
+    cdef int *errp = &err
+    cdef Py_ssize_t w
+    if nthreads <= 1:
+        raw = malloc(nbuf * sizeof(floating) + 64)
+        buf = <floating *>_align64(raw)
+        if buf == NULL:
+            return -1
+        ac_blas_hold()
+        for w in range(W):
+            _paged_item(p, ops, items + w, buf)
+        ac_blas_release()
+        free(raw)
+        for w in range(F):
+            _paged_merge(p, ops, firsts + w, dummy)
+        return 0
+    with parallel(num_threads=nthreads):
+        raw = malloc(nbuf * sizeof(floating) + 64)
+        buf = <floating *>_align64(raw)
+        if buf == NULL:
+            errp[0] = -1
+        ac_blas_hold()
+        for w in prange(W, schedule='dynamic'):
+            if buf != NULL:
+                _paged_item(p, ops, items + w, buf)
+        ac_blas_release()
+        free(raw)
+    if err == 0 and F:
+        for w in prange(F, schedule='dynamic', num_threads=nthreads):
+            _paged_merge(p, ops, firsts + w, dummy)
+    return err
+
+
+cdef inline Py_ssize_t _stride(const Py_buffer *b, int axis) noexcept nogil:
+    return b.strides[axis] // b.itemsize
+
+
+cdef inline void _paged_items(_PItem *items, Py_ssize_t *w, _PItem *firsts, Py_ssize_t *F,
+                              Py_ssize_t *nslot, Py_ssize_t s, Py_ssize_t h, int fold,
+                              Py_ssize_t qb, Py_ssize_t ns, double cost) noexcept nogil:
+    """Append the ns key splits of one (sequence, head, block) to the work
+    list (and its first split to firsts when it splits)."""
+    cdef Py_ssize_t sp
+    for sp in range(ns):
+        items[w[0]].cost = cost
+        items[w[0]].seq = <int>s
+        items[w[0]].head = <int>h
+        items[w[0]].fold = fold
+        items[w[0]].qb = <int>qb
+        items[w[0]].split = <int>sp
+        items[w[0]].nsplit = <int>ns
+        items[w[0]].slot = <int>(nslot[0] + sp) if ns > 1 else 0
+        w[0] += 1
+    if ns > 1:
+        firsts[F[0]] = items[w[0] - ns]
+        F[0] += 1
+        nslot[0] += ns
+
+
+def sdpa_paged(call, out, lse=None):
+    """Run the paged kernel of ``call``, an attncore._call.Call with a
+    block table (see attncore._paged), into ``out`` (C-contiguous
+    (total_q, Hq, Dv) of the compute dtype) and ``lse`` (None or
+    C-contiguous (total_q, Hq)).  Its fields:
+
+    q (total_q, Hq, D): the compute dtype or 16-bit bits (fmts[0]), last
+    axis contiguous.  k (num_blocks, bs, Hk, D), v (num_blocks, bs, Hk,
+    Dv): the caches, of the compute dtype, 16-bit bits (fmts) or int8 with
+    k_scales / v_scales (num_blocks, bs, Hk) of the compute dtype; last
+    axis contiguous, strides non-negative multiples of the item size.
+    block_table (S, max_blocks) int32 C-contiguous; seq_lens (S,) int64
+    (keys of each sequence; its blocks are the table row's first
+    ceil(len / bs)); cu_q (S + 1,) int64 (the sequences' queries; the
+    caller has checked everything against the shapes).  causal: 0 or 2
+    (lower-right per sequence), 3 a window alone.  slopes / sinks: None or
+    C-contiguous float64 (S * Hq,).  fold: the query heads of a key head
+    of a one-query sequence run as rows of one item (no ALiBi).
+    plan: Bq, Bk, nthreads; plan.chunk: keys per split (a multiple of bs)
+    and plan.nsplit > 1 where sequences split over keys.
+
+    Work items are (sequence, head -- or key head with its query heads,
+    for a one-query sequence when fold --, query block, key split),
+    costliest first on a dynamic schedule.  Keys are read block by block in
+    place (consecutive blocks as one range), the ranges merged exactly.
+    Returns whether every element of ``out`` is finite.
+    """
+    q, k, v = call.q, call.k, call.v
+    cdef const int32_t[:, ::1] bt = call.block_table
+    cdef const int64_t[::1] lens = call.seq_lens
+    cdef const int64_t[::1] cu_q = call.cu_q
+    pl = call.plan
+    cdef int group = call.group, D = call.D, Dv = call.Dv
+    cdef int Bq = pl.Bq, Bk = pl.Bk, nthreads = pl.nthreads
+    cdef Py_ssize_t chunk = pl.chunk
+    cdef int q_fmt = call.fmts[0], k_fmt = call.fmts[1], v_fmt = call.fmts[2]
+    cdef bint fold = call.fold
+    cdef const double[::1] slopes_v
+    cdef const double[::1] sinks_v
+    cdef _Buffers bufs
+    cdef Py_buffer *bq
+    cdef Py_buffer *bk
+    cdef Py_buffer *bv
+    cdef Py_buffer *bo
+    cdef Py_buffer *bl = NULL
+    cdef Py_buffer *bks = NULL
+    cdef Py_buffer *bvs = NULL
+    cdef ac_params p
+    cdef _POps ops
+    cdef Py_ssize_t S = lens.shape[0], W = 0, F = 0, w, s, h, qb, nqb, ns, sp, nq, i0, L, lo
+    cdef Py_ssize_t hi, nslot = 0, H
+    cdef double cost
+    cdef _PItem *items = NULL
+    cdef _PItem *firsts = NULL
+    cdef char *part = NULL
+    cdef int *pbad = NULL
+    cdef int err = 0
+    cdef bint is64
+    bufs.n = 0
+    try:
+        bq = _acquire(&bufs, q, PyBUF_RECORDS_RO)
+        bk = _acquire(&bufs, k, PyBUF_RECORDS_RO)
+        bv = _acquire(&bufs, v, PyBUF_RECORDS_RO)
+        bo = _acquire(&bufs, out, PyBUF_RECORDS)
+        if lse is not None:
+            bl = _acquire(&bufs, lse, PyBUF_RECORDS)
+        if call.k_scales is not None:
+            bks = _acquire(&bufs, call.k_scales, PyBUF_RECORDS_RO)
+        if call.v_scales is not None:
+            bvs = _acquire(&bufs, call.v_scales, PyBUF_RECORDS_RO)
+        if bo.itemsize == 8:
+            is64 = True
+        elif bo.itemsize == 4:
+            is64 = False
+        else:
+            raise TypeError("kernel dtype must be float32 or float64")
+        if (bq.ndim != 3 or bk.ndim != 4 or bv.ndim != 4 or bo.ndim != 3
+                or not PyBuffer_IsContiguous(bo, b'C')
+                or (bl != NULL and (bl.itemsize != bo.itemsize
+                                    or bl.len != bo.shape[0] * bo.shape[1] * bl.itemsize))
+                or (bks != NULL and (bks.ndim != 3 or bks.itemsize != bo.itemsize
+                                     or bk.itemsize != 1))
+                or (bvs != NULL and (bvs.ndim != 3 or bvs.itemsize != bo.itemsize
+                                     or bv.itemsize != 1))
+                or bq.itemsize != (2 if q_fmt else bo.itemsize)
+                or (bks == NULL and bk.itemsize != (2 if k_fmt else bo.itemsize))
+                or (bvs == NULL and bv.itemsize != (2 if v_fmt else bo.itemsize))):
+            raise ValueError("sdpa_paged: operand layouts do not match")
+        H = bq.shape[1]
+        if (bo.shape[1] != H or bo.shape[2] != Dv or bq.shape[2] != D or bk.shape[3] != D
+                or bv.shape[3] != Dv or group < 1 or bk.shape[2] * group != H
+                or bv.shape[0] != bk.shape[0] or bv.shape[1] != bk.shape[1]
+                or bv.shape[2] != bk.shape[2] or bo.shape[0] != bq.shape[0]
+                or cu_q.shape[0] != S + 1 or cu_q[S] != bq.shape[0] or bt.shape[0] != S
+                or Bq < 1 or Bk < 1):
+            raise ValueError("sdpa_paged: operand shapes do not match")
+        if S == 0 or H == 0 or bq.shape[0] == 0 or Dv == 0:
+            return True
+        ac_size_scratch(&p, D, Dv, Bq, Bk, is64, bks != NULL, bvs != NULL, q_fmt, k_fmt,
+                        v_fmt, 0 if is64 else call.bf16dot, 0)
+        p.N = 0
+        p.M = 0
+        p.q_rs = _stride(bq, 0)
+        p.k_rs = _stride(bk, 1)
+        p.v_rs = _stride(bv, 1)
+        p.ks_rs = _stride(bks, 1) if bks != NULL else 0
+        p.vs_rs = _stride(bvs, 1) if bvs != NULL else 0
+        p.mask_rs = 0
+        p.mask_cs = 0
+        p.mask_kind = AC_MASK_NONE
+        p.causal = call.causal
+        p.win_l = call.window[0]
+        p.win_r = call.window[1]
+        p.band = 1 if (p.causal != 0 or p.win_l >= 0 or p.win_r >= 0) else 0
+        p.scale = call.scale
+        p.softcap = call.softcap
+        p.alibi_on = 0
+        p.alibi = 0.0
+        p.sink = -INFINITY
+        ops.slopes = NULL
+        ops.sinks = NULL
+        if call.slopes is not None:
+            slopes_v = call.slopes
+            if slopes_v.shape[0] != S * H:
+                raise ValueError("alibi slopes must hold one value per (sequence, head)")
+            p.alibi_on = 1
+            ops.slopes = &slopes_v[0]
+            fold = False
+        if call.sinks is not None:
+            sinks_v = call.sinks
+            if sinks_v.shape[0] != S * H:
+                raise ValueError("sinks must hold one value per (sequence, head)")
+            ops.sinks = &sinks_v[0]
+        ops.q = <char *>bq.buf
+        ops.k = <char *>bk.buf
+        ops.v = <char *>bv.buf
+        ops.ksc = <char *>bks.buf if bks != NULL else NULL
+        ops.vsc = <char *>bvs.buf if bvs != NULL else NULL
+        ops.out = <char *>bo.buf
+        ops.lse = <char *>bl.buf if bl != NULL else NULL
+        ops.bt = &bt[0, 0] if bt.shape[1] else NULL
+        ops.bt_rs = bt.shape[1]
+        ops.cuq = &cu_q[0]
+        ops.lens = &lens[0]
+        ops.q_hs = _stride(bq, 1)
+        ops.k_bs = _stride(bk, 0)
+        ops.k_hs = _stride(bk, 2)
+        ops.v_bs = _stride(bv, 0)
+        ops.v_hs = _stride(bv, 2)
+        ops.ks_bs = _stride(bks, 0) if bks != NULL else 0
+        ops.ks_hs = _stride(bks, 2) if bks != NULL else 0
+        ops.vs_bs = _stride(bvs, 0) if bvs != NULL else 0
+        ops.vs_hs = _stride(bvs, 2) if bvs != NULL else 0
+        ops.Hq = <int>H
+        ops.group = group
+        ops.bs = <int>bk.shape[1]
+        ops.qkind = 1 if q_fmt else 0
+        ops.kkind = 2 if bks != NULL else (1 if k_fmt else 0)
+        ops.vkind = 2 if bvs != NULL else (1 if v_fmt else 0)
+        ops.chunk = chunk if pl.nsplit > 1 else 0
+        # consecutive block ids are one range where a block follows the
+        # previous one in memory (every cache array's block stride is its
+        # block's rows)
+        ops.runs = (ops.k_bs == ops.bs * p.k_rs and ops.v_bs == ops.bs * p.v_rs
+                    and (bks == NULL or ops.ks_bs == ops.bs * p.ks_rs)
+                    and (bvs == NULL or ops.vs_bs == ops.bs * p.vs_rs))
+        # the work list
+        for s in range(S):
+            nq = cu_q[s + 1] - cu_q[s]
+            ns = (lens[s] + chunk - 1) // chunk if (ops.chunk and lens[s] > 0) else 1
+            if fold and nq == 1:
+                W += (group + Bq - 1) // Bq * (H // group) * ns
+                F += (group + Bq - 1) // Bq * (H // group) if ns > 1 else 0
+            else:
+                W += (nq + Bq - 1) // Bq * H * ns
+                F += (nq + Bq - 1) // Bq * H if ns > 1 else 0
+        items = <_PItem *>malloc((W + 1) * sizeof(_PItem))
+        firsts = <_PItem *>malloc((F + 1) * sizeof(_PItem))
+        if items == NULL or firsts == NULL:
+            raise MemoryError()
+        with nogil:
+            w = 0
+            F = 0
+            for s in range(S):
+                nq = cu_q[s + 1] - cu_q[s]
+                L = lens[s]
+                ns = (L + chunk - 1) // chunk if (ops.chunk and L > 0) else 1
+                p.N = <int>nq
+                p.M = <int>L
+                if fold and nq == 1:
+                    nqb = (group + Bq - 1) // Bq
+                    for h in range(H // group):
+                        for qb in range(nqb):
+                            _paged_items(items, &w, firsts, &F, &nslot, s, h, 1, qb, ns,
+                                         <double>(group if group < Bq else Bq) * L / ns)
+                else:
+                    nqb = (nq + Bq - 1) // Bq
+                    for qb in range(nqb):
+                        i0 = qb * Bq
+                        lo = 0
+                        hi = L
+                        if p.band:
+                            hi = ac_causal_limit(&p, i0 + (Bq if nq - i0 > Bq else nq - i0) - 1)
+                            lo = ac_band_lo(&p, i0)
+                        if hi < lo:
+                            hi = lo
+                        cost = <double>(Bq if nq - i0 > Bq else nq - i0) * (hi - lo + 16) / ns
+                        for h in range(H):
+                            _paged_items(items, &w, firsts, &F, &nslot, s, h, 0, qb, ns, cost)
+            qsort(items, W, sizeof(_PItem), _pitem_cmp)
+            p.N = 0
+            p.M = 0
+        if nslot:
+            part = <char *>malloc(nslot * Bq * (Dv + 2) * bo.itemsize)
+            pbad = <int *>malloc(nslot * Bq * sizeof(int))
+            if part == NULL or pbad == NULL:
+                raise MemoryError()
+        ops.part = part
+        ops.pbad = pbad
+        with nogil:
+            if is64:
+                err = _run_paged(&p, &ops, items, W, firsts, F, nthreads, <double>0)
+            else:
+                err = _run_paged(&p, &ops, items, W, firsts, F, nthreads, <float>0)
+        if err:
+            raise MemoryError("attncore: could not allocate the kernel's scratch memory")
+        return _finite(bo)
+    finally:
+        _release_all(&bufs)
+        free(items)
+        free(firsts)
+        free(part)
+        free(pbad)
+
+
 cdef bint _finite(const Py_buffer *view) noexcept nogil:
     """Whether every float32 / float64 element of the contiguous buffer is
     finite: one pass over the exponent bits."""

@@ -1,0 +1,369 @@
+"""Attention over a paged key / value cache: :func:`paged_attention`
+(private module; :class:`attncore.PagedKVCache` lives in ``_paged_cache``).
+
+flash-attention's paged layout: every sequence's keys and values sit in
+fixed-size blocks of one pool, ``k_cache[block, slot, head, :]``, and a
+block table row lists a sequence's blocks in order.  The kernel reads the
+blocks in place (never a gathered copy), runs one work list over
+(sequence, head or head group, query block, key split) costliest first,
+and merges key ranges with the exact log-sum-exp rule
+(``attncore._core._sdpa.sdpa_paged``).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Tuple
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from . import _call
+from ._dtypes import half_code, to_float
+from ._interop import foreign_arrays
+from ._quant import split_quantized
+from ._threads import SERIAL_FLOPS, resolve_num_threads
+from ._validation import (aligned, as_float_array, head_values, parse_bool, parse_scale,
+                          parse_softcap, parse_window, to_array)
+from ._varlen import _check_cu
+
+__all__ = ["paged_attention"]
+
+_INT32_MAX = 2**31 - 1
+# key splits: a sequence splits over keys when the work list would give a
+# thread fewer than this many items, in chunks of at least this many keys
+_ITEMS_PER_THREAD = 4
+_MIN_CHUNK = 512
+
+
+def _cache_operand(x: Any, name: str, qdtype: np.dtype):
+    """(array, scales or None): a float cache (num_blocks, block_size, Hk, D)
+    of q's dtype, or an int8 (array, scales) pair with scales
+    (num_blocks, block_size, Hk)."""
+    data, scales = split_quantized(x, name)
+    if scales is None:
+        a = as_float_array(data, name, allow_bf16=True)
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (num_blocks, block_size, Hk, D), got shape "
+                             f"{a.shape}")
+        if a.dtype != qdtype:
+            raise ValueError(f"{name} must have q's dtype ({qdtype}) or be an int8 "
+                             f"(array, scales) pair, got dtype {a.dtype}")
+        return a, None
+    d = np.asarray(data)
+    if d.ndim != 4:
+        raise ValueError(f"{name} must be 4-D (num_blocks, block_size, Hk, D), got shape "
+                         f"{d.shape}")
+    return d, as_float_array(scales, f"{name} scales")
+
+
+def _check_caches(q, k_cache, v_cache, enable_gqa: bool):
+    """(q, k, ks, v, vs, group): the operands checked against each other."""
+    qa = as_float_array(q, "q", allow_bf16=True)
+    if qa.ndim != 3:
+        raise ValueError(f"q must be 3-D (total_q, Hq, D), got shape {qa.shape}")
+    ka, ks = _cache_operand(k_cache, "k_cache", qa.dtype)
+    va, vs = _cache_operand(v_cache, "v_cache", qa.dtype)
+    if (ks is None) != (vs is None):
+        raise ValueError("k_cache and v_cache must both be float arrays or both int8 "
+                         "(array, scales) pairs")
+    total_q, Hq, D = qa.shape
+    nb, bs, Hk, Dk = ka.shape
+    if va.shape[:3] != (nb, bs, Hk):
+        raise ValueError(f"v_cache must match k_cache in (num_blocks, block_size, Hk) = "
+                         f"{(nb, bs, Hk)}, got v_cache shape {va.shape}")
+    if Dk != D:
+        raise ValueError(f"k_cache last dimension must equal q's (D = {D}), got k_cache shape "
+                         f"{ka.shape}")
+    if D == 0 or va.shape[3] == 0:
+        raise ValueError(f"head dimensions must be >= 1, got q shape {qa.shape} and v_cache "
+                         f"shape {va.shape}")
+    if bs == 0:
+        raise ValueError(f"block_size (k_cache.shape[1]) must be >= 1, got {ka.shape}")
+    if Hk != Hq:
+        if not enable_gqa:
+            raise ValueError(f"the caches have {Hk} heads and q has {Hq}: pass enable_gqa=True "
+                             f"for grouped-query attention (Hk dividing Hq)")
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(f"with enable_gqa=True the cache heads ({Hk}) must divide the q "
+                             f"heads ({Hq})")
+    return qa, ka, ks, va, vs, (Hq // Hk if Hk else 1)
+
+
+def _check_table(block_table, seq_lens, num_blocks: int, block_size: int):
+    """(block_table int32 C-contiguous, seq_lens int64): integer arrays of
+    matching lengths, every block a sequence uses within the pool."""
+    bt = to_array(block_table, "block_table")
+    sl = to_array(seq_lens, "seq_lens")
+    for nm, a in (("block_table", bt), ("seq_lens", sl)):
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{nm} must be an int32 array, got dtype {a.dtype}")
+    if bt.ndim != 2:
+        raise ValueError(f"block_table must be 2-D (num_seqs, max_blocks), got shape "
+                         f"{bt.shape}")
+    if sl.ndim != 1 or sl.shape[0] != bt.shape[0]:
+        raise ValueError(f"seq_lens must be 1-D with one length per block table row "
+                         f"({bt.shape[0]},), got shape {sl.shape}")
+    if sl.size and (int(sl.min()) < 0 or int(sl.max()) > bt.shape[1] * block_size):
+        bad = int(np.argmax((sl < 0) | (sl > bt.shape[1] * block_size)))
+        raise ValueError(f"seq_lens[{bad}] = {int(sl[bad])} is beyond the blocks the table "
+                         f"gives (0 .. max_blocks * block_size = {bt.shape[1]} * {block_size})")
+    lens = sl.astype(np.int64)
+    nblk = -(-lens // block_size)
+    used = np.arange(bt.shape[1])[None, :] < nblk[:, None]
+    if used.any():
+        ids = bt[used]
+        out = (ids < 0) | (ids >= num_blocks)
+        if out.any():
+            s, j = np.argwhere(used & ((bt < 0) | (bt >= num_blocks)))[0]
+            raise ValueError(f"block_table[{s}, {j}] = {int(bt[s, j])} is out of range: the "
+                             f"caches hold {num_blocks} blocks")
+    return np.ascontiguousarray(bt, dtype=np.int32), lens
+
+
+def _per_head(x, name: str, S: int, Hq: int, compute, **kw) -> Optional[np.ndarray]:
+    """ALiBi slopes / sinks (Hq,) or (num_seqs, Hq) as a flat float64
+    (num_seqs * Hq,) array (attncore._validation.head_values)."""
+    if x is None:
+        return None
+    f = head_values(x, name, compute, **kw)
+    if f.shape not in ((Hq,), (S, Hq)):
+        raise ValueError(f"{name} must have shape (Hq,) = ({Hq},) or (num_seqs, Hq) = "
+                         f"({S}, {Hq}), got {f.shape}")
+    return np.ascontiguousarray(np.broadcast_to(f, (S, Hq))).reshape(-1)
+
+
+def _cache_layout(a: np.ndarray) -> np.ndarray:
+    """A cache array as the kernel reads it in place (last axis contiguous,
+    strides non-negative multiples of the item size), else a contiguous
+    copy (only for caches the kernel cannot read)."""
+    a = aligned(a)
+    ok = all(s >= 0 and s % a.itemsize == 0 for s in a.strides)
+    if ok and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        ok = False
+    return a if ok else np.ascontiguousarray(a)
+
+
+def _split_plan(works: np.ndarray, lens: np.ndarray, items: int, nthreads: int,
+                block_size: int) -> Tuple[int, int]:
+    """(nsplit, chunk): key splits (chunks of whole blocks) where the work
+    list would leave threads idle; (1, 0) for none."""
+    longest = int(lens.max()) if lens.size else 0
+    if nthreads <= 1 or items >= _ITEMS_PER_THREAD * nthreads or longest < 2 * _MIN_CHUNK:
+        return 1, 0
+    want = -(-_ITEMS_PER_THREAD * nthreads // max(items, 1))
+    chunk = max(_MIN_CHUNK, -(-longest // want))
+    chunk = -(-chunk // block_size) * block_size
+    nsplit = -(-longest // chunk)
+    return (nsplit, chunk) if nsplit > 1 else (1, 0)
+
+
+def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, cap, slopes,
+                sinks, nthreads, need_lse) -> _call.Call:
+    """The description of one paged call (attncore._call.Call)."""
+    cdt = pol.compute
+    if cdt == np.float64:
+        # the float64 kernel takes 16-bit operands converted (a copy)
+        qa, ka, va = (a if not half_code(a.dtype) else to_float(a, cdt) for a in (qa, ka, va))
+    fmts = (half_code(qa.dtype), 0 if ks is not None else half_code(ka.dtype),
+            0 if vs is not None else half_code(va.dtype))
+    qa = _call.blas_rows(qa if (fmts[0] or qa.dtype == cdt) else qa.astype(cdt))
+    if ks is None:
+        ka = ka if (fmts[1] or ka.dtype == cdt) else ka.astype(cdt)
+        va = va if (fmts[2] or va.dtype == cdt) else va.astype(cdt)
+    else:
+        ks, vs = (_cache_layout(s.astype(cdt, copy=False)) for s in (ks, vs))
+    ka, va = _cache_layout(ka), _cache_layout(va)
+    Hq, D, Dv, bs = qa.shape[1], qa.shape[2], va.shape[3], ka.shape[1]
+    lq = np.diff(cq)
+    flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lens.astype(np.float64))) * (D + Dv)
+    if flops < SERIAL_FLOPS:
+        nthreads = 1
+    md = _call.modes(pol._replace(products="float32") if pol.products == "int8" else pol, D)
+    conv = _call.conversion(md, 0, fmts, ks, vs)
+    maxq = int(lq.max()) if lq.size else 1
+    pl = _call.plan_call(cdt, max(maxq, 1), max(int(lens.max()), 1), D, Dv, causal,
+                         len(lq) * Hq, nthreads, converted_kv=conv)
+    fold = slopes is None
+    Bq = max(pl.Bq, group) if (fold and (lq == 1).any()) else pl.Bq
+    one = fold & (lq == 1)
+    items = int(((-(-lq // Bq)) * Hq)[~one].sum() + one.sum() * (Hq // group) * -(-group // Bq))
+    nsplit, chunk = _split_plan(lq, lens, items, pl.nthreads, bs)
+    nthr = max(1, min(pl.nthreads, items * nsplit))
+    pl = pl._replace(Bq=Bq, nsplit=nsplit, chunk=chunk, nthreads=nthr)
+    qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))
+    return _call.Call(qa, ka, va, None, 0, (Hq,), group, 0, 0, D, Dv, causal, sc, win, cap, ks,
+                      vs, None, fmts, slopes, sinks, md.bf16dot if pl.fused else 0, 0, pl, cdt,
+                      need_lse=need_lse, cu_q=cq, block_table=bt, seq_lens=lens, fold=fold)
+
+
+@foreign_arrays(("q", "k_cache", "v_cache"),
+                ("block_table", "seq_lens", "cu_seqlens_q", "alibi_slopes", "sinks"),
+                last_in_compute_dtype="return_lse", half_native=True)
+def paged_attention(
+    q: ArrayLike,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    block_table: ArrayLike,
+    seq_lens: ArrayLike,
+    cu_seqlens_q: Optional[ArrayLike] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    num_threads: Optional[int] = None,
+    precision: Optional[Literal["float32", "bfloat16", "int8"]] = None,
+) -> Any:
+    """Attention of packed queries over a paged key / value cache.
+
+    flash-attention's ``flash_attn_with_kvcache`` layout: the keys and
+    values of every sequence sit in fixed-size blocks of one pool,
+    ``k_cache[block, slot, head, :]``; row ``s`` of ``block_table`` lists
+    sequence ``s``'s blocks in order, and its first ``seq_lens[s]`` slots
+    are its keys.  One call serves a mixed batch (decoding sequences and
+    prompt chunks of any lengths).  The blocks are read where they are,
+    never gathered into a copy; a one-query sequence runs the query heads
+    of a key head together (its keys read once for the group); long
+    sequences split over keys when threads would idle, and the key ranges
+    are merged with the exact log-sum-exp rule.
+
+    Parameters
+    ----------
+    q : array_like, shape (total_q, Hq, D)
+        The new tokens' queries, packed as in
+        :func:`attncore.varlen_attention`: sequence ``s`` has rows
+        ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``.  float32, float64,
+        bfloat16 or float16 (16-bit ones read in place; torch / JAX in,
+        the same type out).
+    k_cache, v_cache : array_like, shape (num_blocks, block_size, Hk, D / Dv)
+        The caches, of q's dtype, or int8 ``(array, scales)`` pairs as
+        :func:`attncore.quantize_kv` makes them (scales of shape
+        (num_blocks, block_size, Hk)).  Any strides (last axis
+        contiguous to be read in place); never modified.
+    block_table : array_like of int, shape (num_seqs, max_blocks)
+        Each sequence's blocks in order; entries beyond a sequence's last
+        block are not read (any value, e.g. -1).
+    seq_lens : array_like of int, shape (num_seqs,)
+        Keys of each sequence, its new tokens included.
+    cu_seqlens_q : array_like of int, shape (num_seqs + 1,), optional
+        Where each sequence's queries start in ``q`` (start 0,
+        non-decreasing, end ``total_q``).  ``None``: one query per
+        sequence (pure decoding).  A sequence's queries are its last
+        tokens: at most ``seq_lens[s]`` of them.
+    is_causal : bool, default True
+        Causal, aligned lower-right per sequence: query ``i`` of ``Nq``
+        sees keys ``j <= i + seq_len - Nq``.
+    scale : float, optional
+        Score scale, ``1 / sqrt(D)`` by default.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` (-1: unbounded), aligned like the
+        causal diagonal; blocks outside it are skipped, not read.
+    softcap : float, optional
+        ``s -> softcap * tanh(s / softcap)`` on the scaled scores.
+    alibi_slopes : array_like, shape (Hq,) or (num_seqs, Hq), optional
+        ALiBi: ``-slope * |i + seq_len - Nq - j|`` joins each score.
+    sinks : array_like, shape (Hq,) or (num_seqs, Hq), optional
+        Attention sink logits: ``exp(sink)`` joins each row's softmax
+        denominator.
+    enable_gqa : bool
+        Allow ``Hk`` to divide ``Hq`` (query head ``h`` reads cache head
+        ``h // (Hq // Hk)``).
+    return_lse : bool
+        Also return the log-sum-exp of each row, shape (total_q, Hq), in
+        the compute dtype (float32 for 16-bit inputs).
+    num_threads : int, optional
+        As for :func:`attncore.scaled_dot_product_attention`.
+    precision : {None, 'float32', 'bfloat16', 'int8'}, optional
+        The dot products' precision, as for
+        :func:`attncore.scaled_dot_product_attention`.  ``"int8"`` is
+        accepted and takes float32 products here (the paged kernel has no
+        int8 Q.K^T yet; an int8 cache is read in place either way).
+
+    Returns
+    -------
+    out : ndarray, shape (total_q, Hq, Dv)
+        In q's dtype (float32 for an int8 cache with float32 queries).
+    lse : ndarray, shape (total_q, Hq)
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError
+        Non-float queries / caches, non-integer tables or lengths.
+    ValueError
+        Shapes or dtypes of the caches that do not match ``q``; block ids
+        out of range; ``seq_lens`` beyond the blocks the table gives; a
+        ``cu_seqlens_q`` inconsistent with ``q``; more queries than keys
+        in a sequence.
+
+    Examples
+    --------
+    >>> import numpy as np, attncore
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = rng.standard_normal((8, 4, 2, 16), dtype=np.float32)   # 8 blocks of 4
+    >>> v_cache = rng.standard_normal((8, 4, 2, 16), dtype=np.float32)
+    >>> table = np.array([[5, 1, 7], [2, 0, -1]], dtype=np.int32)
+    >>> q = rng.standard_normal((2, 2, 16), dtype=np.float32)              # one query each
+    >>> out = attncore.paged_attention(q, k_cache, v_cache, block_table=table,
+    ...                                seq_lens=[10, 6])
+    >>> out.shape
+    (2, 2, 16)
+    """
+    is_causal = parse_bool(is_causal, "is_causal")
+    enable_gqa = parse_bool(enable_gqa, "enable_gqa")
+    return_lse = parse_bool(return_lse, "return_lse")
+    win = parse_window(window)
+    cap = parse_softcap(softcap)
+    qa, ka, ks, va, vs, group = _check_caches(q, k_cache, v_cache, enable_gqa)
+    (total_q, Hq, D), (nblocks, bs), Dv = qa.shape, ka.shape[:2], va.shape[3]
+    bt, lens = _check_table(block_table, seq_lens, nblocks, bs)
+    S = lens.shape[0]
+    if cu_seqlens_q is None:
+        if total_q != S:
+            raise ValueError(f"without cu_seqlens_q every sequence has one query: q must have "
+                             f"num_seqs = {S} rows, got q shape {qa.shape}")
+        cq = np.arange(S + 1, dtype=np.int64)
+    else:
+        cq = _check_cu(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+        if cq.shape[0] != S + 1:
+            raise ValueError(f"cu_seqlens_q must hold num_seqs + 1 = {S + 1} offsets (one "
+                             f"sequence per block table row), got {cq.shape[0]}")
+    lq = np.diff(cq)
+    if (lq > lens).any():
+        s = int(np.argmax(lq > lens))
+        raise ValueError(f"sequence {s} has {int(lq[s])} queries but seq_lens[{s}] = "
+                         f"{int(lens[s])} keys: a sequence's queries are its last tokens")
+    sc = parse_scale(scale, D)
+    nthreads = resolve_num_threads(num_threads)
+    pol = _call.policy((qa.dtype, qa.dtype, qa.dtype), ("q", "k_cache", "v_cache"), precision)
+    cdt, rdt = pol.compute, pol.result
+    longest = int(lens.max()) if S else 0
+    slopes = _per_head(alibi_slopes, "alibi_slopes", S, Hq, cdt, max_distance=longest)
+    snk = _per_head(sinks, "sinks", S, Hq, cdt, allow_neg_inf=True)
+    if max(D, Dv, longest) > _INT32_MAX:
+        raise ValueError("sequence lengths and head dimensions must be below 2**31")
+    lse = np.empty((total_q, Hq), dtype=cdt) if return_lse else None
+    if not (total_q and Hq):
+        out = np.zeros((total_q, Hq, Dv), dtype=rdt)
+        return (out, lse) if return_lse else out
+    causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
+    out, _, lse, finite = _call.launch(_paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group,
+                                                   sc, causal, win, cap, slopes, snk, nthreads,
+                                                   return_lse))
+    if not finite and cdt == np.float32 and ks is None:
+        # float32 sums overflowed (values near the float32 maximum) if the
+        # operands are finite: the call again in float64
+        f64 = [to_float(a, np.dtype(np.float64)) for a in (qa, ka, va)]
+        if all(np.isfinite(a).all() for a in f64):
+            res = paged_attention(*f64, block_table=bt, seq_lens=lens, cu_seqlens_q=cq,
+                                  is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
+                                  return_lse=return_lse, num_threads=num_threads)
+            if return_lse:
+                return res[0].astype(rdt), res[1].astype(cdt)
+            return res.astype(rdt)
+    out = out if rdt == cdt else out.astype(rdt)
+    return (out, lse) if return_lse else out
