@@ -15,6 +15,9 @@ varlen_attention
 paged_attention
     Attention of packed queries over a paged key / value cache (mixed
     decode + prefill batches), the blocks read in place.
+PagedKVCache
+    The block pool of a paged cache: append, fork (copy on write), free,
+    crop, block tables.
 merge_attention
     Combine attention over disjoint key sets into attention over all keys.
 show_config
@@ -34,6 +37,7 @@ from .functional import merge_attention, scaled_dot_product_attention
 from ._quant import quantize_kv
 from ._varlen import varlen_attention
 from ._paged import paged_attention
+from ._paged_cache import PagedKVCache
 from ._config import show_config
 from ._mha import KVCache, MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
@@ -47,5 +51,6 @@ __version__ = "0.1.0"
 
 __all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
-__all__ += ["rotary_embedding", "varlen_attention", "paged_attention"]
+__all__ += ["rotary_embedding", "varlen_attention", "paged_attention",
+            "PagedKVCache"]
 __all__ += ["Attention", "Memory", "Alignment", "alignments", "plot_alignment"]

@@ -1,0 +1,341 @@
+"""The block pool of a paged key / value cache: :class:`PagedKVCache`
+(private module; exported as ``attncore.PagedKVCache``)."""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from ._dtypes import bfloat16_dtype
+from ._interop import _to_numpy
+from ._quant import quantize_kv
+from ._validation import as_float_array
+from ._varlen import _check_cu
+
+__all__ = ["PagedKVCache"]
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8")
+
+
+def _count(x: Any, name: str, low: int = 1) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    if int(x) < low:
+        raise ValueError(f"{name} must be >= {low}, got {int(x)}")
+    return int(x)
+
+
+def _seq_id(x: Any, name: str = "seq_id") -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    return int(x)
+
+
+def _dtype_name(d: Any) -> str:
+    """The storage name of a dtype argument (a string, a NumPy / ml_dtypes
+    or torch dtype); the repr of anything else (then refused)."""
+    if isinstance(d, str):
+        return d
+    if type(d).__module__ == "torch":
+        return str(d).replace("torch.", "")
+    try:
+        return np.dtype(d).name
+    except TypeError:
+        return repr(d)
+
+
+class PagedKVCache:
+    """A pool of fixed-size key / value blocks shared by many sequences.
+
+    The bookkeeping of a paged KV cache, over NumPy arrays that
+    :func:`attncore.paged_attention` reads in place: every sequence owns a
+    list of blocks (its block table row), new tokens are written into their
+    slots with one vectorized assignment, and blocks are allocated as
+    sequences grow and returned when they are freed or cropped.
+    :meth:`fork` lets a sequence share another's blocks (reference counted);
+    a shared block that is not full is copied when either sequence writes
+    into it (copy on write).
+
+    Parameters
+    ----------
+    num_blocks : int
+        Blocks in the pool.
+    block_size : int
+        Tokens per block.
+    num_kv_heads : int
+        Key / value heads (``Hk``).
+    head_dim : int
+        Key head size (``D``).
+    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}
+        Storage.  ``"bfloat16"`` needs ml_dtypes.  ``"int8"`` quantizes each
+        token and head on the way in (:func:`attncore.quantize_kv`: one
+        float32 scale per row); the blocks are then ``(int8 array, scales)``
+        pairs.
+    head_dim_v : int, optional
+        Value head size (``Dv``), ``head_dim`` by default.
+
+    Attributes
+    ----------
+    k_blocks, v_blocks : ndarray or (ndarray, ndarray)
+        The pools, shape (num_blocks, block_size, num_kv_heads, D / Dv)
+        (int8: with scales of shape (num_blocks, block_size,
+        num_kv_heads)): the ``k_cache`` / ``v_cache`` of
+        :func:`attncore.paged_attention`.  Slots no sequence has written
+        hold zeros.
+
+    Notes
+    -----
+    Not thread-safe: one thread appends, forks and frees at a time.
+    Operations that fail (an exhausted pool, bad arguments) raise before
+    anything is written or allocated, and leave the cache as it was.
+
+    Examples
+    --------
+    >>> import numpy as np, attncore
+    >>> cache = attncore.PagedKVCache(num_blocks=64, block_size=16, num_kv_heads=2, head_dim=8)
+    >>> rng = np.random.default_rng(0)
+    >>> k = rng.standard_normal((21, 2, 8), dtype=np.float32)
+    >>> cache.append([7, 9], k, k, cu_seqlens=[0, 1, 21])   # seq 7: 1 token, seq 9: 20
+    >>> cache.seq_lens([7, 9])
+    array([ 1, 20], dtype=int32)
+    >>> q = rng.standard_normal((2, 2, 8), dtype=np.float32)  # one new query each
+    >>> out = attncore.paged_attention(q, cache.k_blocks, cache.v_blocks,
+    ...                                block_table=cache.block_table([7, 9]),
+    ...                                seq_lens=cache.seq_lens([7, 9]))
+    >>> cache.fork(9, 10); cache.free(7); cache.num_free_blocks
+    62
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: Any = "float32", head_dim_v: Optional[int] = None) -> None:
+        nb = _count(num_blocks, "num_blocks")
+        bs = _count(block_size, "block_size")
+        hk = _count(num_kv_heads, "num_kv_heads")
+        d = _count(head_dim, "head_dim")
+        dv = d if head_dim_v is None else _count(head_dim_v, "head_dim_v")
+        name = _dtype_name(dtype)
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(repr(x) for x in _DTYPES)}, got "
+                             f"{dtype!r}")
+        self.num_blocks, self.block_size, self.num_kv_heads = nb, bs, hk
+        self.head_dim, self.head_dim_v, self.dtype = d, dv, name
+        if name == "int8":
+            self._k = np.zeros((nb, bs, hk, d), np.int8)
+            self._v = np.zeros((nb, bs, hk, dv), np.int8)
+            self._ks = np.zeros((nb, bs, hk), np.float32)
+            self._vs = np.zeros((nb, bs, hk), np.float32)
+        else:
+            dt = bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
+            self._k = np.zeros((nb, bs, hk, d), dt)
+            self._v = np.zeros((nb, bs, hk, dv), dt)
+        self._refs = np.zeros(nb, np.int32)
+        self._free: List[int] = list(range(nb - 1, -1, -1))   # pop() takes the lowest id
+        self._tables: Dict[int, List[int]] = {}
+        self._lens: Dict[int, int] = {}
+
+    # -- the pools -------------------------------------------------------
+    @property
+    def k_blocks(self) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+        return (self._k, self._ks) if self.dtype == "int8" else self._k
+
+    @property
+    def v_blocks(self) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+        return (self._v, self._vs) if self.dtype == "int8" else self._v
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+        return len(self._free)
+
+    @property
+    def sequences(self) -> List[int]:
+        """The ids of the sequences in the cache."""
+        return list(self._tables)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype!r}; {len(self._tables)} sequences, "
+                f"{self.num_free_blocks} free blocks)")
+
+    # -- queries ---------------------------------------------------------
+    def _known(self, seq_id: Any, name: str = "seq_id") -> int:
+        s = _seq_id(seq_id, name)
+        if s not in self._tables:
+            raise ValueError(f"{name} {s} is not in the cache")
+        return s
+
+    def _ids(self, seq_ids: Any, known: bool = True) -> List[int]:
+        ids = [seq_ids] if isinstance(seq_ids, numbers.Integral) else list(seq_ids)
+        ids = [self._known(s, "seq_ids entry") if known else _seq_id(s, "seq_ids entry")
+               for s in ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids must not repeat a sequence, got {ids}")
+        return ids
+
+    def seq_lens(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """Tokens of each sequence, (len(seq_ids),) int32."""
+        return np.array([self._lens[s] for s in self._ids(seq_ids)], dtype=np.int32)
+
+    def block_table(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """The sequences' blocks in order, (len(seq_ids), max_blocks) int32
+        (max_blocks: the longest list among them, at least 1); entries
+        beyond a sequence's blocks are 0 (never read)."""
+        rows = [self._tables[s] for s in self._ids(seq_ids)]
+        out = np.zeros((len(rows), max([1] + [len(r) for r in rows])), dtype=np.int32)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = r
+        return out
+
+    # -- writing ---------------------------------------------------------
+    def _rows(self, x: Any, name: str, width: int) -> Any:
+        a = as_float_array(_to_numpy(x, name, True)[0], name, allow_bf16=True)
+        if a.ndim != 3 or a.shape[1:] != (self.num_kv_heads, width):
+            raise ValueError(f"{name} must have shape (total, num_kv_heads, head_dim) = "
+                             f"(total, {self.num_kv_heads}, {width}), got {a.shape}")
+        if self.dtype != "int8" and a.dtype != self._k.dtype:
+            raise ValueError(f"{name} must have the cache's dtype ({self.dtype}), got "
+                             f"{a.dtype}")
+        return a
+
+    def _plan_blocks(self, ids: List[int], counts: np.ndarray) -> Tuple[int, List[int]]:
+        """(blocks needed, sequences whose shared partial last block is
+        copied on write)."""
+        need, cow = 0, []
+        bs = self.block_size
+        for s, n in zip(ids, counts):
+            if n == 0:
+                continue
+            L, tab = self._lens.get(s, 0), self._tables.get(s, [])
+            if L % bs and self._refs[tab[-1]] > 1:
+                cow.append(s)
+                need += 1
+            need += max(0, -(-(L + int(n)) // bs) - len(tab))
+        return need, cow
+
+    def append(self, seq_ids: Union[int, Sequence[int]], k: ArrayLike, v: ArrayLike,
+               cu_seqlens: Optional[ArrayLike] = None) -> None:
+        """Write new tokens' keys and values at the end of their sequences.
+
+        Parameters
+        ----------
+        seq_ids : int or sequence of int
+            The sequences (new ids start a sequence).  No repeats.
+        k : array_like, shape (total, num_kv_heads, head_dim)
+        v : array_like, shape (total, num_kv_heads, head_dim_v)
+            The tokens, packed: sequence ``seq_ids[i]`` gets rows
+            ``cu_seqlens[i]:cu_seqlens[i + 1]``.  Of the cache's dtype (any
+            float dtype for an int8 cache, quantized per token and head).
+        cu_seqlens : array_like of int, shape (len(seq_ids) + 1,), optional
+            ``None``: one token per sequence.
+
+        Raises
+        ------
+        RuntimeError
+            The pool has too few free blocks; nothing is written.
+        ValueError, TypeError
+            Bad ids, shapes, dtypes or offsets; nothing is written.
+        """
+        ids = self._ids(seq_ids, known=False)
+        ka = self._rows(k, "k", self.head_dim)
+        va = self._rows(v, "v", self.head_dim_v)
+        if va.shape[0] != ka.shape[0]:
+            raise ValueError(f"k and v must hold the same tokens, got {ka.shape[0]} and "
+                             f"{va.shape[0]}")
+        if cu_seqlens is None:
+            if ka.shape[0] != len(ids):
+                raise ValueError(f"without cu_seqlens every sequence gets one token: k must "
+                                 f"have len(seq_ids) = {len(ids)} rows, got {ka.shape[0]}")
+            cu = np.arange(len(ids) + 1, dtype=np.int64)
+        else:
+            cu = _check_cu(_to_numpy(cu_seqlens, "cu_seqlens")[0], "cu_seqlens",
+                           ka.shape[0], "k")
+            if cu.shape[0] != len(ids) + 1:
+                raise ValueError(f"cu_seqlens must hold len(seq_ids) + 1 = {len(ids) + 1} "
+                                 f"offsets, got {cu.shape[0]}")
+        if self.dtype == "int8":
+            # quantized (and checked finite) before anything is allocated
+            k8, v8 = quantize_kv(ka), quantize_kv(va)
+        counts = np.diff(cu)
+        need, cow = self._plan_blocks(ids, counts)
+        if need > len(self._free):
+            raise RuntimeError(f"the cache's pool is exhausted: this append needs {need} free "
+                               f"blocks and {len(self._free)} are free (num_blocks = "
+                               f"{self.num_blocks}); nothing was written")
+        bs = self.block_size
+        for s in cow:   # copy on write: the partial last block becomes this sequence's own
+            old, new = self._tables[s][-1], self._free.pop()
+            fill = self._lens[s] % bs
+            for a in self._pools():
+                a[new, :fill] = a[old, :fill]
+            self._refs[old] -= 1
+            self._refs[new] = 1
+            self._tables[s][-1] = new
+        for s, n in zip(ids, counts):
+            tab = self._tables.setdefault(s, [])
+            self._lens.setdefault(s, 0)
+            for _ in range(-(-(self._lens[s] + int(n)) // bs) - len(tab)):
+                b = self._free.pop()
+                self._refs[b] = 1
+                tab.append(b)
+        # every token's (block, slot), then one assignment per pool
+        seq = np.repeat(np.arange(len(ids)), counts)
+        start = np.array([self._lens[s] for s in ids], dtype=np.int64)
+        pos = np.arange(ka.shape[0], dtype=np.int64) - np.repeat(cu[:-1], counts) + start[seq]
+        tab2 = np.zeros((len(ids), max([1] + [len(self._tables[s]) for s in ids])), np.int64)
+        for i, s in enumerate(ids):
+            tab2[i, :len(self._tables[s])] = self._tables[s]
+        blk, slot = tab2[seq, pos // bs], pos % bs
+        if self.dtype == "int8":
+            self._k[blk, slot], self._ks[blk, slot] = k8
+            self._v[blk, slot], self._vs[blk, slot] = v8
+        else:
+            self._k[blk, slot] = ka
+            self._v[blk, slot] = va
+        for s, n in zip(ids, counts):
+            self._lens[s] += int(n)
+
+    def _pools(self) -> List[np.ndarray]:
+        return [self._k, self._v] + ([self._ks, self._vs] if self.dtype == "int8" else [])
+
+    # -- sharing and releasing --------------------------------------------
+    def fork(self, src: int, dst: int) -> None:
+        """Start sequence ``dst`` as a continuation of ``src``: it shares
+        all of ``src``'s blocks (no copy); a shared block that is not full
+        is copied when either sequence appends to it."""
+        s = self._known(src, "src")
+        d = _seq_id(dst, "dst")
+        if d in self._tables:
+            raise ValueError(f"dst {d} is already in the cache (free it first)")
+        self._tables[d] = list(self._tables[s])
+        self._lens[d] = self._lens[s]
+        for b in self._tables[d]:
+            self._refs[b] += 1
+
+    def _release(self, blocks: List[int]) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def free(self, seq_id: int) -> None:
+        """Remove a sequence; blocks no other sequence shares return to the pool."""
+        s = self._known(seq_id)
+        self._release(self._tables.pop(s)[::-1])
+        del self._lens[s]
+
+    def crop(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of a sequence (0 <= length <=
+        its length); blocks beyond them are released."""
+        s = self._known(seq_id)
+        n = _count(length, "length", low=0)
+        if n > self._lens[s]:
+            raise ValueError(f"length ({n}) must not exceed the sequence's length "
+                             f"({self._lens[s]})")
+        keep = -(-n // self.block_size)
+        tab = self._tables[s]
+        self._release(tab[keep:][::-1])
+        del tab[keep:]
+        self._lens[s] = n

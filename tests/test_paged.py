@@ -1,0 +1,518 @@
+"""paged_attention and PagedKVCache against plain float64 references.
+
+The reference gathers each sequence's keys from its blocks (NumPy fancy
+indexing) and runs the float64 attention of tests/reference.py on them.
+Blocks and slots no sequence owns are filled with NaN, so a kernel that
+reads outside a sequence's keys shows it.
+"""
+import numpy as np
+import pytest
+
+import attncore
+from attncore import PagedKVCache, paged_attention
+from attncore._core import _sdpa
+from reference import rand, sdpa_ref
+
+PATHS = _sdpa.available_kernel_paths()
+
+
+def make_batch(lens, nqs, Hq=8, Hk=2, D=32, Dv=None, bs=16, seed=0, extra_blocks=7,
+               dtype=np.float32):
+    """(q, k_cache, v_cache, block_table, seq_lens, cu_q): shuffled block
+    tables; unused blocks, unused slots and unused table entries hold NaN /
+    -1 garbage."""
+    rng = np.random.default_rng(seed)
+    Dv = D if Dv is None else Dv
+    lens = np.asarray(lens)
+    nblk = -(-lens // bs)
+    NB = int(nblk.sum()) + extra_blocks
+    kc = np.full((NB, bs, Hk, D), np.nan, np.float32)
+    vc = np.full((NB, bs, Hk, Dv), np.nan, np.float32)
+    perm = rng.permutation(NB)
+    bt = np.full((len(lens), int(nblk.max(initial=0)) + 2), -1, np.int32)
+    o = 0
+    for s, L in enumerate(lens):
+        ids = perm[o:o + nblk[s]]
+        o += nblk[s]
+        bt[s, :len(ids)] = ids
+        kk, vv = rand((L, Hk, D), rng), rand((L, Hk, Dv), rng)
+        for b, i in enumerate(ids):
+            n = min(bs, L - b * bs)
+            kc[i, :n], vc[i, :n] = kk[b * bs:b * bs + n], vv[b * bs:b * bs + n]
+    cq = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
+    q = rand((int(cq[-1]), Hq, D), rng)
+    return q.astype(dtype), kc.astype(dtype), vc.astype(dtype), bt, lens.astype(np.int32), cq
+
+
+def gather(cache, table_row, L):
+    """A sequence's keys (L, Hk, D) from its blocks."""
+    bs = cache.shape[1]
+    nb = -(-L // bs)
+    return cache[table_row[:nb]].reshape((nb * bs,) + cache.shape[2:])[:L]
+
+
+def paged_ref(q, kc, vc, bt, lens, cq, is_causal=True, window=None, softcap=None, alibi=None,
+              sinks=None, scale=None):
+    """float64 (out, lse) of the paged call, one sequence at a time."""
+    Hq, Hk = q.shape[1], kc.shape[2]
+    out = np.zeros(q.shape[:2] + (vc.shape[3],))
+    lse = np.zeros(q.shape[:2])
+    for s in range(len(lens)):
+        lo, hi = cq[s], cq[s + 1]
+        if hi == lo:
+            continue
+        K = gather(kc, bt[s], lens[s]).astype(np.float64).transpose(1, 0, 2)
+        V = gather(vc, bt[s], lens[s]).astype(np.float64).transpose(1, 0, 2)
+        Q = q[lo:hi].astype(np.float64).transpose(1, 0, 2)
+        sl = None if alibi is None else np.broadcast_to(alibi, (len(lens), Hq))[s]
+        sk = None if sinks is None else np.broadcast_to(sinks, (len(lens), Hq))[s]
+        o, ls = sdpa_ref(Q, K, V, is_causal=2 if is_causal else 0, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=sl, sinks=sk, group=Hq // Hk,
+                         diagonal="lower_right", return_lse=True)
+        out[lo:hi], lse[lo:hi] = o.transpose(1, 0, 2), ls.T
+    return out, lse
+
+
+MIXED = dict(lens=[1, 37, 300, 5, 129, 700, 16, 64], nqs=[1, 1, 100, 5, 1, 64, 16, 1])
+OPTIONS = {
+    "plain": {},
+    "not causal": dict(is_causal=False),
+    "window": dict(window=(50, 0)),
+    "window alone": dict(is_causal=False, window=(40, 3)),
+    "softcap": dict(softcap=5.0),
+    "alibi": dict(alibi=np.linspace(0.01, 0.3, 8)),
+    "sinks": dict(sinks=np.linspace(-1, 2, 8)),
+    "all": dict(window=(90, 0), softcap=8.0, sinks=np.linspace(-1, 2, 8), scale=0.2),
+}
+
+
+def call(q, kc, vc, bt, lens, cq, alibi=None, **kw):
+    return paged_attention(q, kc, vc, block_table=bt, seq_lens=lens, cu_seqlens_q=cq,
+                           enable_gqa=True, alibi_slopes=alibi, **kw)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_mixed_batch(path, name, threads):
+    opts = OPTIONS[name]
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED)
+    prev = _sdpa.set_kernel_path(path)
+    try:
+        out, lse = call(q, kc, vc, bt, lens, cq, return_lse=True, num_threads=threads, **opts)
+    finally:
+        _sdpa.set_kernel_path(prev)
+    ref, rlse = paged_ref(q, kc, vc, bt, lens, cq, **opts)
+    assert out.dtype == np.float32 and out.shape == (cq[-1], 8, 32)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, rlse, atol=2e-5, rtol=1e-6)
+
+
+def test_float64_and_dv():
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, Dv=24, dtype=np.float64)
+    out = call(q, kc, vc, bt, lens, cq, window=(30, 0), sinks=np.ones(8))
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq, window=(30, 0), sinks=np.ones(8))
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("Hq,Hk", [(8, 8), (8, 1), (16, 2), (6, 3)])
+@pytest.mark.parametrize("D", [1, 7, 64, 128])
+def test_decode_head_groups(Hq, Hk, D):
+    """One query per sequence: the query heads of a key head run as rows
+    of one item (fold); every group size and head size."""
+    lens = [1, 3, 17, 64, 200, 513]
+    q, kc, vc, bt, lens, cq = make_batch(lens, [1] * 6, Hq=Hq, Hk=Hk, D=D, bs=8, seed=D)
+    out = paged_attention(q, kc, vc, block_table=bt, seq_lens=lens, enable_gqa=True,
+                          num_threads=2)
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("nqs", [[1, 1], [1, 40], [300, 1]])
+@pytest.mark.parametrize("opts", ["plain", "window", "sinks"])
+def test_key_splits(nqs, opts):
+    """Few long sequences at two threads split over keys; the partials
+    merge exactly (and the plan did split)."""
+    from attncore import _call, _paged
+
+    q, kc, vc, bt, lens, cq = make_batch([3000, 2500], nqs, bs=32, seed=3)
+    out, lse = call(q, kc, vc, bt, lens, cq, num_threads=2, return_lse=True, **OPTIONS[opts])
+    ref, rlse = paged_ref(q, kc, vc, bt, lens, cq, **OPTIONS[opts])
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, rlse, atol=2e-5, rtol=1e-6)
+    pol = _call.policy((q.dtype,) * 3, ("q", "k", "v"), None)
+    c = _paged._paged_call(q, kc, None, vc, None, bt, lens.astype(np.int64),
+                           cq.astype(np.int64), pol, 4, 0.1, 2, (-1, -1), 0.0, None, None, 2,
+                           False)
+    if nqs == [1, 1]:  # 4 items for 2 threads
+        assert c.plan.nsplit > 1 and c.plan.chunk % 32 == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_consecutive_blocks_and_strided_caches(path):
+    """Tables whose blocks follow each other in memory (read as one range)
+    and caches that are views with other strides give the same results."""
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, seed=5)
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq)
+    # the same keys laid out in order: consecutive ids
+    nblk = -(-lens // kc.shape[1])
+    order = np.concatenate([bt[s, :nblk[s]] for s in range(len(lens))])
+    kc2, vc2 = kc[order], vc[order]
+    bt2 = np.full_like(bt, -1)
+    off = np.concatenate([[0], np.cumsum(nblk)])
+    for s in range(len(lens)):
+        bt2[s, :nblk[s]] = np.arange(off[s], off[s + 1])
+    # a pool with heads interleaved differently (a transposed view)
+    big = np.zeros((kc.shape[0], kc.shape[2], kc.shape[1], kc.shape[3]), np.float32)
+    big[...] = kc.transpose(0, 2, 1, 3)
+    kc3 = big.transpose(0, 2, 1, 3)
+    prev = _sdpa.set_kernel_path(path)
+    try:
+        o2 = call(q, kc2, vc2, bt2, lens, cq)
+        o3 = call(q, kc3, vc, bt, lens, cq)
+    finally:
+        _sdpa.set_kernel_path(prev)
+    np.testing.assert_allclose(o2, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(o3, ref, atol=2e-5, rtol=0)
+
+
+def _torch_error(q, kc, vc, bt, lens, cq, tdt, ref):
+    """torch's own max error on the same dtype (SDPA per sequence, lower-
+    right causal through an explicit mask)."""
+    torch = pytest.importorskip("torch")
+    err = 0.0
+    Hq, Hk = q.shape[1], kc.shape[2]
+    for s in range(len(lens)):
+        lo, hi = cq[s], cq[s + 1]
+        K = torch.from_numpy(gather(kc, bt[s], lens[s]).astype(np.float32)).to(tdt)
+        V = torch.from_numpy(gather(vc, bt[s], lens[s]).astype(np.float32)).to(tdt)
+        Q = torch.from_numpy(q[lo:hi].astype(np.float32)).to(tdt)
+        n, m = hi - lo, lens[s]
+        mask = torch.from_numpy(np.arange(m)[None, :] <= np.arange(n)[:, None] + m - n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            Q.transpose(0, 1), K.transpose(0, 1).repeat_interleave(Hq // Hk, 0),
+            V.transpose(0, 1).repeat_interleave(Hq // Hk, 0), attn_mask=mask)
+        err = max(err, float(np.abs(o.transpose(0, 1).float().numpy() - ref[lo:hi]).max()))
+    return err
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("path", PATHS)
+def test_half_caches_against_torch_error(dt, path):
+    """16-bit queries and caches read in place: within 1.5x torch's own
+    error on the same dtype, against float64 of the rounded inputs."""
+    torch = pytest.importorskip("torch")
+    ml = pytest.importorskip("ml_dtypes")
+    npdt = ml.bfloat16 if dt == "bfloat16" else np.float16
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, seed=7)
+    q, kc, vc = (a.astype(npdt) for a in (q, kc, vc))
+    prev = _sdpa.set_kernel_path(path)
+    try:
+        out = call(q, kc, vc, bt, lens, cq)
+    finally:
+        _sdpa.set_kernel_path(prev)
+    assert out.dtype == np.dtype(npdt)
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq)
+    mine = float(np.abs(out.astype(np.float64) - ref).max())
+    theirs = _torch_error(q, kc, vc, bt, lens, cq, getattr(torch, dt), ref)
+    assert mine <= 1.5 * theirs, (mine, theirs)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_caches(path, threads):
+    """int8 (array, scales) caches read in place: the float64 attention of
+    the dequantized rows, and the dense call on the same int8 pairs."""
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, seed=9)
+    kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+    k8, v8 = attncore.quantize_kv(kc), attncore.quantize_kv(vc)
+    prev = _sdpa.set_kernel_path(path)
+    try:
+        out = call(q, k8, v8, bt, lens, cq, num_threads=threads, sinks=np.zeros(8))
+        dense = []
+        for s in range(len(lens)):
+            g = [(gather(a, bt[s], lens[s]).transpose(1, 0, 2).copy(),
+                  gather(sc, bt[s], lens[s]).T.copy()) for a, sc in (k8, v8)]
+            o = attncore.scaled_dot_product_attention(
+                q[cq[s]:cq[s + 1]].transpose(1, 0, 2), g[0], g[1], is_causal="lower_right",
+                enable_gqa=True, sinks=np.zeros(8))
+            dense.append(o.transpose(1, 0, 2))
+    finally:
+        _sdpa.set_kernel_path(prev)
+    kd, vd = k8[0] * k8[1][..., None], v8[0] * v8[1][..., None]
+    ref, _ = paged_ref(q, kd, vd, bt, lens, cq, sinks=np.zeros(8))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(out, np.concatenate(dense), atol=2e-5, rtol=0)
+
+
+def test_int8_error_within_quantize_kv_decode_error():
+    """Against the float cache, an int8 cache's error is the one
+    quantize_kv gives a dense decode (the same rows, the same scales)."""
+    q, kc, vc, bt, lens, cq = make_batch([200, 700, 64], [1, 1, 1], seed=11)
+    kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+    k8, v8 = attncore.quantize_kv(kc), attncore.quantize_kv(vc)
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq)
+    mine = np.abs(call(q, k8, v8, bt, lens, cq) - ref).max()
+    kd, vd = k8[0] * k8[1][..., None], v8[0] * v8[1][..., None]
+    quant, _ = paged_ref(q, kd, vd, bt, lens, cq)
+    assert mine <= 1.5 * np.abs(quant - ref).max() + 1e-6
+
+
+def test_precision_modes():
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, seed=13)
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq)
+    for prec, tol in (("float32", 2e-5), ("int8", 2e-5), ("bfloat16", 5e-2)):
+        out = call(q, kc, vc, bt, lens, cq, precision=prec)
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out, ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+def test_bf16_products_on_prefill_chunks(mode):
+    """bfloat16 dot products of the fused AVX-512 kernel (emulated on any
+    AVX-512 CPU): prefill chunks over bf16 caches within bf16 accuracy."""
+    if "avx512" not in PATHS:
+        pytest.skip("no AVX-512 kernel path on this CPU")
+    ml = pytest.importorskip("ml_dtypes")
+    try:
+        prev = _sdpa.set_bf16_mode(mode)
+    except (ValueError, RuntimeError):
+        pytest.skip(f"this CPU has no {mode} bf16 mode")
+    try:
+        q, kc, vc, bt, lens, cq = make_batch([300, 700], [200, 300], seed=17)
+        q, kc, vc = (a.astype(ml.bfloat16) for a in (q, kc, vc))
+        out = call(q, kc, vc, bt, lens, cq, sinks=np.zeros(8))
+    finally:
+        _sdpa.set_bf16_mode(prev)
+    ref, _ = paged_ref(q, kc, vc, bt, lens, cq, sinks=np.zeros(8))
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=3e-2, rtol=0)
+
+
+def test_inputs_never_modified_and_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, seed=19)
+    saved = [a.copy() for a in (q, kc, vc, bt, lens, cq)]
+    call(q, kc, vc, bt, lens, cq, sinks=np.ones(8))
+    for a, b in zip(saved, (q, kc, vc, bt, lens, cq)):
+        np.testing.assert_array_equal(a, b)
+    t = paged_attention(*(torch.from_numpy(a) for a in (q, kc, vc)),
+                        block_table=torch.from_numpy(bt), seq_lens=torch.from_numpy(lens),
+                        cu_seqlens_q=torch.from_numpy(cq), enable_gqa=True)
+    assert isinstance(t, torch.Tensor)
+    np.testing.assert_array_equal(t.numpy(), call(q, kc, vc, bt, lens, cq))
+
+
+def test_empty_cases():
+    q, kc, vc, bt, lens, cq = make_batch([5, 0, 9], [2, 0, 3], seed=23)
+    out, lse = call(q, kc, vc, bt, lens, cq, return_lse=True)
+    ref, rlse = paged_ref(q, kc, vc, bt, lens, cq)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    empty = paged_attention(q[:0], kc, vc, block_table=bt[:0], seq_lens=lens[:0],
+                            enable_gqa=True)
+    assert empty.shape == (0, 8, 32)
+
+
+BAD = [
+    (dict(block_table=np.array([[0, 99]], np.int32)), ValueError, "out of range"),
+    (dict(block_table=np.array([[-1, 0]], np.int32)), ValueError, "out of range"),
+    (dict(seq_lens=np.array([40])), ValueError, "beyond the blocks"),
+    (dict(seq_lens=np.array([-1])), ValueError, "seq_lens"),
+    (dict(cu_seqlens_q=[0, 3]), ValueError, "cu_seqlens_q"),
+    (dict(cu_seqlens_q=[0, 2, 2]), ValueError, "num_seqs"),
+    (dict(q_rows=20, cu_seqlens_q=[0, 20]), ValueError, "queries"),
+    (dict(block_table=np.array([[0.0, 1.0]])), TypeError, "block_table"),
+    (dict(seq_lens=np.array([20, 3])), ValueError, "seq_lens"),
+    (dict(kdtype=np.float64), ValueError, "dtype"),
+    (dict(kshape=(4, 8, 2, 16)), ValueError, "k_cache last dimension"),
+    (dict(vshape=(4, 4, 2, 32)), ValueError, "v_cache must match"),
+    (dict(gqa=False), ValueError, "enable_gqa"),
+    (dict(no_cu=True), ValueError, "one query"),
+    (dict(alibi=np.ones(3)), ValueError, "alibi_slopes"),
+    (dict(sinks=np.full(4, np.nan)), ValueError, "sinks"),
+    (dict(window=(1,)), TypeError, "window"),
+]
+
+
+@pytest.mark.parametrize("bad,exc,words", BAD)
+def test_bad_inputs(bad, exc, words):
+    rng = np.random.default_rng(0)
+    Hq, Hk, D, bs = 4, 2, 32, 8
+    kc = rand(bad.get("kshape", (4, bs, Hk, D)), rng).astype(bad.get("kdtype", np.float32))
+    vc = rand(bad.get("vshape", (4, bs, Hk, D)), rng)
+    n = bad.get("q_rows", 2)
+    q = rand((n, Hq, D), rng)
+    kw = dict(block_table=np.array([[0, 1]], np.int32), seq_lens=np.array([12]),
+              cu_seqlens_q=[0, n], enable_gqa=bad.get("gqa", True))
+    for key in ("block_table", "seq_lens", "cu_seqlens_q", "window"):
+        if key in bad:
+            kw[key] = bad[key]
+    if bad.get("no_cu"):
+        del kw["cu_seqlens_q"]
+    if "alibi" in bad:
+        kw["alibi_slopes"] = bad["alibi"]
+    if "sinks" in bad:
+        kw["sinks"] = bad["sinks"]
+    with pytest.raises(exc, match=words):
+        paged_attention(q, kc, vc, **kw)
+
+
+def test_mixed_int8_and_float_caches_refused():
+    kc = rand((4, 8, 2, 16))
+    with pytest.raises(ValueError, match="both"):
+        paged_attention(rand((1, 2, 16)), attncore.quantize_kv(kc), kc,
+                        block_table=[[0]], seq_lens=[3])
+
+
+# --------------------------------------------------------------------------
+# PagedKVCache
+# --------------------------------------------------------------------------
+class Model:
+    """The cache's meaning, written plainly: each sequence's tokens in a list."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def append(self, ids, k, v, cu):
+        for i, s in enumerate(ids):
+            self.k.setdefault(s, []).extend(k[cu[i]:cu[i + 1]])
+            self.v.setdefault(s, []).extend(v[cu[i]:cu[i + 1]])
+
+
+def contents(cache, s):
+    """A sequence's keys / values read back through its block table."""
+    bt, L = cache.block_table([s])[0], cache.seq_lens([s])[0]
+    kb, vb = cache.k_blocks, cache.v_blocks
+    if cache.dtype == "int8":
+        kb, vb = kb[0] * kb[1][..., None], vb[0] * vb[1][..., None]
+    return gather(kb, bt, L), gather(vb, bt, L)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_cache_append_fork_crop_free(dtype):
+    rng = np.random.default_rng(1)
+    ml = pytest.importorskip("ml_dtypes") if dtype == "bfloat16" else None
+    st = ml.bfloat16 if ml else (np.float32 if dtype == "int8" else np.dtype(dtype))
+    cache = PagedKVCache(num_blocks=64, block_size=8, num_kv_heads=2, head_dim=16,
+                         dtype=dtype)
+    model = Model()
+
+    def put(ids, counts):
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        k = rand((cu[-1], 2, 16), rng).astype(st)
+        v = rand((cu[-1], 2, 16), rng).astype(st)
+        cache.append(ids, k, v, cu_seqlens=cu)
+        if dtype == "int8":   # the model holds what quantize_kv keeps
+            k8, v8 = attncore.quantize_kv(k), attncore.quantize_kv(v)
+            k, v = k8[0] * k8[1][..., None], v8[0] * v8[1][..., None]
+        model.append(ids, k, v, cu)
+
+    put([7, 9], [1, 20])
+    put([7, 9], [1, 1])
+    put([9], [3])                      # 24 tokens: three full blocks
+    cache.fork(9, 10)                  # shares all three
+    put([10, 9], [5, 2])               # each writes its own fourth block
+    model.k[10] = model.k[9][:24] + model.k[10]
+    model.v[10] = model.v[9][:24] + model.v[10]
+    cache.fork(7, 11)                  # shares a partial block
+    put([11], [4])                     # copy on write: 7 unchanged
+    model.k[11] = model.k[7][:2] + model.k[11]
+    model.v[11] = model.v[7][:2] + model.v[11]
+    put([7], [1])
+    for s in (7, 9, 10, 11):
+        k, v = contents(cache, s)
+        np.testing.assert_array_equal(k.astype(np.float32), np.array(model.k[s], np.float32))
+        np.testing.assert_array_equal(v.astype(np.float32), np.array(model.v[s], np.float32))
+    used = {b for s in (7, 9, 10, 11) for b in cache.block_table([s])[0][:-(-cache.seq_lens(
+        [s])[0] // 8)]}
+    assert cache.num_free_blocks == 64 - len(used)
+    cache.crop(9, 10)
+    k, _ = contents(cache, 9)
+    np.testing.assert_array_equal(k.astype(np.float32), np.array(model.k[9][:10], np.float32))
+    k, _ = contents(cache, 10)         # the fork keeps its shared blocks
+    np.testing.assert_array_equal(k.astype(np.float32), np.array(model.k[10], np.float32))
+    for s in (7, 9, 10, 11):
+        cache.free(s)
+    assert cache.num_free_blocks == 64 and cache.sequences == []
+
+
+def test_cache_attention_matches_dense():
+    """paged_attention over a cache filled by appends (a mixed batch)
+    equals the float64 attention over each sequence's tokens in order."""
+    rng = np.random.default_rng(2)
+    cache = PagedKVCache(num_blocks=256, block_size=16, num_kv_heads=2, head_dim=32)
+    toks = {}
+    for ids, counts in (([1, 2, 3], [100, 7, 1]), ([2, 3], [1, 50]), ([1, 3], [1, 1])):
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        k, v = rand((cu[-1], 2, 32), rng), rand((cu[-1], 2, 32), rng)
+        cache.append(ids, k, v, cu_seqlens=cu)
+        for i, s in enumerate(ids):
+            a, b = toks.get(s, (np.zeros((0, 2, 32)), np.zeros((0, 2, 32))))
+            toks[s] = (np.concatenate([a, k[cu[i]:cu[i + 1]]]),
+                       np.concatenate([b, v[cu[i]:cu[i + 1]]]))
+    ids, nq = [1, 2, 3], [3, 1, 20]
+    cq = np.concatenate([[0], np.cumsum(nq)])
+    q = rand((cq[-1], 8, 32), rng)
+    out = paged_attention(q, cache.k_blocks, cache.v_blocks, block_table=cache.block_table(ids),
+                          seq_lens=cache.seq_lens(ids), cu_seqlens_q=cq, enable_gqa=True)
+    for i, s in enumerate(ids):
+        K, V = (t.transpose(1, 0, 2) for t in toks[s])
+        ref = sdpa_ref(q[cq[i]:cq[i + 1]].transpose(1, 0, 2), K, V, is_causal=2, group=4)
+        np.testing.assert_allclose(out[cq[i]:cq[i + 1]], ref.transpose(1, 0, 2), atol=2e-5)
+
+
+def test_cache_full_pool_changes_nothing():
+    cache = PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=4)
+    x = rand((10, 1, 4))
+    cache.append([0], x, x, cu_seqlens=[0, 10])
+    before = (cache.block_table([0]).copy(), cache.seq_lens([0]).copy(), cache.k_blocks.copy(),
+              cache.num_free_blocks)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        cache.append([0, 1], rand((9, 1, 4)), rand((9, 1, 4)), cu_seqlens=[0, 2, 9])
+    after = (cache.block_table([0]), cache.seq_lens([0]), cache.k_blocks, cache.num_free_blocks)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert cache.sequences == [0]
+    # a shared partial block needs one more block to be copied on write
+    cache.fork(0, 1)
+    cache.fork(0, 2)
+    cache.append([0], rand((1, 1, 4)), rand((1, 1, 4)))   # takes the last free block
+    with pytest.raises(RuntimeError, match="exhausted"):
+        cache.append([1], rand((1, 1, 4)), rand((1, 1, 4)))
+    assert cache.seq_lens([0, 1, 2]).tolist() == [11, 10, 10]
+
+
+@pytest.mark.parametrize("args,exc,words", [
+    (dict(num_blocks=0), ValueError, "num_blocks"),
+    (dict(block_size=2.5), TypeError, "block_size"),
+    (dict(dtype="int4"), ValueError, "dtype"),
+])
+def test_cache_bad_construction(args, exc, words):
+    kw = dict(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=4) | args
+    with pytest.raises(exc, match=words):
+        PagedKVCache(**kw)
+
+
+def test_cache_bad_calls():
+    cache = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=4)
+    x = rand((3, 2, 4))
+    with pytest.raises(ValueError, match="shape"):
+        cache.append([0], rand((3, 1, 4)), x, cu_seqlens=[0, 3])
+    with pytest.raises(ValueError, match="dtype"):
+        cache.append([0], x.astype(np.float64), x, cu_seqlens=[0, 3])
+    with pytest.raises(ValueError, match="repeat"):
+        cache.append([0, 0], x, x, cu_seqlens=[0, 1, 3])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cache.append([0], x, x, cu_seqlens=[0, 2])
+    with pytest.raises(ValueError, match="one token"):
+        cache.append([0, 1], x, x)
+    with pytest.raises(ValueError, match="not in the cache"):
+        cache.free(5)
+    cache.append([0], x, x, cu_seqlens=[0, 3])
+    with pytest.raises(ValueError, match="already"):
+        cache.fork(0, 0)
+    with pytest.raises(ValueError, match="exceed"):
+        cache.crop(0, 4)
+    with pytest.raises(TypeError, match="seq_id"):
+        cache.free("0")
+    assert cache.seq_lens([0]).tolist() == [3] and cache.num_free_blocks == 7
