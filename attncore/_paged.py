@@ -182,10 +182,12 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
     maxq = int(lq.max()) if lq.size else 1
     pl = _call.plan_call(cdt, max(maxq, 1), max(int(lens.max()), 1), D, Dv, causal,
                          len(lq) * Hq, nthreads, converted_kv=conv)
-    fold = slopes is None
-    Bq = max(pl.Bq, group) if (fold and (lq == 1).any()) else pl.Bq
-    one = fold & (lq == 1)
-    items = int(((-(-lq // Bq)) * Hq)[~one].sum() + one.sum() * (Hq // group) * -(-group // Bq))
+    # one-query sequences: all query heads in one item (fold), each key
+    # head's group of rows on each block in turn
+    one = (lq == 1) & (slopes is None)
+    fold = bool(one.any())
+    Bq = max(pl.Bq, Hq) if fold else pl.Bq
+    items = int(((-(-lq // Bq)) * Hq)[~one].sum() + one.sum())
     nsplit, chunk = _split_plan(lq, lens, items, pl.nthreads, bs)
     nthr = max(1, min(pl.nthreads, items * nsplit))
     pl = pl._replace(Bq=Bq, nsplit=nsplit, chunk=chunk, nthreads=nthr)

@@ -1395,6 +1395,11 @@ def sdpa_varlen(call, out):
 # --------------------------------------------------------------------------
 # paged key / value caches
 # --------------------------------------------------------------------------
+# keys a query block of a few rows stages at a time (all its key heads:
+# 64 rows of 8 x 128 float32 keys and values are 512 KiB, within an L2)
+DEF _STAGE_SMALL = 64
+
+
 cdef struct _PItem:
     double cost     # query rows x keys seen (the order of the work list)
     int seq
@@ -1427,6 +1432,14 @@ cdef struct _POps:
     int Hq, group, bs
     int qkind, kkind, vkind       # 0 compute dtype, 1 16-bit, 2 int8 (bytes)
     int runs                      # physically consecutive blocks read as one range
+    Py_ssize_t k_isz, v_isz       # bytes per cache element
+    Py_ssize_t sc_isz             # bytes per int8 scale (the compute dtype)
+    int stage                     # query blocks of more than AC_SMALL_ROWS rows: keys
+                                  # staged (dense, in the thread's scratch) this many
+                                  # at a time where runs are shorter; 0 never
+    int stage_small               # the same for query blocks of a few rows
+    Py_ssize_t stage_rows         # (key, head) rows the staging buffer holds
+    Py_ssize_t stage_off          # bytes from a thread's scratch to its staging rows
     const double *slopes          # ALiBi slope per (sequence, query head), or NULL
     const double *sinks           # sink logit per (sequence, query head), or NULL
 
@@ -1471,13 +1484,78 @@ cdef inline void _absorb(int nq, int Dv, floating *acc, floating *m, floating *l
         m[r] = mx
 
 
+cdef inline Py_ssize_t _stage_end(Py_ssize_t cap, Py_ssize_t j, Py_ssize_t ke) noexcept nogil:
+    """The end of the range _stage_keys stages from key j."""
+    return ke if ke - j < cap else j + cap
+
+
+cdef inline Py_ssize_t _stage_bytes(const ac_params *pb, const _POps *ops,
+                                    Py_ssize_t cap) noexcept nogil:
+    """Bytes of one key head's staging area for cap keys: K rows, V rows,
+    then the int8 scales (one of the compute dtype per row each)."""
+    return cap * (pb.D * ops.k_isz + pb.Dv * ops.v_isz + 2 * ops.sc_isz)
+
+
+cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_t *row,
+                             Py_ssize_t hk0, int nh, Py_ssize_t j, Py_ssize_t je,
+                             Py_ssize_t cap, char *st) noexcept nogil:
+    """Copy keys [j, je) (at most cap) of key heads hk0 .. hk0 + nh - 1
+    dense into st, head t's at st + t * _stage_bytes(cap).  The pool is
+    read in its own order (a block's rows, each row's heads), so that
+    reading stays sequential whatever the heads."""
+    cdef Py_ssize_t bs = ops.bs, n = 0, blk, bid, off, take, r, t
+    cdef Py_ssize_t kb = pb.D * ops.k_isz, vb = pb.Dv * ops.v_isz, sc = ops.sc_isz
+    cdef Py_ssize_t area = _stage_bytes(pb, ops, cap)
+    cdef Py_ssize_t krs = pb.k_rs * ops.k_isz, vrs = pb.v_rs * ops.v_isz
+    cdef Py_ssize_t khs = ops.k_hs * ops.k_isz, vhs = ops.v_hs * ops.v_isz
+    cdef const char *src
+    while j < je:
+        blk = j // bs
+        bid = row[blk]
+        off = j - blk * bs
+        take = bs - off
+        if take > je - j:
+            take = je - j
+        src = ops.k + (bid * ops.k_bs + off * pb.k_rs + hk0 * ops.k_hs) * ops.k_isz
+        for r in range(take):
+            for t in range(nh):
+                memcpy(st + t * area + (n + r) * kb, src + r * krs + t * khs, kb)
+        src = ops.v + (bid * ops.v_bs + off * pb.v_rs + hk0 * ops.v_hs) * ops.v_isz
+        for r in range(take):
+            for t in range(nh):
+                memcpy(st + t * area + cap * kb + (n + r) * vb, src + r * vrs + t * vhs, vb)
+        if ops.kkind == 2:
+            src = ops.ksc + (bid * ops.ks_bs + off * pb.ks_rs + hk0 * ops.ks_hs) * sc
+            for r in range(take):
+                for t in range(nh):
+                    memcpy(st + t * area + cap * (kb + vb) + (n + r) * sc,
+                           src + (r * pb.ks_rs + t * ops.ks_hs) * sc, sc)
+        if ops.vkind == 2:
+            src = ops.vsc + (bid * ops.vs_bs + off * pb.vs_rs + hk0 * ops.vs_hs) * sc
+            for r in range(take):
+                for t in range(nh):
+                    memcpy(st + t * area + cap * (kb + vb + sc) + (n + r) * sc,
+                           src + (r * pb.vs_rs + t * ops.vs_hs) * sc, sc)
+        n += take
+        j += take
+
+
 cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
-                            Py_ssize_t hk, const floating *q, Py_ssize_t i0, int nq,
+                            Py_ssize_t hk0, int nh, const floating *q, Py_ssize_t i0, int nq,
                             Py_ssize_t ks, Py_ssize_t ke, floating *buf) noexcept nogil:
-    """Query rows [i0, i0 + nq) of pb over the sequence's keys [ks, ke),
-    block by block (runs of physically consecutive blocks at once), into
-    the running state at buf + s_len (acc, m, l, alpha, bad), the next
-    range's partial after it.  Returns whether any key tile was processed."""
+    """Query rows [i0, i0 + nq) of pb over the sequence's keys [ks, ke)
+    into the running state at buf + s_len (acc, m, l, alpha, bad), the next
+    range's partial after it; nh > 1 (a folded item): key heads hk0 ..
+    hk0 + nh - 1 in turn on each range (the block's rows are read while
+    they are in cache), their query rows G * q_hs elements apart and their
+    state one after the other.  Keys are read in place a run of physically
+    consecutive blocks at a time, or staged dense in the thread's scratch
+    (_stage_keys): a folded item's every range (up to ops.stage_small keys
+    of all its heads, the pool read in its own order; read head by head in
+    place, a block is pieces a 4 KiB multiple apart that the hardware
+    prefetchers follow badly), a query block of more rows its runs shorter
+    than ops.stage keys (the kernel's tiles stay long, its per-range work
+    amortized).  Returns whether any key tile was processed."""
     cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv, bs = ops.bs
     cdef floating *S = buf
     cdef floating *acc = S + pb.s_len
@@ -1490,14 +1568,22 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
     cdef floating *l2 = m2 + Bq
     cdef int *bad2 = <int *>(l2 + Bq)
     cdef const int32_t *row = ops.bt + s * ops.bt_rs
+    cdef char *st = (<char *>buf) + ops.stage_off
+    cdef char *sth
     cdef ac_params pc = pb[0]
-    cdef Py_ssize_t j = ks, je, blk, bid, off
-    cdef int any = 0, got
+    cdef Py_ssize_t j = ks, je, blk, bid, off, hk, r0
+    cdef Py_ssize_t qstep = ops.group * ops.q_hs * (2 if ops.qkind == 1 else sizeof(floating))
+    cdef int any = 0, got, done = 0, t
+    cdef bint staged
     cdef const floating *kp
     cdef const floating *vp
     cdef const floating *ksp = NULL
     cdef const floating *vsp = NULL
     cdef floating dummy = 0
+    cdef Py_ssize_t cap = ops.stage if nq > AC_SMALL_ROWS else ops.stage_small
+    if cap * nh > ops.stage_rows:
+        cap = ops.stage_rows // nh  # the buffer holds stage_rows (key, head) rows
+    cdef const floating *qt
     while j < ke:
         blk = j // bs
         bid = row[blk]
@@ -1508,26 +1594,56 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
         if je > ke:
             je = ke
         off = j - blk * bs
-        kp = _elems(ops.k, bid * ops.k_bs + off * pb.k_rs + hk * ops.k_hs, ops.kkind, dummy)
-        vp = _elems(ops.v, bid * ops.v_bs + off * pb.v_rs + hk * ops.v_hs, ops.vkind, dummy)
-        if ops.kkind == 2:
-            ksp = (<const floating *>ops.ksc) + bid * ops.ks_bs + off * pb.ks_rs + hk * ops.ks_hs
-        if ops.vkind == 2:
-            vsp = (<const floating *>ops.vsc) + bid * ops.vs_bs + off * pb.vs_rs + hk * ops.vs_hs
-        # key j of the sequence is key 0 of this range: the band and ALiBi
-        # see the same distances with M shifted by j
+        staged = cap > 0 and ((nq <= AC_SMALL_ROWS and nh > 1) or (je - j < cap and je < ke))
+        if staged:
+            je = _stage_end(cap, j, ke)
+            _stage_keys(pb, ops, row, hk0, nh, j, je, cap, st)
         pc.M = <int>(pb.M - j)
-        if not any:
-            any = _range(&pc, q, kp, vp, ksp, vsp, NULL, <const floating *>NULL, i0, nq, 0,
-                         je - j, S, acc, m, l, alpha, bad)
-        else:
-            got = _range(&pc, q, kp, vp, ksp, vsp, NULL, <const floating *>NULL, i0, nq, 0,
-                         je - j, S, acc2, m2, l2, alpha, bad2)
-            if got:
-                _absorb(nq, pb.Dv, acc, m, l, bad, acc2, m2, l2, bad2)
+        for t in range(nh):
+            hk = hk0 + t
+            if staged:
+                sth = st + t * _stage_bytes(pb, ops, cap)
+                kp = <const floating *>sth
+                vp = <const floating *>(sth + cap * pb.D * ops.k_isz)
+                ksp = <const floating *>(sth + cap * (pb.D * ops.k_isz + pb.Dv * ops.v_isz))
+                vsp = ksp + cap
+                pc.k_rs = pb.D
+                pc.v_rs = pb.Dv
+                pc.ks_rs = 1
+                pc.vs_rs = 1
+            else:
+                pc.k_rs = pb.k_rs
+                pc.v_rs = pb.v_rs
+                pc.ks_rs = pb.ks_rs
+                pc.vs_rs = pb.vs_rs
+                kp = _elems(ops.k, bid * ops.k_bs + off * pb.k_rs + hk * ops.k_hs, ops.kkind,
+                            dummy)
+                vp = _elems(ops.v, bid * ops.v_bs + off * pb.v_rs + hk * ops.v_hs, ops.vkind,
+                            dummy)
+                if ops.kkind == 2:
+                    ksp = ((<const floating *>ops.ksc) + bid * ops.ks_bs + off * pb.ks_rs
+                           + hk * ops.ks_hs)
+                if ops.vkind == 2:
+                    vsp = ((<const floating *>ops.vsc) + bid * ops.vs_bs + off * pb.vs_rs
+                           + hk * ops.vs_hs)
+            # key j of the sequence is key 0 of this range (M shifted by j:
+            # the band and ALiBi see the same distances)
+            r0 = t * nq
+            qt = <const floating *>((<const char *>q) + t * qstep)
+            if not any:
+                got = _range(&pc, qt, kp, vp, ksp, vsp, NULL, <const floating *>NULL, i0, nq, 0,
+                             je - j, S, acc + r0 * Dv, m + r0, l + r0, alpha, bad + r0)
+                done = done | got
+            else:
+                got = _range(&pc, qt, kp, vp, ksp, vsp, NULL, <const floating *>NULL, i0, nq, 0,
+                             je - j, S, acc2, m2, l2, alpha, bad2)
+                if got:
+                    _absorb(nq, pb.Dv, acc + r0 * Dv, m + r0, l + r0, bad + r0, acc2, m2, l2,
+                            bad2)
+        any = done
         j = je
     if not any:
-        for got in range(nq):
+        for got in range(nq * nh):
             m[got] = -INFINITY
             l[got] = 0
             bad[got] = 0
@@ -1539,17 +1655,19 @@ cdef inline void _paged_rows(const ac_params *p0, const _POps *ops, const _PItem
                              Py_ssize_t *orow, Py_ssize_t *ors, Py_ssize_t *lrow,
                              Py_ssize_t *lrs) noexcept nogil:
     """The params and rows of item it: pb (this sequence's N, M, slope;
-    a folded item: no band, rows one query apart by a head), its first
+    a folded item: no band, all query heads of the one query as rows), its first
     query head h0 and rows [i0, i0 + nq), its first output row and row
     stride (elements of out) and the same of the lse."""
     cdef Py_ssize_t s = it.seq, q0 = ops.cuq[it.seq], G = ops.group, Bq = p0.Bq
     pb[0] = p0[0]
     pb.M = <int>ops.lens[s]
     if it.fold:
-        h0[0] = it.head * G + it.qb * Bq
+        # every query head of the sequence's one query; the kernel sees
+        # them a key head (G rows) at a time
+        h0[0] = 0
         i0[0] = 0
-        nq[0] = <int>(Bq if G - it.qb * Bq > Bq else G - it.qb * Bq)
-        pb.N = nq[0]
+        nq[0] = ops.Hq
+        pb.N = <int>G
         pb.q_rs = ops.q_hs
         pb.causal = AC_CAUSAL_NONE
         pb.band = 0
@@ -1599,7 +1717,11 @@ cdef inline void _paged_item(const ac_params *p0, const _POps *ops, const _PItem
         ks = 0
     if ke > hi:
         ke = hi
-    processed = _paged_keys(&pb, ops, s, h0 // ops.group, q, i0, nq, ks, ke, buf)
+    if it.fold:
+        processed = _paged_keys(&pb, ops, s, 0, ops.Hq // ops.group, q, 0, ops.group, ks, ke,
+                                buf)
+    else:
+        processed = _paged_keys(&pb, ops, s, h0 // ops.group, 1, q, i0, nq, ks, ke, buf)
     cdef floating *acc = buf + pb.s_len
     cdef floating *m = acc + Bq * Dv
     cdef floating *l = m + Bq
@@ -1666,13 +1788,14 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
     one partial.  0 on success, -1 when memory ran out."""
     cdef Py_ssize_t Bq = p.Bq
     cdef Py_ssize_t nbuf = p.s_len + 2 * (Bq * p.Dv + 5 * Bq)
+    cdef Py_ssize_t total = ops.stage_off + _stage_bytes(p, ops, ops.stage_rows)
     cdef void *raw = NULL
     cdef floating *buf = NULL
     cdef int err = 0
     cdef int *errp = &err
     cdef Py_ssize_t w
     if nthreads <= 1:
-        raw = malloc(nbuf * sizeof(floating) + 64)
+        raw = malloc(total + 64)
         buf = <floating *>_align64(raw)
         if buf == NULL:
             return -1
@@ -1685,7 +1808,7 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
             _paged_merge(p, ops, firsts + w, dummy)
         return 0
     with parallel(num_threads=nthreads):
-        raw = malloc(nbuf * sizeof(floating) + 64)
+        raw = malloc(total + 64)
         buf = <floating *>_align64(raw)
         if buf == NULL:
             errp[0] = -1
@@ -1744,7 +1867,8 @@ def sdpa_paged(call, out, lse=None):
     caller has checked everything against the shapes).  causal: 0 or 2
     (lower-right per sequence), 3 a window alone.  slopes / sinks: None or
     C-contiguous float64 (S * Hq,).  fold: the query heads of a key head
-    of a one-query sequence run as rows of one item (no ALiBi).
+    of a one-query sequence run as rows of one item, key head after key head
+    on each block (no ALiBi; plan.Bq must be at least Hq).
     plan: Bq, Bk, nthreads; plan.chunk: keys per split (a multiple of bs)
     and plan.nsplit > 1 where sequences split over keys.
 
@@ -1823,6 +1947,8 @@ def sdpa_paged(call, out, lse=None):
                 or cu_q.shape[0] != S + 1 or cu_q[S] != bq.shape[0] or bt.shape[0] != S
                 or Bq < 1 or Bk < 1):
             raise ValueError("sdpa_paged: operand shapes do not match")
+        if fold and call.slopes is None and Bq < H:
+            raise ValueError("sdpa_paged: fold needs plan.Bq >= Hq")
         if S == 0 or H == 0 or bq.shape[0] == 0 or Dv == 0:
             return True
         ac_size_scratch(&p, D, Dv, Bq, Bk, is64, bks != NULL, bvs != NULL, q_fmt, k_fmt,
@@ -1887,6 +2013,18 @@ def sdpa_paged(call, out, lse=None):
         ops.kkind = 2 if bks != NULL else (1 if k_fmt else 0)
         ops.vkind = 2 if bvs != NULL else (1 if v_fmt else 0)
         ops.chunk = chunk if pl.nsplit > 1 else 0
+        ops.k_isz = bk.itemsize
+        ops.v_isz = bv.itemsize
+        ops.sc_isz = bo.itemsize
+        # query blocks of many rows read keys staged dense, up to 256 of
+        # them (at most 256 KiB) at a time, where blocks are shorter: the
+        # kernel's tiles stay long and its per-range work (the query
+        # panels, the merge) is amortized
+        ops.stage = 262144 // (D * ops.k_isz + Dv * ops.v_isz + 2 * ops.sc_isz)
+        ops.stage = max(1, min(256, ops.stage))
+        ops.stage_small = min(ops.stage, _STAGE_SMALL)
+        ops.stage_rows = max(ops.stage, ops.stage_small * (H // group))
+        ops.stage_off = ((p.s_len + 2 * (Bq * Dv + 5 * Bq)) * bo.itemsize + 63) // 64 * 64
         # consecutive block ids are one range where a block follows the
         # previous one in memory (every cache array's block stride is its
         # block's rows)
@@ -1898,8 +2036,8 @@ def sdpa_paged(call, out, lse=None):
             nq = cu_q[s + 1] - cu_q[s]
             ns = (lens[s] + chunk - 1) // chunk if (ops.chunk and lens[s] > 0) else 1
             if fold and nq == 1:
-                W += (group + Bq - 1) // Bq * (H // group) * ns
-                F += (group + Bq - 1) // Bq * (H // group) if ns > 1 else 0
+                W += ns
+                F += 1 if ns > 1 else 0
             else:
                 W += (nq + Bq - 1) // Bq * H * ns
                 F += (nq + Bq - 1) // Bq * H if ns > 1 else 0
@@ -1917,11 +2055,7 @@ def sdpa_paged(call, out, lse=None):
                 p.N = <int>nq
                 p.M = <int>L
                 if fold and nq == 1:
-                    nqb = (group + Bq - 1) // Bq
-                    for h in range(H // group):
-                        for qb in range(nqb):
-                            _paged_items(items, &w, firsts, &F, &nslot, s, h, 1, qb, ns,
-                                         <double>(group if group < Bq else Bq) * L / ns)
+                    _paged_items(items, &w, firsts, &F, &nslot, s, 0, 1, 0, ns, <double>H * L / ns)
                 else:
                     nqb = (nq + Bq - 1) // Bq
                     for qb in range(nqb):

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "ac_cpu.h"
+#include "ac_small_x86.h"  /* ac_hsum16_avx512 */
 
 /* storage formats of a query / key / value operand */
 enum { AC_H_NONE = 0, AC_H_BF16 = 1, AC_H_F16 = 2 };
@@ -151,30 +152,6 @@ static AC_TGT_AVX2 void ac_half_rows_f32_avx2(int fmt, const uint16_t *x, ptrdif
         }
         for (; d < D; d++) o[d] = fmt == AC_H_BF16 ? ac_bf16_f32(xr[d]) : _cvtsh_ss(xr[d]);
     }
-}
-
-/* the 16 horizontal sums of a[0..15], lane i = sum of a[i]: a transposing
- * tree of adds (45 shuffles / adds for 16 sums, against about 10 per sum
- * for one reduction at a time) */
-static AC_TGT_AVX512BW inline __m512 ac_hsum16_avx512(const __m512 *a)
-{
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    /* t[i], 128-bit lane L: partial sums of a[2i], a[2i+1], a[2i], a[2i+1] */
-    for (int i = 0; i < 4; i++) {
-        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* u[g], lane L: partial sums (over lane L's elements) of a[4g .. 4g+3] */
-    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
-                                     _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
-                                     _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
-                         _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
 /* S[r, j] = scale * q_r . k_j for half keys read in place (q float):
