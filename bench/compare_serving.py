@@ -3,6 +3,7 @@
     python bench/compare_serving.py --threads 1 2 --repeats 7
     python bench/compare_serving.py --quick          # smaller shapes (a smoke run)
     python bench/compare_serving.py --hf             # + Hugging Face generate_batch
+    python bench/compare_serving.py --plot docs/_static/serving_decode.png   # the docs' plot
 
 Cases (all sides in one process, the same thread count, medians of
 interleaved repeats: ``timing.interleaved_medians``):
@@ -125,6 +126,42 @@ def decode_fns(case, threads):
     return fns, kv_bytes
 
 
+def sweep(counts, threads, repeats, length=2048):
+    """Decode-step tokens per second (sequences / step time) of each
+    contender for each number of concurrent sequences of ``length``
+    tokens."""
+    rows = []
+    for S in counts:
+        case = dict(lens=np.full(S, length, dtype=np.int64), Hq=32, Hk=8, D=128, bs=32)
+        fns, _ = decode_fns(case, threads)
+        med = interleaved_medians(fns, threads, repeats, torch=torch)
+        rows.append((S, {k: S / t for k, t in med.items()}))
+    return rows
+
+
+def plot(rows, path, threads):
+    """tokens/s against concurrent sequences, one line per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    names = {"paged": "attncore paged_attention", "loop": "loop of attncore calls",
+             "padded": "padded batch + key mask", "torch": "torch index_select + SDPA"}
+    for key, label in names.items():
+        if key in rows[0][1]:
+            ax.plot([r[0] for r in rows], [r[1][key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sequences (2048 tokens each)")
+    ax.set_ylabel("decode tokens / s (attention)")
+    ax.set_title(f"{cpu_model()}, {threads} thread(s)", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def mixed_fns(quick, threads):
     Hq, Hk, D, bs = 32, 8, 128, 32
     rng = np.random.default_rng(2)
@@ -185,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--hf", action="store_true", help="also run bench/serving_hf.py")
+    ap.add_argument("--plot", metavar="PNG", help="sweep 1..32 concurrent sequences and plot "
+                    "decode tokens/s (at the largest --threads)")
     a = ap.parse_args(argv)
     print(f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
     print(f"attncore {attncore.__version__} (kernel path {_kernels.kernel_path()}), "
@@ -219,6 +258,16 @@ def main(argv=None):
         for t in a.threads:
             print(f"peak memory of the decode step beyond its output ({t} threads): "
                   f"{peak_memory(a.quick, t) / 2**20:.2f} MiB")
+    if a.plot:
+        t = max(a.threads)
+        rows = sweep([1, 2, 4, 8, 16, 32], t, a.repeats)
+        print(f"\ndecode tokens/s, sequences of 2048 tokens, {t} thread(s)")
+        print("| sequences | " + " | ".join(rows[0][1]) + " |")
+        print("|---" * (len(rows[0][1]) + 1) + "|")
+        for S, r in rows:
+            print(f"| {S} | " + " | ".join(f"{x:.0f}" for x in r.values()) + " |")
+        plot(rows, a.plot, t)
+        print(f"plot: {a.plot}")
     if a.hf:
         import serving_hf
 
