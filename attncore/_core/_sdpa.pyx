@@ -1787,7 +1787,6 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
     splits).  Each thread's scratch: the kernel's, the running state and
     one partial.  0 on success, -1 when memory ran out."""
     cdef Py_ssize_t Bq = p.Bq
-    cdef Py_ssize_t nbuf = p.s_len + 2 * (Bq * p.Dv + 5 * Bq)
     cdef Py_ssize_t total = ops.stage_off + _stage_bytes(p, ops, ops.stage_rows)
     cdef void *raw = NULL
     cdef floating *buf = NULL
