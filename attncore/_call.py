@@ -351,9 +351,10 @@ def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
 # --------------------------------------------------------------------------
 class Call(NamedTuple):
     """One kernel call, immutable: what :func:`launch` passes to the
-    kernels.  Dense calls: ``bshape`` batch elements of (N, M); packed
-    variable-length calls: ``cu_q`` / ``cu_k`` offsets (bshape (Hq,));
-    paged calls: ``cu_q`` and a ``block_table`` (k / v the block pools)."""
+    kernels.  Dense calls: ``bshape`` batch elements of (N, M); paged
+    calls: ``cu_q`` offsets of the queries, a ``block_table`` (k / v the
+    block pools) and, for packed variable-length calls (one block, the
+    whole key array), ``cu_k``, the sequences' first keys."""
 
     q: Any                    #: np.ndarray (bfloat16 as its bits; None in a cached template)
     k: Any
@@ -517,9 +518,6 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
         out = np.empty((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
         lse = np.empty(c.q.shape[:2], dtype=c.compute) if c.need_lse else None
         return out, None, lse, _sdpa.sdpa_paged(c, out, lse)
-    if c.cu_q is not None:
-        out = np.zeros((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
-        return out, None, None, _sdpa.sdpa_varlen(c, out)
     nb = math.prod(c.bshape)
     out = np.empty((nb, c.N, c.Dv), dtype=c.compute)
     weights = np.empty((nb, c.N, c.M), dtype=c.compute) if c.need_weights else None

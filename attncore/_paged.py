@@ -21,13 +21,11 @@ from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
 from ._quant import split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
-from ._validation import (aligned, as_float_array, head_values, parse_bool, parse_scale,
-                          parse_softcap, parse_window, to_array)
-from ._varlen import _check_cu
+from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values, parse_bool,
+                          parse_scale, parse_softcap, parse_window, to_array)
 
 __all__ = ["paged_attention"]
 
-_INT32_MAX = 2**31 - 1
 # key splits: a sequence splits over keys when the work list would give a
 # thread fewer than this many items, in chunks of at least this many keys
 _ITEMS_PER_THREAD = 4
@@ -134,12 +132,17 @@ def _per_head(x, name: str, S: int, Hq: int, compute, **kw) -> Optional[np.ndarr
 
 
 def _cache_layout(a: np.ndarray) -> np.ndarray:
-    """A cache array as the kernel reads it in place (last axis contiguous,
-    strides non-negative multiples of the item size), else a contiguous
-    copy (only for caches the kernel cannot read)."""
+    """A cache array (num_blocks, block_size, H, D) as the kernel reads it
+    in place (last axis contiguous, strides non-negative multiples of the
+    item size, a block's rows at least D apart, within a BLAS leading
+    dimension), else a contiguous copy (only for caches the kernel cannot
+    read)."""
     a = aligned(a)
-    ok = all(s >= 0 and s % a.itemsize == 0 for s in a.strides)
-    if ok and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+    isz, st = a.itemsize, a.strides
+    ok = all(s >= 0 and s % isz == 0 for s in st)
+    if ok and a.shape[-1] > 1 and st[-1] != isz:
+        ok = False
+    if ok and a.shape[1] > 1 and (st[1] < a.shape[-1] * isz or st[1] // isz > INT32_MAX):
         ok = False
     return a if ok else np.ascontiguousarray(a)
 
@@ -165,8 +168,10 @@ def _items(lq: np.ndarray, one: np.ndarray, Bq: int, Hq: int) -> int:
 
 
 def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, cap, slopes,
-                sinks, nthreads, need_lse) -> _call.Call:
-    """The description of one paged call (attncore._call.Call)."""
+                sinks, nthreads, need_lse, koff=None) -> _call.Call:
+    """The description of one paged call (attncore._call.Call).  ``koff``:
+    each sequence's first slot in its blocks (packed variable-length
+    calls: the keys are one block, the sequences' offsets), else 0."""
     cdt = pol.compute
     if cdt == np.float64:
         # the float64 kernel takes 16-bit operands converted (a copy)
@@ -212,7 +217,8 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
     qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))
     return _call.Call(qa, ka, va, None, 0, (Hq,), group, 0, 0, D, Dv, causal, sc, win, cap, ks,
                       vs, None, fmts, slopes, sinks, md.bf16dot if pl.fused else 0, 0, pl, cdt,
-                      need_lse=need_lse, cu_q=cq, block_table=bt, seq_lens=lens, fold=fold)
+                      need_lse=need_lse, cu_q=cq, cu_k=koff, block_table=bt, seq_lens=lens,
+                      fold=fold)
 
 
 @foreign_arrays(("q", "k_cache", "v_cache"),
@@ -347,7 +353,7 @@ def paged_attention(
                              f"num_seqs = {S} rows, got q shape {qa.shape}")
         cq = np.arange(S + 1, dtype=np.int64)
     else:
-        cq = _check_cu(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+        cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
         if cq.shape[0] != S + 1:
             raise ValueError(f"cu_seqlens_q must hold num_seqs + 1 = {S + 1} offsets (one "
                              f"sequence per block table row), got {cq.shape[0]}")
@@ -363,7 +369,7 @@ def paged_attention(
     longest = int(lens.max()) if S else 0
     slopes = _per_head(alibi_slopes, "alibi_slopes", S, Hq, cdt, max_distance=longest)
     snk = _per_head(sinks, "sinks", S, Hq, cdt, allow_neg_inf=True)
-    if max(D, Dv, longest) > _INT32_MAX:
+    if max(D, Dv, longest) > INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     lse = np.empty((total_q, Hq), dtype=cdt) if return_lse else None
     if not (total_q and Hq):

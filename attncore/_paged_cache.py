@@ -11,8 +11,7 @@ from numpy.typing import ArrayLike
 from ._dtypes import bfloat16_dtype
 from ._interop import _to_numpy
 from ._quant import quantize_kv
-from ._validation import as_float_array
-from ._varlen import _check_cu
+from ._validation import as_float_array, check_offsets
 
 __all__ = ["PagedKVCache"]
 
@@ -250,7 +249,7 @@ class PagedKVCache:
                                  f"have len(seq_ids) = {len(ids)} rows, got {ka.shape[0]}")
             cu = np.arange(len(ids) + 1, dtype=np.int64)
         else:
-            cu = _check_cu(_to_numpy(cu_seqlens, "cu_seqlens")[0], "cu_seqlens",
+            cu = check_offsets(_to_numpy(cu_seqlens, "cu_seqlens")[0], "cu_seqlens",
                            ka.shape[0], "k")
             if cu.shape[0] != len(ids) + 1:
                 raise ValueError(f"cu_seqlens must hold len(seq_ids) + 1 = {len(ids) + 1} "

@@ -418,3 +418,41 @@ def all_finite(a: np.ndarray) -> bool:
         return _sdpa.all_finite(a)
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(a).all())
+
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def check_offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
+    """``cu`` as a C-contiguous int64 array of B + 1 offsets: integer dtype,
+    1-D, at least one entry, starting at 0, non-decreasing, ending at
+    ``total``."""
+    a = to_array(cu, name)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int32 (or int64) array of sequence offsets, got "
+                        f"dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (B + 1,), got shape {a.shape}")
+    if a.shape[0] < 1:
+        raise ValueError(f"{name} must hold B + 1 >= 1 offsets, got shape {a.shape}")
+    if a.dtype.kind == "u" and int(a.max()) > INT64_MAX:
+        # uint64 offsets beyond int64 (never valid: past every total): checked
+        # as Python ints, so that the messages show the values the array holds
+        a = np.array([int(x) for x in a], dtype=object)
+    else:
+        a = a.astype(np.int64)  # a copy: never the caller's memory
+    if a[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]}")
+    d = np.diff(a)
+    neg = np.asarray(d < 0, dtype=bool)
+    if neg.any():
+        i = int(np.argmax(neg))
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {a[i]} > "
+                         f"{name}[{i + 1}] = {a[i + 1]}")
+    if a[-1] != total:
+        raise ValueError(f"{name} must end at the total length ({total_name}.shape[0] = "
+                         f"{total}), got {name}[-1] = {a[-1]}")
+    if d.size and d.max() > INT32_MAX:
+        raise ValueError(f"{name}: sequence lengths must be below 2**31, got {d.max()}")
+    return a

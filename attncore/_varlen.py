@@ -5,7 +5,8 @@ batch are concatenated along the first axis, and ``cu_seqlens`` gives where
 each one starts.  The kernel runs one work item per (sequence, head, query
 block) in a single parallel region, costliest first, so no padding is
 computed and threads balance across sequences of very different lengths
-(``attncore._core._sdpa.sdpa_varlen``).
+(the paged kernel, ``attncore._core._sdpa.sdpa_paged``, with the keys as
+one block).
 """
 from __future__ import annotations
 
@@ -15,51 +16,15 @@ from typing import Any, Optional, Tuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _call
-from ._dtypes import half_code, to_float
+from . import _call, _paged
+from ._dtypes import to_float
 from ._interop import foreign_arrays
-from ._threads import SERIAL_FLOPS, resolve_num_threads
-from ._validation import (aligned, all_finite, as_float_array, head_values, parse_bool,
-                          parse_scale, parse_softcap, parse_window, to_array)
+from ._threads import resolve_num_threads
+from ._validation import (INT32_MAX, all_finite, as_float_array, check_offsets, head_values,
+                          parse_bool, parse_scale, parse_softcap, parse_window)
 
 __all__ = ["varlen_attention"]
 
-_INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
-
-
-def _check_cu(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
-    """``cu`` as a C-contiguous int64 array of B + 1 offsets: integer dtype,
-    1-D, at least one entry, starting at 0, non-decreasing, ending at
-    ``total``."""
-    a = to_array(cu, name)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int32 (or int64) array of sequence offsets, got "
-                        f"dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (B + 1,), got shape {a.shape}")
-    if a.shape[0] < 1:
-        raise ValueError(f"{name} must hold B + 1 >= 1 offsets, got shape {a.shape}")
-    if a.dtype.kind == "u" and int(a.max()) > _INT64_MAX:
-        # uint64 offsets beyond int64 (never valid: past every total): checked
-        # as Python ints, so that the messages show the values the array holds
-        a = np.array([int(x) for x in a], dtype=object)
-    else:
-        a = a.astype(np.int64)  # a copy: never the caller's memory
-    if a[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]}")
-    d = np.diff(a)
-    neg = np.asarray(d < 0, dtype=bool)
-    if neg.any():
-        i = int(np.argmax(neg))
-        raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {a[i]} > "
-                         f"{name}[{i + 1}] = {a[i + 1]}")
-    if a[-1] != total:
-        raise ValueError(f"{name} must end at the total length ({total_name}.shape[0] = "
-                         f"{total}), got {name}[-1] = {a[-1]}")
-    if d.size and d.max() > _INT32_MAX:
-        raise ValueError(f"{name}: sequence lengths must be below 2**31, got {d.max()}")
-    return a
 
 
 def _check_max(x: Any, name: str, actual: int) -> None:
@@ -71,22 +36,6 @@ def _check_max(x: Any, name: str, actual: int) -> None:
         raise TypeError(f"{name} must be None or an int, got {type(x).__name__} {x!r}")
     if int(x) < actual:
         raise ValueError(f"{name} ({int(x)}) is smaller than the longest sequence ({actual})")
-
-
-def _kernel_layout(a: np.ndarray) -> np.ndarray:
-    """``a`` (total, H, D) itself when the kernel reads it in place (last
-    axis contiguous, strides non-negative multiples of the item size, rows
-    at least D apart), else a C-contiguous copy."""
-    a = aligned(a)
-    isz = a.itemsize
-    st = a.strides
-    total, _, D = a.shape
-    ok = all(s % isz == 0 and s >= 0 for s in st)
-    if ok and D > 1 and st[2] != isz:
-        ok = False
-    if ok and total > 1 and (st[0] < D * isz or st[0] // isz > _INT32_MAX):
-        ok = False
-    return a if ok else np.ascontiguousarray(a)
 
 
 def _slopes(alibi: Any, B: int, Hq: int, compute: np.dtype, max_distance: int) -> np.ndarray:
@@ -101,32 +50,13 @@ def _slopes(alibi: Any, B: int, Hq: int, compute: np.dtype, max_distance: int) -
 
 def _packed_call(qa, ka, va, cq, ck, pol, group: int, scale: float, causal: int,
                  win: tuple, cap: float, slopes, nthreads: int) -> _call.Call:
-    """The description of one packed call (attncore._call.Call): operands
-    laid out, the tiles attncore._call.plan_call chooses for the longest
-    sequence, the thread count capped by the real work (no padding
-    counted), the kernel's modes of the dtype policy ``pol``."""
-    cdt = pol.compute
-    if cdt == np.float64:
-        # the float64 kernel takes 16-bit operands converted (a copy)
-        qa, ka, va = (a if not half_code(a.dtype) else to_float(a, cdt) for a in (qa, ka, va))
-    fmts = tuple(half_code(a.dtype) for a in (qa, ka, va))
-    qa, ka, va = (_kernel_layout(a if (f or a.dtype == cdt) else a.astype(cdt))
-                  for a, f in zip((qa, ka, va), fmts))
-    Hq, D, Dv = qa.shape[1], qa.shape[2], va.shape[2]
-    lq, lk = np.diff(cq), np.diff(ck)
-    flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lk)) * (D + Dv)
-    if flops < SERIAL_FLOPS:
-        nthreads = 1
-    md = _call.modes(pol, D)
-    pl = _call.plan_call(cdt, int(lq.max()), max(int(lk.max()), 1), D, Dv, causal,
-                         len(lq) * Hq, nthreads,
-                         converted_kv=_call.conversion(md, 0, fmts, None, None))
-    items = int(Hq * (-(-lq // pl.Bq)).sum())
-    pl = pl._replace(nthreads=max(1, min(pl.nthreads, items)))
-    qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))
-    return _call.Call(qa, ka, va, None, 0, (Hq,), group, 0, 0, D, Dv, causal, scale, win, cap,
-                      None, None, None, fmts, slopes, None, md.bf16dot if pl.fused else 0, 0,
-                      pl, cdt, cu_q=cq, cu_k=ck)
+    """The description of one packed call: the paged kernel's, the keys /
+    values one block (a (1, total_k, Hk, D) view) that every sequence
+    reads from its offset."""
+    S = ck.shape[0] - 1
+    return _paged._paged_call(qa, ka[None], None, va[None], None, np.zeros((S, 1), np.int32),
+                              np.diff(ck), cq, pol, group, scale, causal, win, cap, slopes, None,
+                              nthreads, False, koff=ck)
 
 
 def _check_packed(q, k, v, enable_gqa: bool):
@@ -162,8 +92,8 @@ def _check_packed(q, k, v, enable_gqa: bool):
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q,
                    max_seqlen_k):
     """(cu_q, cu_k, longest query run, longest key run): the offsets checked."""
-    cq = _check_cu(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
-    ck = _check_cu(cu_seqlens_k, "cu_seqlens_k", total_k, "k")
+    cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+    ck = check_offsets(cu_seqlens_k, "cu_seqlens_k", total_k, "k")
     if cq.shape != ck.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both hold B + 1 offsets, got "
                          f"{cq.shape[0]} and {ck.shape[0]}")
@@ -291,7 +221,7 @@ def varlen_attention(
     operands = (qa, ka, va)
     slopes = None if alibi_slopes is None else _slopes(alibi_slopes, B, Hq, cdt,
                                                        max(maxq, maxk) - 1)
-    if max(D, Dv) > _INT32_MAX:
+    if max(D, Dv) > INT32_MAX:
         raise ValueError("head dimensions must be below 2**31")
 
     if not (total_q and Hq and Dv and total_k):

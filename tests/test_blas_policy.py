@@ -76,7 +76,7 @@ def test_blas_products_stay_serial(openblas_unheld, monkeypatch, threads, case):
 def test_varlen_blas_products_stay_serial(openblas_unheld, monkeypatch, threads):
     cu = [0, 300, 1000]
     q, k, v = rand((1000, 2, 64), 0), rand((1000, 2, 64), 1), rand((1000, 2, 64), 2)
-    calls = _spy(monkeypatch, "sdpa_varlen")
+    calls = _spy(monkeypatch, "sdpa_paged")
     with _kernels.forced_kernel_path("portable"):
         out = attncore.varlen_attention(q, k, v, cu, cu, is_causal=True, num_threads=threads)
     assert len(calls) == 1

@@ -1025,374 +1025,6 @@ def sdpa(call, out, weights=None, lse=None):
 
 
 # --------------------------------------------------------------------------
-# packed variable-length batches
-# --------------------------------------------------------------------------
-cdef struct _VItem:
-    double gcost    # estimated work of the item's (sequence, head): query rows x keys seen
-    double cost     # the same of this query block alone
-    int seq
-    int head
-    int qb          # query block of the sequence
-
-
-cdef int _vitem_cmp(const void *a, const void *b) noexcept nogil:
-    """(sequence, head) pairs costliest first, and within one the query
-    blocks costliest first: the team works through one head's keys and
-    values together (they stay in cache, as in a call per sequence), the
-    longest sequences start first and the cheapest blocks of the shortest
-    ones fill the gaps at the end."""
-    cdef const _VItem *x = <const _VItem *>a
-    cdef const _VItem *y = <const _VItem *>b
-    if x.gcost != y.gcost:
-        return -1 if x.gcost > y.gcost else 1
-    if x.seq != y.seq:
-        return -1 if x.seq < y.seq else 1
-    if x.head != y.head:
-        return -1 if x.head < y.head else 1
-    if x.cost != y.cost:
-        return -1 if x.cost > y.cost else 1
-    if x.qb != y.qb:
-        return -1 if x.qb < y.qb else 1
-    return 0
-
-
-cdef struct _VOps:
-    char *q
-    char *k
-    char *v
-    char *out
-    const int64_t *cuq
-    const int64_t *cuk
-    Py_ssize_t q_hs, k_hs, v_hs   # head strides (elements)
-    Py_ssize_t o_rs               # output row stride (elements): Hq * Dv
-    int Hq, group
-    const double *slopes          # ALiBi slope per (sequence, head), or NULL
-    int pack_k, pack_v            # copy K / V rows of one head into the thread's buffer
-    Py_ssize_t k_isz, v_isz       # their element sizes (bytes)
-    Py_ssize_t kv_vo              # bytes from the buffer's K rows to its V rows
-
-
-cdef struct _VCache:
-    char *kv          # this thread's dense copy of one (sequence, key head)'s K / V rows
-    Py_ssize_t seq    # which one it holds (-1: none)
-    Py_ssize_t hk
-
-
-cdef inline void _pack_rows(char *dst, const char *src, Py_ssize_t rows, Py_ssize_t rs,
-                            Py_ssize_t width) noexcept nogil:
-    """rows of width bytes, rs bytes apart at src, made dense at dst."""
-    cdef Py_ssize_t r
-    for r in range(rows):
-        memcpy(dst + r * width, src + r * rs, width)
-
-
-cdef inline void _varlen_item(const ac_params *p0, const _VOps *ops, const _VItem *it,
-                              floating *buf, _VCache *kc) noexcept nogil:
-    """One (sequence, head, query block) of a packed batch; buf is the
-    calling thread's scratch.  The accumulator lives in the scratch and
-    the finish writes the rows straight into the strided output."""
-    cdef ac_params pb = p0[0]
-    cdef Py_ssize_t sq = it.seq, h = it.head
-    cdef Py_ssize_t q0 = ops.cuq[sq], k0 = ops.cuk[sq]
-    pb.N = <int>(ops.cuq[sq + 1] - q0)
-    pb.M = <int>(ops.cuk[sq + 1] - k0)
-    if ops.slopes != NULL:
-        pb.alibi = ops.slopes[sq * ops.Hq + h]
-    cdef Py_ssize_t hk = h // ops.group
-    cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv
-    cdef Py_ssize_t i0 = it.qb * Bq
-    cdef int nq = pb.Bq if pb.N - i0 > pb.Bq else <int>(pb.N - i0)
-    cdef Py_ssize_t qo = q0 * pb.q_rs + h * ops.q_hs
-    cdef Py_ssize_t ko = k0 * pb.k_rs + hk * ops.k_hs
-    cdef Py_ssize_t vo = k0 * pb.v_rs + hk * ops.v_hs
-    cdef const floating *q
-    cdef const floating *k
-    cdef const floating *v
-    if (ops.pack_k or ops.pack_v) and pb.M > 0:
-        # the rows of one head lie Hk * D elements apart in the packed
-        # layout: the thread copies them dense once per (sequence, key
-        # head), and its following blocks of that head read the copy
-        # (fewer pages and cache lines per key tile)
-        if kc.seq != sq or kc.hk != hk:
-            if ops.pack_k:
-                _pack_rows(kc.kv, ops.k + ko * ops.k_isz, pb.M, pb.k_rs * ops.k_isz,
-                           pb.D * ops.k_isz)
-            if ops.pack_v:
-                _pack_rows(kc.kv + ops.kv_vo, ops.v + vo * ops.v_isz, pb.M,
-                           pb.v_rs * ops.v_isz, pb.Dv * ops.v_isz)
-            kc.seq = sq
-            kc.hk = hk
-    # half operands: offsets in 16-bit elements (the kernel reads uint16_t)
-    if pb.qh:
-        q = <const floating *>((<const uint16_t *>ops.q) + qo)
-    else:
-        q = (<const floating *>ops.q) + qo
-    if pb.kh:
-        k = <const floating *>((<const uint16_t *>ops.k) + ko)
-    else:
-        k = (<const floating *>ops.k) + ko
-    if pb.vh:
-        v = <const floating *>((<const uint16_t *>ops.v) + vo)
-    else:
-        v = (<const floating *>ops.v) + vo
-    if ops.pack_k and pb.M > 0:
-        k = <const floating *>kc.kv
-        pb.k_rs = pb.D
-    if ops.pack_v and pb.M > 0:
-        v = <const floating *>(kc.kv + ops.kv_vo)
-        pb.v_rs = pb.Dv
-    cdef floating *S = buf
-    cdef floating *acc = S + pb.s_len
-    cdef floating *m = acc + Bq * Dv
-    cdef floating *l = m + Bq
-    cdef floating *alpha = l + Bq
-    cdef int *bad = <int *>(alpha + Bq)
-    cdef int processed = 0
-    if pb.M > 0:
-        processed = _range(&pb, q, k, v, NULL, NULL, NULL, NULL, i0, nq, 0, pb.M, S, acc, m,
-                           l, alpha, bad)
-    # no key at all: the finish writes zeros
-    _finish(nq, pb.Dv, processed, acc, l, bad,
-            (<floating *>ops.out) + (q0 + i0) * ops.o_rs + h * Dv, ops.o_rs, m, -INFINITY)
-
-
-cdef int _run_varlen(const ac_params *p, const _VOps *ops, const _VItem *items, Py_ssize_t W,
-                     Py_ssize_t kv_bytes, int nthreads, floating dummy) noexcept nogil:
-    """All items in one parallel region, dynamically scheduled in the
-    order given.  Each thread's scratch: the kernel's (as sdpa's), then
-    kv_bytes for its copy of one head's K / V rows, then that copy's tag.
-    0 on success, -1 when memory ran out."""
-    cdef Py_ssize_t Bq = p.Bq
-    cdef Py_ssize_t nbuf = p.s_len + Bq * p.Dv + 4 * Bq + Bq
-    cdef Py_ssize_t fbytes = (nbuf * sizeof(floating) + 63) // 64 * 64
-    cdef Py_ssize_t total = fbytes + (kv_bytes + 63) // 64 * 64 + sizeof(_VCache)
-    cdef void *raw = NULL
-    cdef floating *buf = NULL
-    cdef _VCache *kc = NULL
-    cdef int err = 0
-    cdef int *errp = &err
-    cdef Py_ssize_t w
-    if nthreads <= 1:
-        raw = malloc(total + 64)
-        buf = <floating *>_align64(raw)
-        if buf == NULL:
-            return -1
-        kc = <_VCache *>((<char *>buf) + total - sizeof(_VCache))
-        kc.kv = (<char *>buf) + fbytes
-        kc.seq = -1
-        kc.hk = -1
-        ac_blas_hold()
-        for w in range(W):
-            _varlen_item(p, ops, items + w, buf, kc)
-        ac_blas_release()
-        free(raw)
-        return 0
-    with parallel(num_threads=nthreads):
-        # assigned in the parallel block, so private to each thread
-        raw = malloc(total + 64)
-        buf = <floating *>_align64(raw)
-        kc = NULL
-        if buf == NULL:
-            errp[0] = -1
-        else:
-            kc = <_VCache *>((<char *>buf) + total - sizeof(_VCache))
-            kc.kv = (<char *>buf) + fbytes
-            kc.seq = -1
-            kc.hk = -1
-        ac_blas_hold()
-        for w in prange(W, schedule='dynamic'):
-            if buf != NULL:
-                _varlen_item(p, ops, items + w, buf, kc)
-        ac_blas_release()
-        free(raw)
-    return err
-
-
-def sdpa_varlen(call, out):
-    """Run the packed kernel of ``call``, an attncore._call.Call with its
-    cu_q / cu_k offsets (see attncore._varlen), into ``out``.  Its fields:
-
-    q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv): arrays of
-    the compute dtype (out's) or 16-bit (q_fmt / k_fmt / v_fmt: 1 bfloat16,
-    2 float16), last axis contiguous, strides non-negative multiples of the
-    item size, row stride (axis 0) at least the row length.  out: a
-    C-contiguous (total_q, Hq, Dv) float32 / float64 array.  cu_q, cu_k:
-    (B + 1,) offsets of the sequences (checked by the caller).  Key / value
-    head of query head h: h // group.  causal: kernel code (0 none, 2
-    lower-right, 3 no causal bound with a lower-right window).  Bq, Bk: tile
-    sizes (the largest sequence's).  alibi_slopes: None or a C-contiguous
-    float64 (B * Hq,) array, one slope per (sequence, head).  bf16dot: as
-    in sdpa (the fused kernel's bfloat16 dot products).
-
-    Work items are (sequence, head, query block), ordered by the estimated
-    cost of their (sequence, head) and then their own, and scheduled
-    dynamically in one parallel region: no padding is computed, long
-    sequences start early and short ones fill the gaps at the end.
-    """
-    q, k, v = call.q, call.k, call.v
-    cdef const int64_t[::1] cu_q = call.cu_q
-    cdef const int64_t[::1] cu_k = call.cu_k
-    pl = call.plan
-    cdef int group = call.group, D = call.D, Dv = call.Dv, causal = call.causal
-    cdef int Bq = pl.Bq, Bk = pl.Bk, nthreads = pl.nthreads
-    cdef double scale = call.scale, softcap = call.softcap
-    cdef int win_l = call.window[0], win_r = call.window[1]
-    cdef int q_fmt = call.fmts[0], k_fmt = call.fmts[1], v_fmt = call.fmts[2]
-    alibi_slopes = call.slopes
-    cdef int bf16dot = call.bf16dot
-    cdef const double[::1] slopes_v
-    cdef _Buffers bufs
-    cdef Py_buffer *bq
-    cdef Py_buffer *bk
-    cdef Py_buffer *bv
-    cdef Py_buffer *bo
-    cdef ac_params p
-    cdef _VOps ops
-    cdef Py_ssize_t B = cu_q.shape[0] - 1, W = 0, w, w0, w1, s, h, qb, nqb, n, i0, nq, lo, hi
-    cdef double cost, gcost
-    cdef Py_ssize_t maxk, kv_bytes
-    cdef int Hq
-    cdef _VItem *items = NULL
-    cdef int err = 0
-    cdef bint is64
-    if B < 0 or cu_k.shape[0] != B + 1:
-        raise ValueError("cu_q and cu_k must hold B + 1 offsets each")
-    bufs.n = 0
-    try:
-        bq = _acquire(&bufs, q, PyBUF_RECORDS_RO)
-        bk = _acquire(&bufs, k, PyBUF_RECORDS_RO)
-        bv = _acquire(&bufs, v, PyBUF_RECORDS_RO)
-        bo = _acquire(&bufs, out, PyBUF_RECORDS)
-        if bq.ndim != 3 or bk.ndim != 3 or bv.ndim != 3 or bo.ndim != 3:
-            raise ValueError("q, k, v and out must be 3-D")
-        if bo.itemsize == 8:
-            is64 = True
-        elif bo.itemsize == 4:
-            is64 = False
-        else:
-            raise TypeError("kernel dtype must be float32 or float64")
-        if q_fmt not in (0, 1, 2) or k_fmt not in (0, 1, 2) or v_fmt not in (0, 1, 2):
-            raise ValueError("invalid operand formats")
-        if (bq.itemsize != (2 if q_fmt else bo.itemsize)
-                or bk.itemsize != (2 if k_fmt else bo.itemsize)
-                or bv.itemsize != (2 if v_fmt else bo.itemsize)):
-            raise TypeError("query, key, value and out must share one dtype")
-        Hq = <int>bq.shape[1]
-        if (bo.shape[1] != Hq or bo.shape[2] != Dv or bq.shape[2] != D or bk.shape[2] != D
-                or bv.shape[2] != Dv or group < 1 or bk.shape[1] * group != Hq
-                or bv.shape[1] != bk.shape[1] or bo.shape[0] != bq.shape[0]
-                or cu_q[B] != bq.shape[0] or cu_k[B] != bk.shape[0]
-                or bv.shape[0] != bk.shape[0]):
-            raise ValueError("operand shapes do not match")
-        if B == 0 or Hq == 0 or bq.shape[0] == 0 or Dv == 0:
-            return True
-        p.N = 0
-        p.M = 0
-        if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
-            raise ValueError("invalid bf16dot")
-        ac_size_scratch(&p, D, Dv, Bq, Bk, is64, False, False, q_fmt, k_fmt, v_fmt,
-                        0 if is64 else bf16dot, 0)
-        p.q_rs = bq.strides[0] // bq.itemsize
-        p.k_rs = bk.strides[0] // bk.itemsize
-        p.v_rs = bv.strides[0] // bv.itemsize
-        p.mask_rs = 0
-        p.mask_cs = 0
-        p.mask_kind = AC_MASK_NONE
-        p.causal = causal
-        p.win_l = win_l
-        p.win_r = win_r
-        p.band = 1 if (causal == 1 or causal == 2 or win_l >= 0 or win_r >= 0) else 0
-        p.scale = scale
-        p.softcap = softcap
-        p.alibi_on = 0
-        p.alibi = 0.0
-        p.sink = -INFINITY
-        ops.slopes = NULL
-        if alibi_slopes is not None:
-            slopes_v = alibi_slopes
-            if slopes_v.shape[0] != B * Hq:
-                raise ValueError("alibi_slopes must hold one value per (sequence, head)")
-            p.alibi_on = 1
-            ops.slopes = &slopes_v[0]
-        ops.q = <char *>bq.buf
-        ops.k = <char *>bk.buf
-        ops.v = <char *>bv.buf
-        ops.out = <char *>bo.buf
-        ops.cuq = &cu_q[0]
-        ops.cuk = &cu_k[0]
-        ops.q_hs = bq.strides[1] // bq.itemsize
-        ops.k_hs = bk.strides[1] // bk.itemsize
-        ops.v_hs = bv.strides[1] // bv.itemsize
-        ops.o_rs = Hq * Dv
-        ops.Hq = Hq
-        ops.group = group
-        # K / V rows of one head closer than their length apart (the packed
-        # (total, Hk, D) layout with Hk > 1) are copied dense per head
-        ops.k_isz = bk.itemsize
-        ops.v_isz = bv.itemsize
-        ops.pack_k = 1 if (p.k_rs != D and bk.shape[0] > 1) else 0
-        ops.pack_v = 1 if (p.v_rs != Dv and bv.shape[0] > 1) else 0
-        maxk = 0
-        for s in range(B):
-            if cu_k[s + 1] - cu_k[s] > maxk:
-                maxk = cu_k[s + 1] - cu_k[s]
-        ops.kv_vo = (maxk * D * ops.k_isz + 63) // 64 * 64 if ops.pack_k else 0
-        kv_bytes = ops.kv_vo + (maxk * Dv * ops.v_isz if ops.pack_v else 0)
-        for s in range(B):
-            n = cu_q[s + 1] - cu_q[s]
-            if n < 0 or cu_k[s + 1] - cu_k[s] < 0:
-                raise ValueError("cu_q and cu_k must be non-decreasing")
-            W += (n + Bq - 1) // Bq * Hq
-        if W == 0:
-            return True
-        items = <_VItem *>malloc(W * sizeof(_VItem))
-        if items == NULL:
-            raise MemoryError()
-        with nogil:
-            w = 0
-            for s in range(B):
-                p.N = <int>(cu_q[s + 1] - cu_q[s])
-                p.M = <int>(cu_k[s + 1] - cu_k[s])
-                nqb = (p.N + Bq - 1) // Bq
-                w0 = w
-                gcost = 0
-                for qb in range(nqb):
-                    i0 = qb * Bq
-                    nq = Bq if p.N - i0 > Bq else p.N - i0
-                    # the keys this block's rows see (the band's hull)
-                    lo = 0
-                    hi = p.M
-                    if p.band:
-                        hi = ac_causal_limit(&p, i0 + nq - 1)
-                        lo = ac_band_lo(&p, i0)
-                    if hi < lo:
-                        hi = lo
-                    cost = <double>nq * (hi - lo + 16)
-                    gcost += cost
-                    for h in range(Hq):
-                        items[w].cost = cost
-                        items[w].seq = <int>s
-                        items[w].head = <int>h
-                        items[w].qb = <int>qb
-                        w += 1
-                for w1 in range(w0, w):
-                    items[w1].gcost = gcost
-            qsort(items, W, sizeof(_VItem), _vitem_cmp)
-            p.N = 0
-            p.M = 0
-            if is64:
-                err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <double>0)
-            else:
-                err = _run_varlen(&p, &ops, items, W, kv_bytes, nthreads, <float>0)
-        if err:
-            raise MemoryError("attncore: could not allocate the kernel's scratch memory")
-        return _finite(bo)
-    finally:
-        _release_all(&bufs)
-        free(items)
-
-
-# --------------------------------------------------------------------------
 # paged key / value caches
 # --------------------------------------------------------------------------
 # keys a query block of a few rows stages at a time (all its key heads:
@@ -1424,6 +1056,7 @@ cdef struct _POps:
     const int32_t *bt
     const int64_t *cuq
     const int64_t *lens
+    const int64_t *koff           # packed calls: the sequences' first keys (else NULL)
     Py_ssize_t bt_rs              # block table row stride (elements)
     Py_ssize_t q_hs               # query head stride (elements; q_rs: token stride)
     Py_ssize_t k_bs, k_hs, v_bs, v_hs     # block / head strides (elements)
@@ -1438,6 +1071,8 @@ cdef struct _POps:
                                   # staged (dense, in the thread's scratch) this many
                                   # at a time where runs are shorter; 0 never
     int stage_small               # the same for query blocks of a few rows
+    int strided                   # a head's key / value rows are not dense: query blocks
+                                  # of many rows stage every range
     Py_ssize_t stage_rows         # (key, head) rows the staging buffer holds
     Py_ssize_t stage_off          # bytes from a thread's scratch to its staging rows
     const double *slopes          # ALiBi slope per (sequence, query head), or NULL
@@ -1497,10 +1132,11 @@ cdef inline Py_ssize_t _stage_bytes(const ac_params *pb, const _POps *ops,
 
 
 cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_t *row,
-                             Py_ssize_t hk0, int nh, Py_ssize_t j, Py_ssize_t je,
-                             Py_ssize_t cap, char *st) noexcept nogil:
+                             Py_ssize_t base, Py_ssize_t hk0, int nh, Py_ssize_t j,
+                             Py_ssize_t je, Py_ssize_t cap, char *st) noexcept nogil:
     """Copy keys [j, je) (at most cap) of key heads hk0 .. hk0 + nh - 1
-    dense into st, head t's at st + t * _stage_bytes(cap).  The pool is
+    of the sequence whose key 0 is slot base of its blocks (row) dense
+    into st, head t's at st + t * _stage_bytes(cap).  The pool is
     read in its own order (a block's rows, each row's heads), so that
     reading stays sequential whatever the heads."""
     cdef Py_ssize_t bs = ops.bs, n = 0, blk, bid, off, take, r, t
@@ -1510,9 +1146,9 @@ cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_
     cdef Py_ssize_t khs = ops.k_hs * ops.k_isz, vhs = ops.v_hs * ops.v_isz
     cdef const char *src
     while j < je:
-        blk = j // bs
+        blk = (base + j) // bs
         bid = row[blk]
-        off = j - blk * bs
+        off = base + j - blk * bs
         take = bs - off
         if take > je - j:
             take = je - j
@@ -1553,8 +1189,10 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
     (_stage_keys): a folded item's every range (up to ops.stage_small keys
     of all its heads, the pool read in its own order; read head by head in
     place, a block is pieces a 4 KiB multiple apart that the hardware
-    prefetchers follow badly), a query block of more rows its runs shorter
-    than ops.stage keys (the kernel's tiles stay long, its per-range work
+    prefetchers follow badly), a query block of more rows every range of
+    ops.stage keys where a head's rows are not dense (heads side by side:
+    fewer pages and cache lines per key tile) and otherwise its runs
+    shorter than that (the kernel's tiles stay long, its per-range work
     amortized).  Returns whether any key tile was processed."""
     cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv, bs = ops.bs
     cdef floating *S = buf
@@ -1568,6 +1206,9 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
     cdef floating *l2 = m2 + Bq
     cdef int *bad2 = <int *>(l2 + Bq)
     cdef const int32_t *row = ops.bt + s * ops.bt_rs
+    # where the sequence's key 0 lies in its blocks (packed calls: one block,
+    # the whole key array)
+    cdef Py_ssize_t base = ops.koff[s] if ops.koff != NULL else 0
     cdef char *st = (<char *>buf) + ops.stage_off
     cdef char *sth
     cdef ac_params pc = pb[0]
@@ -1585,19 +1226,20 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
         cap = ops.stage_rows // nh  # the buffer holds stage_rows (key, head) rows
     cdef const floating *qt
     while j < ke:
-        blk = j // bs
+        blk = (base + j) // bs
         bid = row[blk]
-        je = (blk + 1) * bs
+        je = (blk + 1) * bs - base
         if ops.runs:
-            while je < ke and row[je // bs] == row[je // bs - 1] + 1:
+            while je < ke and row[(base + je) // bs] == row[(base + je) // bs - 1] + 1:
                 je += bs
         if je > ke:
             je = ke
-        off = j - blk * bs
-        staged = cap > 0 and ((nq <= AC_SMALL_ROWS and nh > 1) or (je - j < cap and je < ke))
+        off = base + j - blk * bs
+        staged = cap > 0 and ((nq <= AC_SMALL_ROWS and nh > 1) or ops.strided
+                              or (je - j < cap and je < ke))
         if staged:
             je = _stage_end(cap, j, ke)
-            _stage_keys(pb, ops, row, hk0, nh, j, je, cap, st)
+            _stage_keys(pb, ops, row, base, hk0, nh, j, je, cap, st)
         pc.M = <int>(pb.M - j)
         for t in range(nh):
             hk = hk0 + t
@@ -1881,6 +1523,7 @@ def sdpa_paged(call, out, lse=None):
     cdef const int32_t[:, ::1] bt = call.block_table
     cdef const int64_t[::1] lens = call.seq_lens
     cdef const int64_t[::1] cu_q = call.cu_q
+    cdef const int64_t[::1] koff
     pl = call.plan
     cdef int group = call.group, D = call.D, Dv = call.Dv
     cdef int Bq = pl.Bq, Bk = pl.Bk, nthreads = pl.nthreads
@@ -1996,6 +1639,17 @@ def sdpa_paged(call, out, lse=None):
         ops.bt_rs = bt.shape[1]
         ops.cuq = &cu_q[0]
         ops.lens = &lens[0]
+        ops.koff = NULL
+        if call.cu_k is not None:
+            koff = call.cu_k
+            if koff.shape[0] < S or bk.shape[0] != 1 or bt.shape[1] < 1:
+                raise ValueError("sdpa_paged: packed keys are one block read from offsets")
+            for s in range(S):
+                if koff[s] < 0 or koff[s] + lens[s] > bk.shape[1]:
+                    raise ValueError("sdpa_paged: packed key offsets out of range")
+                if bt[s, 0] != 0:
+                    raise ValueError("sdpa_paged: packed keys are block 0")
+            ops.koff = &koff[0]
         ops.q_hs = _stride(bq, 1)
         ops.k_bs = _stride(bk, 0)
         ops.k_hs = _stride(bk, 2)
@@ -2023,6 +1677,7 @@ def sdpa_paged(call, out, lse=None):
         ops.stage = max(1, min(256, ops.stage))
         ops.stage_small = min(ops.stage, _STAGE_SMALL)
         ops.stage_rows = max(ops.stage, ops.stage_small * (H // group))
+        ops.strided = p.k_rs != D or p.v_rs != Dv
         ops.stage_off = ((p.s_len + 2 * (Bq * Dv + 5 * Bq)) * bo.itemsize + 63) // 64 * 64
         # consecutive block ids are one range where a block follows the
         # previous one in memory (every cache array's block stride is its
