@@ -1126,9 +1126,26 @@ cdef inline Py_ssize_t _stage_end(Py_ssize_t cap, Py_ssize_t j, Py_ssize_t ke) n
 
 cdef inline Py_ssize_t _stage_bytes(const ac_params *pb, const _POps *ops,
                                     Py_ssize_t cap) noexcept nogil:
-    """Bytes of one key head's staging area for cap keys: K rows, V rows,
+    """Bytes of the staging area of cap (key, head) rows: K rows, V rows,
     then the int8 scales (one of the compute dtype per row each)."""
     return cap * (pb.D * ops.k_isz + pb.Dv * ops.v_isz + 2 * ops.sc_isz)
+
+
+cdef inline void _stage_rows(char *dst, const char *src, Py_ssize_t take, Py_ssize_t nh,
+                             Py_ssize_t srs, Py_ssize_t shs, Py_ssize_t w) noexcept nogil:
+    """take rows of nh pieces of w bytes (rows srs bytes apart, pieces shs
+    apart) made dense at dst, row after row: one copy when the pieces and
+    the rows follow each other, one per row when the pieces do."""
+    cdef Py_ssize_t r, t
+    if shs == w and (srs == nh * w or take == 1):
+        memcpy(dst, src, take * nh * w)
+    elif shs == w:
+        for r in range(take):
+            memcpy(dst + r * nh * w, src + r * srs, nh * w)
+    else:
+        for r in range(take):
+            for t in range(nh):
+                memcpy(dst + (r * nh + t) * w, src + r * srs + t * shs, w)
 
 
 cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_t *row,
@@ -1136,15 +1153,15 @@ cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_
                              Py_ssize_t je, Py_ssize_t cap, char *st) noexcept nogil:
     """Copy keys [j, je) (at most cap) of key heads hk0 .. hk0 + nh - 1
     of the sequence whose key 0 is slot base of its blocks (row) dense
-    into st, head t's at st + t * _stage_bytes(cap).  The pool is
-    read in its own order (a block's rows, each row's heads), so that
-    reading stays sequential whatever the heads."""
-    cdef Py_ssize_t bs = ops.bs, n = 0, blk, bid, off, take, r, t
+    into st, as the pool lays them out (key after key, each key's heads
+    side by side): K rows at st, V rows at st + cap nh D (key bytes), the
+    int8 scales after them (_stage_bytes).  A block's keys of all heads are
+    usually one stretch of the pool: one copy, read in order."""
+    cdef Py_ssize_t bs = ops.bs, n = 0, blk, bid, off, take
     cdef Py_ssize_t kb = pb.D * ops.k_isz, vb = pb.Dv * ops.v_isz, sc = ops.sc_isz
-    cdef Py_ssize_t area = _stage_bytes(pb, ops, cap)
-    cdef Py_ssize_t krs = pb.k_rs * ops.k_isz, vrs = pb.v_rs * ops.v_isz
-    cdef Py_ssize_t khs = ops.k_hs * ops.k_isz, vhs = ops.v_hs * ops.v_isz
-    cdef const char *src
+    cdef char *vd = st + cap * nh * kb
+    cdef char *ksd = vd + cap * nh * vb
+    cdef char *vsd = ksd + cap * nh * sc
     while j < je:
         blk = (base + j) // bs
         bid = row[blk]
@@ -1152,26 +1169,20 @@ cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_
         take = bs - off
         if take > je - j:
             take = je - j
-        src = ops.k + (bid * ops.k_bs + off * pb.k_rs + hk0 * ops.k_hs) * ops.k_isz
-        for r in range(take):
-            for t in range(nh):
-                memcpy(st + t * area + (n + r) * kb, src + r * krs + t * khs, kb)
-        src = ops.v + (bid * ops.v_bs + off * pb.v_rs + hk0 * ops.v_hs) * ops.v_isz
-        for r in range(take):
-            for t in range(nh):
-                memcpy(st + t * area + cap * kb + (n + r) * vb, src + r * vrs + t * vhs, vb)
+        _stage_rows(st + n * nh * kb,
+                    ops.k + (bid * ops.k_bs + off * pb.k_rs + hk0 * ops.k_hs) * ops.k_isz,
+                    take, nh, pb.k_rs * ops.k_isz, ops.k_hs * ops.k_isz, kb)
+        _stage_rows(vd + n * nh * vb,
+                    ops.v + (bid * ops.v_bs + off * pb.v_rs + hk0 * ops.v_hs) * ops.v_isz,
+                    take, nh, pb.v_rs * ops.v_isz, ops.v_hs * ops.v_isz, vb)
         if ops.kkind == 2:
-            src = ops.ksc + (bid * ops.ks_bs + off * pb.ks_rs + hk0 * ops.ks_hs) * sc
-            for r in range(take):
-                for t in range(nh):
-                    memcpy(st + t * area + cap * (kb + vb) + (n + r) * sc,
-                           src + (r * pb.ks_rs + t * ops.ks_hs) * sc, sc)
+            _stage_rows(ksd + n * nh * sc,
+                        ops.ksc + (bid * ops.ks_bs + off * pb.ks_rs + hk0 * ops.ks_hs) * sc,
+                        take, nh, pb.ks_rs * sc, ops.ks_hs * sc, sc)
         if ops.vkind == 2:
-            src = ops.vsc + (bid * ops.vs_bs + off * pb.vs_rs + hk0 * ops.vs_hs) * sc
-            for r in range(take):
-                for t in range(nh):
-                    memcpy(st + t * area + cap * (kb + vb + sc) + (n + r) * sc,
-                           src + (r * pb.vs_rs + t * ops.vs_hs) * sc, sc)
+            _stage_rows(vsd + n * nh * sc,
+                        ops.vsc + (bid * ops.vs_bs + off * pb.vs_rs + hk0 * ops.vs_hs) * sc,
+                        take, nh, pb.vs_rs * sc, ops.vs_hs * sc, sc)
         n += take
         j += take
 
@@ -1244,15 +1255,17 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
         for t in range(nh):
             hk = hk0 + t
             if staged:
-                sth = st + t * _stage_bytes(pb, ops, cap)
-                kp = <const floating *>sth
-                vp = <const floating *>(sth + cap * pb.D * ops.k_isz)
-                ksp = <const floating *>(sth + cap * (pb.D * ops.k_isz + pb.Dv * ops.v_isz))
-                vsp = ksp + cap
-                pc.k_rs = pb.D
-                pc.v_rs = pb.Dv
-                pc.ks_rs = 1
-                pc.vs_rs = 1
+                # head t of the staged keys (_stage_keys' layout)
+                sth = st + cap * nh * pb.D * ops.k_isz
+                kp = <const floating *>(st + t * pb.D * ops.k_isz)
+                vp = <const floating *>(sth + t * pb.Dv * ops.v_isz)
+                sth = sth + cap * nh * pb.Dv * ops.v_isz
+                ksp = (<const floating *>sth) + t
+                vsp = (<const floating *>sth) + cap * nh + t
+                pc.k_rs = nh * pb.D
+                pc.v_rs = nh * pb.Dv
+                pc.ks_rs = nh
+                pc.vs_rs = nh
             else:
                 pc.k_rs = pb.k_rs
                 pc.v_rs = pb.v_rs
