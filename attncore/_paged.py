@@ -21,8 +21,9 @@ from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
 from ._quant import split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
-from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values, parse_bool,
-                          parse_scale, parse_softcap, parse_window, to_array)
+from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
+                          packed_group, parse_bool, parse_scale, parse_softcap, parse_window,
+                          to_array)
 
 __all__ = ["paged_attention"]
 
@@ -78,14 +79,7 @@ def _check_caches(q, k_cache, v_cache, enable_gqa: bool):
                          f"shape {va.shape}")
     if bs == 0:
         raise ValueError(f"block_size (k_cache.shape[1]) must be >= 1, got {ka.shape}")
-    if Hk != Hq:
-        if not enable_gqa:
-            raise ValueError(f"the caches have {Hk} heads and q has {Hq}: pass enable_gqa=True "
-                             f"for grouped-query attention (Hk dividing Hq)")
-        if Hk == 0 or Hq % Hk:
-            raise ValueError(f"with enable_gqa=True the cache heads ({Hk}) must divide the q "
-                             f"heads ({Hq})")
-    return qa, ka, ks, va, vs, (Hq // Hk if Hk else 1)
+    return qa, ka, ks, va, vs, packed_group(Hq, Hk, enable_gqa, "the caches")
 
 
 def _check_table(block_table, seq_lens, num_blocks: int, block_size: int):

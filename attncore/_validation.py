@@ -368,6 +368,20 @@ def check_mask(attn_mask, N: int, M: int):
     return m, kind
 
 
+def packed_group(Hq: int, Hk: int, enable_gqa: bool, what: str) -> int:
+    """Query heads per key / value head of a packed or paged call whose
+    query has Hq heads and whose ``what`` (the key / value arrays) has Hk:
+    equal, or Hk dividing Hq with ``enable_gqa``."""
+    if Hk != Hq:
+        if not enable_gqa:
+            raise ValueError(f"{what} have {Hk} heads and q has {Hq}: pass enable_gqa=True for "
+                             f"grouped-query attention (Hk dividing Hq)")
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(f"with enable_gqa=True the {what} heads ({Hk}) must divide the q "
+                             f"heads ({Hq})")
+    return Hq // Hk if Hk else 1
+
+
 def batch_shape(q, k, v, m, enable_gqa: bool):
     """(broadcast batch shape, query heads per key/value head)."""
     qb, kb, vb = q.shape[:-2], k.shape[:-2], v.shape[:-2]

@@ -21,7 +21,7 @@ from ._dtypes import to_float
 from ._interop import foreign_arrays
 from ._threads import resolve_num_threads
 from ._validation import (INT32_MAX, all_finite, as_float_array, check_offsets, head_values,
-                          parse_bool, parse_scale, parse_softcap, parse_window)
+                          packed_group, parse_bool, parse_scale, parse_softcap, parse_window)
 
 __all__ = ["varlen_attention"]
 
@@ -79,14 +79,7 @@ def _check_packed(q, k, v, enable_gqa: bool):
                          f"({total_k}, {Hk}), got v shape {va.shape}")
     if D == 0:
         raise ValueError(f"q last dimension (D) must be >= 1, got q shape {qa.shape}")
-    if Hk != Hq:
-        if not enable_gqa:
-            raise ValueError(f"k / v have {Hk} heads and q has {Hq}: pass enable_gqa=True for "
-                             f"grouped-query attention (Hk dividing Hq)")
-        if Hk == 0 or Hq % Hk:
-            raise ValueError(f"with enable_gqa=True the k / v heads ({Hk}) must divide the q "
-                             f"heads ({Hq})")
-    return qa, ka, va, (Hq // Hk if Hk else 1)
+    return qa, ka, va, packed_group(Hq, Hk, enable_gqa, "k / v")
 
 
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q,
