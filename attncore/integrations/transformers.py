@@ -459,8 +459,9 @@ def _paged_unsupported(module, query, key, value, kwargs):
     """Why the call cannot run on attncore's varlen path (a sentence), ""
     when it is not a continuous-batching step at all, or None when it can."""
     torch = sys.modules["torch"]
-    if not all(isinstance(kwargs.get(n), torch.Tensor) for n in ("cu_seq_lens_q",
-                                                                  "cu_seq_lens_k")):
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if not (isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor)
+            and (isinstance(cu_k, torch.Tensor) or kwargs.get("cache") is not None)):
         return ""           # an ordinary forward: transformers' function, silently
     if kwargs.get("block_table") is not None:
         return "the paged cache passes a block table instead of the gathered keys / values"
@@ -546,10 +547,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     keys, non-causal layers, ``position_bias``, attention weights asked
     for, an unsupported dtype.
 
+    transformers 5.24 reads the paged cache in the model before this call;
+    earlier 5.x releases pass the cache (keyword ``cache``) for the
+    attention function to update and read, which this function then does
+    as transformers' own.
+
     Parameters
     ----------
     module : torch.nn.Module
-        The calling attention module (``is_causal``, ``sinks``, ``training``).
+        The calling attention module (``is_causal``, ``sinks``, ``training``,
+        ``layer_idx``, ``config``).
     query : torch.Tensor, (1, H, total_q, D)
     key, value : torch.Tensor, (1, Hkv, total_k, D)
         Hkv divides H.
@@ -563,7 +570,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     **kwargs
         ``cu_seq_lens_q``, ``cu_seq_lens_k`` (1-D integer tensors, B + 1
         offsets), ``max_length_q``, ``max_length_k`` (checked only),
-        ``sliding_window``, ``softcap``, ``s_aux``; others are ignored.
+        ``sliding_window``, ``softcap``, ``s_aux``, ``cache`` (see
+        above); others are ignored.
 
     Returns
     -------
@@ -580,6 +588,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
                                  scaling=scaling, **kwargs)
     _check_inference(module, query, key, value, dropout)
     torch = sys.modules["torch"]
+    cache = kwargs.pop("cache", None)
+    if cache is not None:
+        # transformers < 5.24: the attention function writes the new keys /
+        # values into the paged cache and reads each sequence's back (and
+        # the layer type's cu_seq_lens_k), as transformers' own does
+        key, value = cache.update(key_states=key, value_states=value,
+                                  layer_idx=module.layer_idx, kwargs=kwargs)
+        if kwargs.get("block_table") is not None:
+            raise NotImplementedError(
+                "the paged cache passed a block table instead of the keys / values: attncore "
+                "needs them gathered (decode fast path off: max_blocks_per_request=0)")
     total_q, total_k = query.shape[2], key.shape[2]
     if value.shape[2] != total_k:
         raise ValueError(f"key and value hold {total_k} and {value.shape[2]} positions; they "
