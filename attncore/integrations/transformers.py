@@ -164,7 +164,8 @@ def _register_paged(interface, on: bool) -> None:
     current = interface().get(PAGED_NAME)
     if on:
         if current is not paged_attention_forward:
-            _paged_previous = current
+            if _paged_previous is None:     # the first one seen: transformers' own
+                _paged_previous = current
             interface.register(PAGED_NAME, paged_attention_forward)
     elif current is paged_attention_forward:
         interface.register(PAGED_NAME, _paged_original())
