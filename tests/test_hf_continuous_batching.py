@@ -243,6 +243,18 @@ def test_paged_forward_against_per_sequence_sdpa():
         torch.testing.assert_close(out[0, q0:q1], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
+def test_paged_forward_padded_positions():
+    # static shapes pad the packed row past the last offset: those rows come out 0
+    q, k, v, cu_q, cu_k = _packed((2, 3, 2), (4, 5, 3))
+    out, _ = act.paged_attention_forward(_Layer(), q, k, v, None, cu_seq_lens_q=cu_q[:3],
+                                         cu_seq_lens_k=cu_k[:3])
+    full, _ = act.paged_attention_forward(_Layer(), q, k, v, None, cu_seq_lens_q=cu_q,
+                                          cu_seq_lens_k=cu_k)
+    assert out.shape == full.shape
+    torch.testing.assert_close(out[0, :5], full[0, :5])
+    assert not out[0, 5:].any()
+
+
 def test_paged_forward_bad_offsets():
     q, k, v, cu_q, cu_k = _packed((2, 3), (4, 5))
     with pytest.raises(ValueError, match="cu_seq_lens_q"):

@@ -532,11 +532,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     the keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` give each
     sequence's range.  attncore runs :func:`attncore.varlen_attention` on
     these: each sequence attends only its own keys, causal aligned
-    lower-right per sequence (the new tokens are the last of its keys), a
-    ``sliding_window`` keyword as the band of the ``sliding_window`` keys
-    ending at each query, ``softcap`` fused, grouped-query heads read in
-    place.  ``attention_mask`` (transformers' block-diagonal mask over all
-    sequences) is not read.  Layers with attention sinks (``s_aux`` or a
+    lower-right per sequence (the new tokens are the last of its keys),
+    sliding-window layers as the band of the ``sliding_window`` keys ending
+    at each query (which layers, and the window, by the config's
+    ``layer_types`` / ``sliding_window`` as transformers' paged cache and
+    mask take them; else a ``sliding_window`` keyword), ``softcap`` fused,
+    grouped-query heads read in place.  ``attention_mask`` (transformers'
+    block-diagonal mask over all sequences) and the ``is_causal`` keyword
+    that comes with it (False) are not read.  Layers with attention sinks (``s_aux`` or a
     ``sinks`` attribute, gpt-oss) run
     :func:`attncore.scaled_dot_product_attention` sequence by sequence.
 
@@ -596,10 +599,6 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
         # the layer type's cu_seq_lens_k), as transformers' own does
         key, value = cache.update(key_states=key, value_states=value,
                                   layer_idx=module.layer_idx, kwargs=kwargs)
-        if kwargs.get("block_table") is not None:
-            raise NotImplementedError(
-                "the paged cache passed a block table instead of the keys / values: attncore "
-                "needs them gathered (decode fast path off: max_blocks_per_request=0)")
     total_q, total_k = query.shape[2], key.shape[2]
     if value.shape[2] != total_k:
         raise ValueError(f"key and value hold {total_k} and {value.shape[2]} positions; they "
