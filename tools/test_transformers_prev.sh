@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run the Hugging Face backend's tests (tests/test_transformers.py) against
-# the minor release of transformers before the one installed, so the backend
-# is tested on the two most recent minor releases (CI runs this after the
-# whole suite, which covers the installed one).
+# Run the Hugging Face backend's tests (tests/test_transformers.py and
+# tests/test_hf_continuous_batching.py) against the minor release of
+# transformers before the one installed, so the backend is tested on the two
+# most recent minor releases (CI runs this after the whole suite, which
+# covers the installed one).
 #
 #   tools/test_transformers_prev.sh                  # installed 5.Y -> 5.(Y-1).*
 #   tools/test_transformers_prev.sh 5.22.*           # any other release
@@ -52,4 +53,4 @@ echo "import site; site.addsitedir('$BASE_SITE')" > "$SITE/attncore_base_env.pth
 print(f"transformers {transformers.__version__} from {transformers.__file__}")
 print(f"attncore from {attncore.__file__}")
 sys.exit(0 if transformers.__file__.startswith(sys.prefix) else 1)'
-"$VENV/bin/python" -m pytest tests/test_transformers.py -q "$@"
+"$VENV/bin/python" -m pytest tests/test_transformers.py tests/test_hf_continuous_batching.py -q "$@"

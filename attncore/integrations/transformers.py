@@ -21,6 +21,30 @@
   with a KV cache, where attncore's lower-right causal alignment covers
   chunks of several new tokens that PyTorch's ``is_causal`` cannot.
 
+Continuous batching (``model.generate_batch(...)``,
+``model.init_continuous_batching()``): transformers 5 runs it only with
+the implementation names ``"sdpa"``, ``"paged|eager"`` or a flash-attention
+name (a fixed list checked before the first step; a name such as
+``"attncore"`` or ``"paged|attncore"`` is refused), and builds a
+block-diagonal (total queries x total keys) mask for the first two.  So
+:func:`register` also puts :func:`paged_attention_forward` under
+transformers' own ``"paged|eager"`` key (process-wide; ``register(...,
+continuous_batching=False)`` puts transformers' function back)::
+
+    act.register()
+    model.set_attn_implementation("paged|eager")  # or load with "eager": CB switches it
+    out = model.generate_batch(prompts, generation_config=cfg)
+
+Each continuous-batching step then reaches attncore as the packed queries
+of all scheduled sequences with their ``cu_seq_lens_q`` /
+``cu_seq_lens_k`` offsets, over the keys / values transformers' paged
+cache gathered for them, and runs :func:`attncore.varlen_attention`:
+each sequence attends only its own keys (the mask is not read), causal
+and sliding-window bands aligned per sequence, grouped-query heads read in
+place.  Calls that are not continuous-batching steps (no ``cu_seq_lens_*``)
+and what the varlen kernel does not cover go to transformers' own
+``"paged|eager"`` function unchanged (see :func:`paged_attention_forward`).
+
 Inference only: dropout > 0 and training with gradients are errors.
 attncore runs on the CPU: models on another device are rejected with a
 ``TypeError`` naming the device.  The thread count is torch's
@@ -37,15 +61,23 @@ from .._dtypes import bfloat16_available, bfloat16_dtype, parse_precision
 from .._interop import numpy_to_torch, torch_to_numpy
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
+from .._varlen import varlen_attention
 from ..functional import attention_prepared, scaled_dot_product_attention
 
-__all__ = ["register", "attention_forward", "attention_mask"]
+__all__ = ["register", "attention_forward", "attention_mask", "paged_attention_forward"]
 
 # names transformers treats specially (their own checks / kernels)
 _RESERVED = ("sdpa", "flex_attention", "flash", "paged", "eager")
 
+# the key of transformers' continuous-batching attention on the CPU (one of
+# the three kinds of names its continuous batching accepts), and the
+# function registered there before attncore's (transformers' own)
+PAGED_NAME = "paged|eager"
+_paged_previous = None
 
-def register(name: str = "attncore", precision: str | None = None) -> str:
+
+def register(name: str = "attncore", precision: str | None = None, *,
+             continuous_batching: bool = True) -> str:
     """Register attncore with transformers under ``name``.
 
     After this, ``attn_implementation=name`` works in ``from_pretrained``,
@@ -64,7 +96,21 @@ def register(name: str = "attncore", precision: str | None = None) -> str:
         ``name`` (``precision=`` of
         :func:`attncore.scaled_dot_product_attention`): ``"int8"`` runs
         Q.K^T on int8 rows, ``"bfloat16"`` bf16 products in a float32
-        model.  ``None`` (the default): the tensors' own.
+        model.  ``None`` (the default): the tensors' own.  Not applied to
+        continuous batching (its varlen calls run at the tensors' precision).
+    continuous_batching : bool, default True
+        Also register :func:`paged_attention_forward` under
+        transformers' ``"paged|eager"`` key, the name of its continuous
+        batching on the CPU: ``model.generate_batch`` /
+        ``model.init_continuous_batching`` with
+        ``attn_implementation="paged|eager"`` (or ``"eager"``, which
+        continuous batching switches to it) then run each step's attention
+        with :func:`attncore.varlen_attention`, sequence by sequence.
+        transformers accepts no other name for this (``"attncore"`` and
+        ``"paged|attncore"`` are refused by continuous batching).  This is
+        process-wide; calls that are not continuous-batching steps still
+        run transformers' function.  ``False`` puts transformers' own
+        function back (if attncore's was there).
 
     Returns
     -------
@@ -75,9 +121,15 @@ def register(name: str = "attncore", precision: str | None = None) -> str:
     ------
     ImportError
         transformers (>= 5) or torch is not installed.
+    TypeError
+        ``name`` not a non-empty str, ``continuous_batching`` not a bool.
+    ValueError
+        ``name`` containing a reserved word, an unknown ``precision``.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if not isinstance(continuous_batching, (bool, np.bool_)):
+        raise TypeError(f"continuous_batching must be a bool, got {continuous_batching!r}")
     prec = parse_precision(precision)
     low = name.lower()
     for r in _RESERVED:
@@ -101,7 +153,22 @@ def register(name: str = "attncore", precision: str | None = None) -> str:
         with_precision.__doc__ = attention_forward.__doc__
         AttentionInterface.register(name, with_precision)
     AttentionMaskInterface.register(name, attention_mask)
+    _register_paged(AttentionInterface, bool(continuous_batching))
     return name
+
+
+def _register_paged(interface, on: bool) -> None:
+    """attncore's :func:`paged_attention_forward` under ``"paged|eager"``
+    (``on``), or the function that was there before it back."""
+    global _paged_previous
+    current = interface().get(PAGED_NAME)
+    if on:
+        if current is not paged_attention_forward:
+            if _paged_previous is None:     # the first one seen: transformers' own
+                _paged_previous = current
+            interface.register(PAGED_NAME, paged_attention_forward)
+    elif current is paged_attention_forward:
+        interface.register(PAGED_NAME, _paged_original())
 
 
 # --------------------------------------------------------------------------
@@ -359,3 +426,220 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out, w = res if need_weights else (res, None)
     return (_to_torch(out, query.dtype).transpose(1, 2).contiguous(),
             None if w is None else _to_torch(w, query.dtype))
+
+
+# --------------------------------------------------------------------------
+# continuous batching: the "paged|eager" function
+# --------------------------------------------------------------------------
+def _paged_original():
+    """transformers' function of ``"paged|eager"`` (what was registered
+    under that key before attncore's)."""
+    if _paged_previous is not None and _paged_previous is not paged_attention_forward:
+        return _paged_previous
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+    return eager_paged_attention_forward
+
+
+def _offsets(kwargs, name, total):
+    """The int64 NumPy offsets of the keyword ``name`` (a 1-D integer CPU
+    tensor), checked against the packed length ``total``."""
+    torch = sys.modules["torch"]
+    cu = kwargs[name]
+    if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype.is_floating_point or cu.dtype is torch.bool:
+        raise ValueError(
+            f"{name} must be a 1-D integer tensor of sequence offsets, got shape "
+            f"{tuple(cu.shape)} and dtype {cu.dtype}")
+    a = cu.detach().to("cpu", torch.int64).numpy()
+    if a[-1] > total:
+        raise ValueError(
+            f"{name} ends at {int(a[-1])}, past the {total} packed positions given")
+    return a
+
+
+def _paged_unsupported(module, query, key, value, kwargs):
+    """Why the call cannot run on attncore's varlen path (a sentence), ""
+    when it is not a continuous-batching step at all, or None when it can."""
+    torch = sys.modules["torch"]
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if not (isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor)
+            and (isinstance(cu_k, torch.Tensor) or kwargs.get("cache") is not None)):
+        return ""           # an ordinary forward: transformers' function, silently
+    if kwargs.get("block_table") is not None:
+        return "the paged cache passes a block table instead of the gathered keys / values"
+    if any(t.device.type != "cpu" for t in (query, key, value)):
+        return f"the tensors are on {query.device} (attncore runs on the CPU)"
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or query.shape[0] != 1 \
+            or key.shape[0] != 1 or value.shape[0] != 1:
+        return "the queries / keys / values are not packed into one row"
+    if not getattr(module, "is_causal", True):
+        return "the layer is not causal"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias is not supported by the varlen kernel"
+    if kwargs.get("output_attentions"):
+        return "attention weights were asked for"
+    if query.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        return f"dtype {query.dtype} is not supported"
+    return None
+
+
+_paged_warned: set = set()
+
+
+def _paged_window(module, kwargs):
+    """The sliding window of the layer in continuous batching, or None.
+
+    transformers' paged cache and its mask take a layer as sliding-window
+    attention by the config: ``layer_types[layer_idx] ==
+    "sliding_attention"``, or every layer when the config has no
+    ``layer_types`` but a ``sliding_window``; the window is then
+    ``config.sliding_window`` keys ending at the query.  Otherwise the
+    ``sliding_window`` keyword the layer passes, if any."""
+    cfg = getattr(module, "config", None)
+    w = None
+    if cfg is not None and getattr(cfg, "sliding_window", None) is not None:
+        types = getattr(cfg, "layer_types", None)
+        idx = getattr(module, "layer_idx", None)
+        if types is None or (isinstance(idx, int) and 0 <= idx < len(types)
+                             and types[idx] == "sliding_attention"):
+            w = cfg.sliding_window
+    if w is None:
+        w = kwargs.get("sliding_window")
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+        raise ValueError(f"sliding_window must be a positive int, got {w!r}")
+    return int(w)
+
+
+def _sinks(module, kwargs):
+    """The attention sinks of the layer (gpt-oss' ``s_aux``, one logit per
+    head) or None."""
+    torch = sys.modules["torch"]
+    s = kwargs.get("s_aux")
+    if s is None:
+        s = getattr(module, "sinks", None)
+    return s if isinstance(s, torch.Tensor) else None
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                            scaling=None, **kwargs):
+    """Attention of transformers' continuous batching, per sequence.
+
+    Registered by :func:`register` under transformers' ``"paged|eager"``
+    key.  In a continuous-batching step transformers packs the new tokens
+    of all scheduled sequences into one row and its paged cache returns,
+    for each sequence, its cached keys / values followed by the new ones;
+    the keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` give each
+    sequence's range.  attncore runs :func:`attncore.varlen_attention` on
+    these: each sequence attends only its own keys, causal aligned
+    lower-right per sequence (the new tokens are the last of its keys),
+    sliding-window layers as the band of the ``sliding_window`` keys ending
+    at each query (which layers, and the window, by the config's
+    ``layer_types`` / ``sliding_window`` as transformers' paged cache and
+    mask take them; else a ``sliding_window`` keyword), ``softcap`` fused,
+    grouped-query heads read in place.  ``attention_mask`` (transformers'
+    block-diagonal mask over all sequences) and the ``is_causal`` keyword
+    that comes with it (False) are not read.  Layers with attention sinks (``s_aux`` or a
+    ``sinks`` attribute, gpt-oss) run
+    :func:`attncore.scaled_dot_product_attention` sequence by sequence.
+
+    Calls that are not continuous-batching steps (no ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` tensors: ``"paged|eager"`` used with ``generate``)
+    run transformers' own function unchanged.  So do steps the varlen path
+    does not cover, with a ``RuntimeWarning`` naming the reason (once per
+    reason): tensors off the CPU, a block table instead of gathered
+    keys, non-causal layers, ``position_bias``, attention weights asked
+    for, an unsupported dtype.
+
+    transformers 5.24 reads the paged cache in the model before this call;
+    earlier 5.x releases pass the cache (keyword ``cache``) for the
+    attention function to update and read, which this function then does
+    as transformers' own.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention module (``is_causal``, ``sinks``, ``training``,
+        ``layer_idx``, ``config``).
+    query : torch.Tensor, (1, H, total_q, D)
+    key, value : torch.Tensor, (1, Hkv, total_k, D)
+        Hkv divides H.
+    attention_mask : torch.Tensor or None
+        Ignored on attncore's path (the offsets say which keys each query
+        sees).
+    dropout : float
+        Must be 0 (inference only).
+    scaling : float, optional
+        Default ``D ** -0.5``.
+    **kwargs
+        ``cu_seq_lens_q``, ``cu_seq_lens_k`` (1-D integer tensors, B + 1
+        offsets), ``max_length_q``, ``max_length_k`` (checked only),
+        ``sliding_window``, ``softcap``, ``s_aux``, ``cache`` (see
+        above); others are ignored.
+
+    Returns
+    -------
+    attn_output : torch.Tensor, (1, total_q, H, D), contiguous
+    attn_weights : None
+    """
+    reason = _paged_unsupported(module, query, key, value, kwargs)
+    if reason is not None:
+        if reason and reason not in _paged_warned:
+            _paged_warned.add(reason)
+            warnings.warn(f"attncore's continuous-batching attention falls back to transformers' "
+                          f"'paged|eager' function: {reason}", RuntimeWarning, stacklevel=2)
+        return _paged_original()(module, query, key, value, attention_mask, dropout=dropout,
+                                 scaling=scaling, **kwargs)
+    _check_inference(module, query, key, value, dropout)
+    torch = sys.modules["torch"]
+    cache = kwargs.pop("cache", None)
+    if cache is not None:
+        # transformers < 5.24: the attention function writes the new keys /
+        # values into the paged cache and reads each sequence's back (and
+        # the layer type's cu_seq_lens_k), as transformers' own does
+        key, value = cache.update(key_states=key, value_states=value,
+                                  layer_idx=module.layer_idx, kwargs=kwargs)
+    total_q, total_k = query.shape[2], key.shape[2]
+    if value.shape[2] != total_k:
+        raise ValueError(f"key and value hold {total_k} and {value.shape[2]} positions; they "
+                         f"must match")
+    cq = _offsets(kwargs, "cu_seq_lens_q", total_q)
+    ck = _offsets(kwargs, "cu_seq_lens_k", total_k)
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k give {cq.shape[0] - 1} and "
+                         f"{ck.shape[0] - 1} sequences; they must match")
+    nq, nk = int(cq[-1]), int(ck[-1])   # past them: padding (static shapes)
+    q = query[0, :, :nq].transpose(0, 1)      # (total_q, H, D) views
+    k = key[0, :, :nk].transpose(0, 1)
+    v = value[0, :, :nk].transpose(0, 1)
+    window = _paged_window(module, kwargs)
+    win = None if window is None else (window - 1, 0)
+    nthreads = torch.get_num_threads()
+    sinks = _sinks(module, kwargs)
+    if sinks is None:
+        mq, mk = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        out = varlen_attention(
+            q, k, v, cq, ck, is_causal=True, scale=scaling, window=win,
+            softcap=kwargs.get("softcap"), enable_gqa=True, num_threads=nthreads,
+            max_seqlen_q=mq if isinstance(mq, int) and mq >= 1 else None,
+            max_seqlen_k=mk if isinstance(mk, int) and mk >= 1 else None)
+    else:
+        out = query.new_zeros((nq, query.shape[1], value.shape[3]))
+        s = _as_numpy(sinks, "s_aux")
+        for b in range(cq.shape[0] - 1):
+            q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+            if q1 == q0:
+                continue
+            if k1 == k0:
+                raise ValueError(f"sequence {b} has {q1 - q0} queries and no key "
+                                 f"(cu_seq_lens_k)")
+            o = scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+                is_causal="lower_right", scale=scaling, enable_gqa=True, window=win,
+                softcap=kwargs.get("softcap"), num_threads=nthreads, sinks=s)
+            out[q0:q1] = o.transpose(0, 1)
+    if out.dtype is not query.dtype:
+        out = out.to(query.dtype)
+    if nq < total_q:
+        out = torch.cat([out, out.new_zeros((total_q - nq,) + tuple(out.shape[1:]))])
+    return out.unsqueeze(0).contiguous(), None
