@@ -141,7 +141,7 @@ def _cache_layout(a: np.ndarray) -> np.ndarray:
     return a if ok else np.ascontiguousarray(a)
 
 
-def _split_plan(works: np.ndarray, lens: np.ndarray, items: int, nthreads: int,
+def _split_plan(lens: np.ndarray, items: int, nthreads: int,
                 block_size: int) -> Tuple[int, int]:
     """(nsplit, chunk): key splits (chunks of whole blocks) where the work
     list would leave threads idle; (1, 0) for none."""
@@ -205,7 +205,7 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
             Bq = max(pl.Bq, Bq // 2)
     Bq = max(Bq, Hq) if fold else Bq
     items = _items(lq, one, Bq, Hq)
-    nsplit, chunk = _split_plan(lq, lens, items, pl.nthreads, bs)
+    nsplit, chunk = _split_plan(lens, items, pl.nthreads, bs)
     nthr = max(1, min(pl.nthreads, items * nsplit))
     pl = pl._replace(Bq=Bq, nsplit=nsplit, chunk=chunk, nthreads=nthr)
     qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))
