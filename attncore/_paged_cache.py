@@ -167,9 +167,9 @@ class PagedKVCache:
         return s
 
     def _ids(self, seq_ids: Any, known: bool = True) -> List[int]:
-        ids = [seq_ids] if isinstance(seq_ids, numbers.Integral) else list(seq_ids)
+        given = [seq_ids] if isinstance(seq_ids, numbers.Integral) else list(seq_ids)
         ids = [self._known(s, "seq_ids entry") if known else _seq_id(s, "seq_ids entry")
-               for s in ids]
+               for s in given]
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids must not repeat a sequence, got {ids}")
         return ids
