@@ -7,33 +7,46 @@ documented method (smoothing, channel balancing, per-token symmetric
 scales: attncore._int8) computed in float64 -- the kernel's int32 sums
 are exact, so the two agree to float rounding.  Every int8 path runs:
 vpdpbusd where the CPU has AVX512_VNNI, its AVX-512BW spelling on any
-AVX-512 CPU, and the dequantized rows of the other paths.
+AVX-512 CPU, and the dequantized rows of the other paths; on the avx2
+path vpmaddubsw with the sign trick, AVX-VNNI's vpdpbusd where the CPU has
+it and that layout spelled in AVX2.
 """
 import numpy as np
 import pytest
 
 import attncore
+from attncore import _kernels
 from attncore._core import _sdpa
+from conftest import FORCED_PATH
 from reference import sdpa_ref
 from reference import rand
 
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
+# the AVX2 path's modes (run with the avx2 path forced: AVX2_MODES)
+AVX2_MODES = ((["avx2"] + (["avxvnni"] if _sdpa.cpu_features()["avx_vnni"] else [])
+               + ["avxvnni-emulate"]) if "avx2" in PATHS else [])
 I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
-    (["emulate"] if "avx512" in PATHS else []) + ["dequantize"]
+    (["emulate"] if "avx512" in PATHS else []) + AVX2_MODES + ["dequantize"]
 
 
 @pytest.fixture(params=I8_MODES)
 def i8mode(request):
     """An int8 Q.K^T mode, P.V in float32 (the method model's; bfloat16 P.V,
     the default where the CPU has AVX512_BF16, is tested on its own)."""
+    if request.param in AVX2_MODES and FORCED_PATH not in (None, "avx2"):
+        pytest.skip(f"an avx2-path int8 mode; ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
     prev = _sdpa.set_int8_mode(request.param)
     prev_bf16 = _sdpa.set_bf16_mode("off")
     try:
-        if not int8_in_use():
-            pytest.skip("no int8 kernel on this path: precision='int8' is the float32 call "
-                        "(test_no_int8_kernel_takes_float32_products)")
-        yield request.param
+        # (the AVX2 modes run on the avx2 path: forced for the test, unless
+        # the `path` fixture forces another one inside it)
+        with _kernels.forced_kernel_path("avx2" if request.param in AVX2_MODES
+                                         else _kernels.kernel_path()):
+            if not int8_in_use():
+                pytest.skip("no int8 kernel on this path: precision='int8' is the float32 "
+                            "call (test_no_int8_kernel_takes_float32_products)")
+            yield request.param
     finally:
         _sdpa.set_int8_mode(prev)
         _sdpa.set_bf16_mode(prev_bf16)
@@ -64,10 +77,13 @@ def _q8(x):
 def int8_in_use():
     """Whether precision="int8" multiplies int8 rows here (the documented
     rule): the vpdpbusd kernel (native or emulated) runs on the avx512
-    path, the forced dequantize mode anywhere; otherwise (mode "float32",
-    the default without AVX512_VNNI, or another path) float32 products."""
-    mode = _sdpa.int8_mode()
-    return mode == 3 or (mode in (1, 2) and _sdpa.kernel_path() == "avx512")
+    path, the vpmaddubsw / AVX-VNNI ones (codes 4 - 6) on the avx2 path,
+    the forced dequantize mode anywhere; otherwise (mode "float32", the
+    default where no int8 kernel beats float32, or another path) float32
+    products."""
+    mode, path = _sdpa.int8_mode(), _sdpa.kernel_path()
+    return (mode == 3 or (mode in (1, 2) and path == "avx512")
+            or (mode in (4, 5, 6) and path == "avx2"))
 
 
 def method_model(q, k, v, group=1, **kw):
@@ -419,7 +435,8 @@ def test_layer_int8_cache_decoding():
 
 
 
-@pytest.mark.parametrize("mode", ["float32", "native", "emulate"])
+@pytest.mark.parametrize("mode", ["float32", "native", "emulate", "avx2", "avxvnni",
+                                  "avxvnni-emulate"])
 def test_no_int8_kernel_takes_float32_products(mode, path):
     """Where this CPU and path have no int8 kernel (the vpdpbusd kernel runs
     on the avx512 path only; mode "float32" is the default of CPUs without
