@@ -672,7 +672,7 @@ static void ac_i8_scores(int mode, const uint32_t *QT4, int Dq, const int8_t *kr
 /* keys per score micro-tile: 2 KU accumulators of 16 ymm registers (the
    sign trick needs 5 more: |q|, q and the key's signed bytes, temps) */
 #ifndef AC_I8_KU_MADDUBS
-#define AC_I8_KU_MADDUBS 4
+#define AC_I8_KU_MADDUBS 3
 #endif
 #ifndef AC_I8_KU_VNNI256
 #define AC_I8_KU_VNNI256 6
