@@ -1,6 +1,7 @@
 /*
  * ac_int8dot.h -- int8 Q.K^T (precision="int8") for the fused AVX-512
- * kernel: vpdpbusd (AVX512_VNNI, four u8 x s8 products per int32 lane)
+ * kernel (and, at the end, for the fused AVX2 kernel: vpmaddubsw with the
+ * sign trick, AVX-VNNI): vpdpbusd (AVX512_VNNI, four u8 x s8 products per int32 lane)
  * with an exact int32 sum, then one float scaling per score before the
  * float32 online softmax.  P.V is not touched (float32, or bfloat16 pairs
  * where that path is on).
