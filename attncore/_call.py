@@ -434,18 +434,28 @@ def _layout(chk: Checked):
     return q, k, v, ks, vs, m, (qf, kf, vf)
 
 
+# elements of Q and K from which precision="int8" quantizes them on several
+# threads (below: about 20 ms on one thread at most, on one Zen 5 core)
+INT8_QUANT_THREADED = 1 << 24
+
+
 def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
     """int8 Q.K^T (attncore._int8): the operands quantized once per call.
     Returns (q, k, k_scales, fmts, qk8, q_scales, q_mu, D)."""
     qf, kf, vf = fmts
     bshape, D = chk.bshape, chk.q.shape[-1]
-    N, M, Dv = chk.q.shape[-2], chk.k.shape[-2], chk.v.shape[-1]
+    N, M = chk.q.shape[-2], chk.k.shape[-2]
     nb = math.prod(bshape)
-    work = 2.0 * nb * N * M * (D + Dv)
+    # the quantizer's own work (its four passes each open an OpenMP region
+    # when threaded, and a region's barrier waits for every thread to be
+    # scheduled: on a busy 2-core machine 2 threads took 50-70 ms against
+    # 1.2 ms on one, for 1x8x1024^2 x 64 operands): threaded only where the
+    # rows are many
+    rows_work = nb * (N + M) * D
     i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
                         k if ks is not None else None,
                         None if ks is None else ks[..., 0], bshape, chk.group,
-                        chk.nthreads if work >= SERIAL_FLOPS else 1,
+                        chk.nthreads if rows_work >= INT8_QUANT_THREADED else 1,
                         pairs=md.qk8 != 3 and N > SMALL_ROWS)
     qk8 = md.qk8
     if qk8 == 4 and ks is not None and N > SMALL_ROWS and i8.k8.size and i8.k8.min() == -128:
