@@ -836,6 +836,112 @@ static void ac_i8_scores16(int mode, const uint32_t *QT4, int Dq, const int8_t *
     for (; j < nk; j++)
         f1(QT4, Dq, kr + j * k_rs, k_rs, kp + 2 * j, ST + (ptrdiff_t)j * 16, t0, t1);
 }
+
+/* S[r, j] = scale * sq[r] * ks[j] * (q8_r . k8_j) for a few query rows on
+ * the AVX2 path (decoding), keys read in place, 8 keys at a time, 32 bytes
+ * per load (the last chunk of a row through a 4-byte lane mask: rows are
+ * zero padded to a multiple of 4 bytes), the 8 sums reduced together.
+ * Code 4 takes the sign trick the other way round: |k| is the unsigned
+ * operand and k's sign moves onto q (queries come from the quantizer,
+ * +-127: every int8 key, -128 included, is exact); codes 5 / 6 the keys
+ * offset by 128 as the unsigned operand, 128 sum_d q8_r[d] subtracted. */
+static AC_TGT_AVX2 inline __m256i ac_hsum8_epi32(const __m256i *a)
+{
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+static AC_TGT_AVX2 inline __m256i ac_dp256_mb_k(__m256i acc, __m256i kv, __m256i qv)
+{
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv)),
+        _mm256_set1_epi16(1)));
+}
+
+static AC_TGT_AVXVNNI inline __m256i ac_dp256_off_k(__m256i acc, __m256i kv, __m256i qv)
+{
+    return ac_dp256_u8s8(acc, _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80)), qv);
+}
+
+static AC_TGT_AVX2 inline __m256i ac_dp256_off_k_emu(__m256i acc, __m256i kv, __m256i qv)
+{
+    return ac_dp256_u8s8_emu(acc, _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80)), qv);
+}
+
+#define AC_DEF_I8_SMALL256(NAME, TGT, DP, OFFSET)                                          \
+static TGT void NAME(int nq, int nk, int D, float scale, const int8_t *q, ptrdiff_t q_rs,  \
+                     const float *sq, const int8_t *k, ptrdiff_t k_rs, const float *ks,   \
+                     ptrdiff_t ks_rs, float *S, int ldS)                                  \
+{                                                                                          \
+    const int Dw = (D + 3) / 4, nf = Dw / 8, rest = Dw % 8;                                \
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest),                       \
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));    \
+    for (int r = 0; r < nq; r++) {                                                         \
+        const int8_t *qr = q + r * q_rs;                                                   \
+        int qsum = 0;                                                                      \
+        if (OFFSET)                                                                        \
+            for (int d = 0; d < 4 * Dw; d++) qsum += qr[d];                                \
+        const __m256i comp = _mm256_set1_epi32(128 * qsum);                                \
+        const float rs = scale * sq[r];                                                    \
+        float *Sr = S + (ptrdiff_t)r * ldS;                                                \
+        for (int j = 0; j < nk; j += 8) {                                                  \
+            const int nu = nk - j < 8 ? nk - j : 8;                                        \
+            const int8_t *kb = k + (ptrdiff_t)j * k_rs;                                    \
+            if (j + 24 <= nk) /* the block after next, a line at a time */                \
+                for (int u = 0; u < 8; u++)                                                \
+                    for (int o = 0; o < 4 * Dw; o += 64)                                   \
+                        _mm_prefetch((const char *)(kb + (ptrdiff_t)(u + 16) * k_rs + o),  \
+                                     _MM_HINT_T0);                                         \
+            __m256i a[8];                                                                  \
+            for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_si256();                     \
+            for (int c = 0; c < nf; c++) {                                                 \
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(qr + 32 * c));     \
+                for (int u = 0; u < nu; u++)                                               \
+                    a[u] = DP(a[u], _mm256_loadu_si256(                                    \
+                               (const __m256i *)(kb + (ptrdiff_t)u * k_rs + 32 * c)), qv); \
+            }                                                                              \
+            if (rest) {                                                                    \
+                const __m256i qv = _mm256_maskload_epi32((const int *)(qr + 32 * nf), tail); \
+                for (int u = 0; u < nu; u++)                                               \
+                    a[u] = DP(a[u], _mm256_maskload_epi32(                                 \
+                               (const int *)(kb + (ptrdiff_t)u * k_rs + 32 * nf), tail), qv); \
+            }                                                                              \
+            float sc[8];                                                                   \
+            for (int u = 0; u < 8; u++) sc[u] = u < nu ? ks[(ptrdiff_t)(j + u) * ks_rs] : 0.0f; \
+            __m256i t = ac_hsum8_epi32(a);                                                 \
+            if (OFFSET) t = _mm256_sub_epi32(t, comp);                                     \
+            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(t),                          \
+                                           _mm256_mul_ps(_mm256_loadu_ps(sc),              \
+                                                         _mm256_set1_ps(rs)));             \
+            if (nu == 8) {                                                                 \
+                _mm256_storeu_ps(Sr + j, x);                                               \
+            } else {                                                                       \
+                float xb[8];                                                               \
+                _mm256_storeu_ps(xb, x);                                                   \
+                for (int u = 0; u < nu; u++) Sr[j + u] = xb[u];                            \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+}
+
+AC_DEF_I8_SMALL256(ac_i8_scores_small_mb, AC_TGT_AVX2, ac_dp256_mb_k, 0)
+AC_DEF_I8_SMALL256(ac_i8_scores_small_avxvnni, AC_TGT_AVXVNNI, ac_dp256_off_k, 1)
+AC_DEF_I8_SMALL256(ac_i8_scores_small_avxvnni_emu, AC_TGT_AVX2, ac_dp256_off_k_emu, 1)
+
+/* the int8 scores of a few rows on the AVX2 path, code `mode` (4 - 6) */
+static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
+                                 const int8_t *q, ptrdiff_t q_rs, const float *sq,
+                                 const int8_t *k, ptrdiff_t k_rs, const float *ks,
+                                 ptrdiff_t ks_rs, float *S, int ldS)
+{
+    (mode == AC_QK8_MADDUBS   ? ac_i8_scores_small_mb
+     : mode == AC_QK8_AVXVNNI ? ac_i8_scores_small_avxvnni
+                              : ac_i8_scores_small_avxvnni_emu)(nq, nk, D, scale, q, q_rs, sq,
+                                                                k, k_rs, ks, ks_rs, S, ldS);
+}
 #endif /* AC_HAVE_X86 */
 
 #endif /* AC_INT8DOT_H */
