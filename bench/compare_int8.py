@@ -119,7 +119,7 @@ AVX2_CASES = [
 ]
 
 
-def run_avx2_modes(threads, repeats):
+def run_avx2_modes(threads, repeats, clock=None):
     """float32 against precision="int8" under each avx2-path int8 mode,
     the avx2 kernel path forced."""
     from attncore._core import _sdpa
@@ -140,7 +140,8 @@ def run_avx2_modes(threads, repeats):
             fns = {"f32": lambda q=q, k=k, v=v, c=causal: sd(q, k, v, is_causal=c,
                                                                 num_threads=threads)}
             fns.update({m: (lambda m=m: call(m)) for m in modes})
-            ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats).items()}
+            kw = {"clock": clock} if clock else {}
+            ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats, **kw).items()}
             print(f"{name:<24} {threads:>3} f32 {ms['f32']:7.2f}  " + "  ".join(
                 f"{m} {ms[m]:7.2f} ({ms['f32'] / ms[m]:.2f}x)" for m in modes), flush=True)
             rows.append({"case": name, "threads": threads, "ms": ms})
@@ -157,15 +158,20 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--avx2-modes", action="store_true",
                     help="the avx2 path's int8 modes against float32 (avx2 path forced)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --avx2-modes: the process's CPU seconds (time.process_time: "
+                         "steadier on a busy machine; all threads' time, spinning included)")
     args = ap.parse_args(argv)
     feats = attncore._core._sdpa.cpu_features()
     print(header() + f"\nint8 dot products (AVX512_VNNI): {'yes' if feats['int8_dot'] else 'no'}"
           f", AVX-VNNI: {'yes' if feats['avx_vnni'] else 'no'}")
     rows = []
     if args.avx2_modes:
-        print("avx2 kernel path forced; medians of interleaved repeats, ms (f32 / int8)")
+        import time
+        print("avx2 kernel path forced; medians of interleaved repeats, ms (f32 / int8)"
+              + (", CPU time" if args.cpu_time else ", wall time"))
         for t in args.threads:
-            rows += run_avx2_modes(t, args.repeats)
+            rows += run_avx2_modes(t, args.repeats, time.process_time if args.cpu_time else None)
         return rows
     for d in args.dtype:
         for t in args.threads:
