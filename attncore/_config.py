@@ -76,7 +76,7 @@ _INT8_LINES = {
     "dequantized": "Q.K^T as float products of the dequantized int8 rows (forced)",
     "float32": "float32 products: no int8 kernel for this CPU and path is faster than "
                "float32 (the AVX512_VNNI one runs on the avx512 path, AVX-VNNI's on the "
-               "avx2 path; the AVX2 vpmaddubsw one measured slower than float32)",
+               "avx2 path; the AVX2 vpmaddubsw one measured no faster than float32)",
 }
 
 

@@ -189,8 +189,9 @@ _INT8_CODES = {"float32": 0, "native": 1, "emulate": 2, "dequantize": 3, "avx2":
                "avxvnni": 5, "avxvnni-emulate": 6}
 _INT8_NAMES = {c: n for n, c in _INT8_CODES.items()}
 # whether the avx2 path's int8 kernels beat float32 products (prefill
-# 1x8x1024^2 x 64 / x 128, causal too, 1 and 2 threads: bench/compare_int8.py
-# --simulate-avx2); the default takes one only where it does
+# 1x8x1024^2 x 64 / x 128, causal too: bench/compare_int8.py --avx2-modes;
+# AMD Zen 5, one thread: AVX-VNNI 1.16-1.28x, vpmaddubsw 0.98-1.05x, within
+# noise); the default takes one only where it does
 INT8_AVX2_DEFAULTS = {"avxvnni": True, "avx2": False}
 _int8_mode = -1  # -1: auto
 
