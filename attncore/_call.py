@@ -223,20 +223,26 @@ class Modes(NamedTuple):
     """The kernel's mode codes of a call's dtype policy."""
 
     bf16dot: int   #: bfloat16 dot products: 0 none, 1 vdpbf16ps, 2 emulated
-    qk8: int       #: int8 Q.K^T: 0 none, 1 vpdpbusd, 2 emulated, 3 dequantized rows
+    qk8: int       #: int8 Q.K^T: 0 none, 1 vpdpbusd, 2 emulated, 3 dequantized rows,
+    #: 4 vpmaddubsw (AVX2), 5 AVX-VNNI, 6 AVX-VNNI emulated (_sdpa.int8_mode)
 
 
 def int8_products(D: int) -> int:
     """The kernel's int8 Q.K^T code for ``precision="int8"`` on the path in
     use: 1 / 2 the vpdpbusd kernel (native / emulated, on the AVX-512 path),
-    3 products of the dequantized rows (forced, or a head size outside the
-    kernel's exact range), 0 float32 products where this CPU and path have
-    no int8 kernel (no slower than float32, and more accurate)."""
+    4 / 5 / 6 the AVX2 path's (vpmaddubsw sign trick, AVX-VNNI vpdpbusd, its
+    AVX2 spelling), 3 products of the dequantized rows (forced, or a head
+    size outside the kernels' exact range), 0 float32 products where this
+    CPU and path have no int8 kernel faster than float32 (no slower, and
+    more accurate).  The default mode already picks per path
+    (``_sdpa.int8_mode``); a forced code of another path gives 0."""
     qk8 = _sdpa.int8_mode()
-    if qk8 in (1, 2) and _sdpa.kernel_path() != "avx512":
+    path = _sdpa.kernel_path()
+    if (qk8 in (1, 2) and path != "avx512") or (qk8 in (4, 5, 6) and path != "avx2"):
         return 0
-    # (int32 sums of D products of up to 255 x 127: exact below 66313)
-    if qk8 in (1, 2) and (D < 2 or D > 65536):
+    # (int32 sums of D products of up to 255 x 127: exact below 66313;
+    # the 16-lane / 32-lane panels hold D >= 2)
+    if qk8 in (1, 2, 4, 5, 6) and (D < 2 or D > 65536):
         return 3
     return qk8
 
@@ -252,7 +258,8 @@ def modes(pol: Policy, D: int) -> Modes:
     bfloat16 policies (and for P.V under int8 Q.K^T where the CPU has
     them); the int8 Q.K^T code."""
     qk8 = int8_products(D) if pol.products == "int8" else 0
-    bf = pol.products == "bfloat16" or (qk8 != 0 and _sdpa.bf16_mode() != 0)
+    # (bfloat16 P.V under int8 Q.K^T: the AVX-512 panel's, codes 1 / 2)
+    bf = pol.products == "bfloat16" or (qk8 in (1, 2, 3) and _sdpa.bf16_mode() != 0)
     return Modes(_sdpa.bf16_mode() if bf else 0, qk8)
 
 
@@ -432,26 +439,42 @@ def _layout(chk: Checked):
     return q, k, v, ks, vs, m, (qf, kf, vf)
 
 
+# elements of Q and K from which precision="int8" quantizes them on several
+# threads (below: about 20 ms on one thread at most, on one Zen 5 core)
+INT8_QUANT_THREADED = 1 << 24
+
+
 def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
     """int8 Q.K^T (attncore._int8): the operands quantized once per call.
     Returns (q, k, k_scales, fmts, qk8, q_scales, q_mu, D)."""
     qf, kf, vf = fmts
     bshape, D = chk.bshape, chk.q.shape[-1]
-    N, M, Dv = chk.q.shape[-2], chk.k.shape[-2], chk.v.shape[-1]
+    N, M = chk.q.shape[-2], chk.k.shape[-2]
     nb = math.prod(bshape)
-    work = 2.0 * nb * N * M * (D + Dv)
+    # the quantizer's own work (its four passes each open an OpenMP region
+    # when threaded, and a region's barrier waits for every thread to be
+    # scheduled: on a busy 2-core machine 2 threads took 50-70 ms against
+    # 1.2 ms on one, for 1x8x1024^2 x 64 operands): threaded only where the
+    # rows are many
+    rows_work = nb * (N + M) * D
     i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
                         k if ks is not None else None,
                         None if ks is None else ks[..., 0], bshape, chk.group,
-                        chk.nthreads if work >= SERIAL_FLOPS else 1,
+                        chk.nthreads if rows_work >= INT8_QUANT_THREADED else 1,
                         pairs=md.qk8 != 3 and N > SMALL_ROWS)
+    qk8 = md.qk8
+    if qk8 == 4 and ks is not None and N > SMALL_ROWS and i8.k8.size and i8.k8.min() == -128:
+        # int8 keys given with -128 (not from quantize_kv): vpsignb has no
+        # +128 for the sign trick; the AVX-VNNI layout in AVX2 takes any
+        # int8 key
+        qk8 = 6
     if chk.need_weights or chk.softcap > 0 or chk.sinks is not None:
         # the scores' level matters (the weights' path, a soft cap, a
         # sink): float rows whose products are the int8 ones, q . mu
         # included as one more channel (a copy of Q and K)
         q, k = _int8.dequantized(i8, bshape, D)
         return q, k, None, (0, 0, vf), 0, None, None, D + 1
-    return (i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs, (0, 0, vf), md.qk8,
+    return (i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs, (0, 0, vf), qk8,
             i8.q_scales, i8.q_mu, D)
 
 

@@ -56,18 +56,27 @@ def config_dict() -> dict:
 
     info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
     info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
-    mode = _sdpa.int8_mode()
-    info["int8_products"] = ("int8" if mode in (1, 2) and info["kernel_path"] == "avx512"
-                             else "dequantized" if mode == 3 else "float32")
+    info["avx_vnni"] = _sdpa.cpu_features()["avx_vnni"]
+    mode, path = _sdpa.int8_mode(), info["kernel_path"]
+    info["int8_products"] = (
+        "int8" if mode in (1, 2) and path == "avx512"
+        else {4: "int8-avx2", 5: "int8-avxvnni", 6: "int8-avxvnni-emulated"}[mode]
+        if mode in (4, 5, 6) and path == "avx2"
+        else "dequantized" if mode == 3 else "float32")
+    info["int8_mode"] = _sdpa.int8_mode_name() or "auto"
     return info
 
 
 # what precision="int8" computes, by info["int8_products"]
 _INT8_LINES = {
     "int8": "Q.K^T on vpdpbusd (AVX512_VNNI)",
+    "int8-avx2": "Q.K^T on vpmaddubsw + vpmaddwd (AVX2, sign trick)",
+    "int8-avxvnni": "Q.K^T on 256-bit vpdpbusd (AVX-VNNI)",
+    "int8-avxvnni-emulated": "Q.K^T in AVX-VNNI's layout spelled in AVX2 (forced)",
     "dequantized": "Q.K^T as float products of the dequantized int8 rows (forced)",
     "float32": "float32 products: no int8 kernel for this CPU and path is faster than "
-               "float32 (the AVX512_VNNI one runs on the avx512 path)",
+               "float32 (the AVX512_VNNI one runs on the avx512 path, AVX-VNNI's on the "
+               "avx2 path; the AVX2 vpmaddubsw one measured no faster than float32)",
 }
 
 

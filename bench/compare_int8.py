@@ -3,6 +3,7 @@ products and torch (``python bench/compare.py --precision int8``).
 
     python bench/compare_int8.py --threads 1 2 --repeats 7
     python bench/compare_int8.py --dtype bfloat16        # bf16 inputs
+    python bench/compare_int8.py --avx2-modes            # the avx2 path's int8 kernels
 
 Every row is timed side by side in one process (``timing.interleaved_medians``:
 medians of interleaved repeats, the same thread count on every side):
@@ -19,8 +20,14 @@ then ``f32/int8`` and ``bf16/int8`` (> 1: int8 is faster) and the issue's
 bars.  The int8-cache decode row compares ``precision="int8"`` on an int8
 KV cache (``quantize_kv`` keys and values) with the same call without it
 (today's int8-cache decode: keys widened to float).  The header names the
-CPU model and its int8 / bf16 dot-product flags.  A benchmark, never a
-test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
+CPU model and its int8 / bf16 dot-product flags.
+
+``--avx2-modes`` forces the ``avx2`` kernel path (an AVX2 core simulated on
+an AVX-512 one) and times, per prefill case (1x8x1024^2 x 64 / x 128,
+causal too), float32 against ``precision="int8"`` under each int8 mode of
+that path (``_sdpa.set_int8_mode``: ``avx2`` vpmaddubsw with the sign trick,
+``avxvnni`` where the CPU has AVX-VNNI): the measurement behind
+``_sdpa.INT8_AVX2_DEFAULTS``.  A benchmark, never a test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
 command that runs this script.
 """
 from __future__ import annotations
@@ -35,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
+import attncore._kernels  # noqa: E402,F401
 from compare_dtype import header  # noqa: E402
 from timing import interleaved_medians  # noqa: E402
 
@@ -103,15 +111,68 @@ def run(dtype_name, threads, repeats):
     return rows
 
 
+AVX2_CASES = [
+    ("prefill 1x8x1024x64", 1024, 64, False),
+    ("prefill 1x8x1024x128", 1024, 128, False),
+    ("causal 1x8x1024x64", 1024, 64, True),
+    ("causal 1x8x1024x128", 1024, 128, True),
+]
+
+
+def run_avx2_modes(threads, repeats, clock=None):
+    """float32 against precision="int8" under each avx2-path int8 mode,
+    the avx2 kernel path forced."""
+    from attncore._core import _sdpa
+
+    sd = attncore.scaled_dot_product_attention
+    modes = ["avx2"] + (["avxvnni"] if _sdpa.cpu_features()["avx_vnni"] else [])
+    rows = []
+    prev_path = attncore._kernels.set_kernel_path("avx2")
+    prev = _sdpa.set_int8_mode(None)
+    try:
+        for name, N, D, causal in AVX2_CASES:
+            q, k, v = _inputs(1, 8, N, N, D, np.float32)
+
+            def call(mode, q=q, k=k, v=v, c=causal):
+                _sdpa.set_int8_mode(mode)
+                return sd(q, k, v, precision="int8", is_causal=c, num_threads=threads)
+
+            fns = {"f32": lambda q=q, k=k, v=v, c=causal: sd(q, k, v, is_causal=c,
+                                                                num_threads=threads)}
+            fns.update({m: (lambda m=m: call(m)) for m in modes})
+            kw = {"clock": clock} if clock else {}
+            ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats, **kw).items()}
+            print(f"{name:<24} {threads:>3} f32 {ms['f32']:7.2f}  " + "  ".join(
+                f"{m} {ms[m]:7.2f} ({ms['f32'] / ms[m]:.2f}x)" for m in modes), flush=True)
+            rows.append({"case": name, "threads": threads, "ms": ms})
+    finally:
+        _sdpa.set_int8_mode(prev)
+        attncore._kernels.set_kernel_path(prev_path)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--avx2-modes", action="store_true",
+                    help="the avx2 path's int8 modes against float32 (avx2 path forced)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --avx2-modes: the process's CPU seconds (time.process_time: "
+                         "steadier on a busy machine; all threads' time, spinning included)")
     args = ap.parse_args(argv)
     feats = attncore._core._sdpa.cpu_features()
-    print(header() + f"\nint8 dot products (AVX512_VNNI): {'yes' if feats['int8_dot'] else 'no'}")
+    print(header() + f"\nint8 dot products (AVX512_VNNI): {'yes' if feats['int8_dot'] else 'no'}"
+          f", AVX-VNNI: {'yes' if feats['avx_vnni'] else 'no'}")
     rows = []
+    if args.avx2_modes:
+        import time
+        print("avx2 kernel path forced; medians of interleaved repeats, ms (f32 / int8)"
+              + (", CPU time" if args.cpu_time else ", wall time"))
+        for t in args.threads:
+            rows += run_avx2_modes(t, args.repeats, time.process_time if args.cpu_time else None)
+        return rows
     for d in args.dtype:
         for t in args.threads:
             rows += run(d, t, args.repeats)

@@ -7,33 +7,46 @@ documented method (smoothing, channel balancing, per-token symmetric
 scales: attncore._int8) computed in float64 -- the kernel's int32 sums
 are exact, so the two agree to float rounding.  Every int8 path runs:
 vpdpbusd where the CPU has AVX512_VNNI, its AVX-512BW spelling on any
-AVX-512 CPU, and the dequantized rows of the other paths.
+AVX-512 CPU, and the dequantized rows of the other paths; on the avx2
+path vpmaddubsw with the sign trick, AVX-VNNI's vpdpbusd where the CPU has
+it and that layout spelled in AVX2.
 """
 import numpy as np
 import pytest
 
 import attncore
+from attncore import _kernels
 from attncore._core import _sdpa
+from conftest import FORCED_PATH
 from reference import sdpa_ref
 from reference import rand
 
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
+# the AVX2 path's modes (run with the avx2 path forced: AVX2_MODES)
+AVX2_MODES = ((["avx2"] + (["avxvnni"] if _sdpa.cpu_features()["avx_vnni"] else [])
+               + ["avxvnni-emulate"]) if "avx2" in PATHS else [])
 I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
-    (["emulate"] if "avx512" in PATHS else []) + ["dequantize"]
+    (["emulate"] if "avx512" in PATHS else []) + AVX2_MODES + ["dequantize"]
 
 
 @pytest.fixture(params=I8_MODES)
 def i8mode(request):
     """An int8 Q.K^T mode, P.V in float32 (the method model's; bfloat16 P.V,
     the default where the CPU has AVX512_BF16, is tested on its own)."""
+    if request.param in AVX2_MODES and FORCED_PATH not in (None, "avx2"):
+        pytest.skip(f"an avx2-path int8 mode; ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
     prev = _sdpa.set_int8_mode(request.param)
     prev_bf16 = _sdpa.set_bf16_mode("off")
     try:
-        if not int8_in_use():
-            pytest.skip("no int8 kernel on this path: precision='int8' is the float32 call "
-                        "(test_no_int8_kernel_takes_float32_products)")
-        yield request.param
+        # (the AVX2 modes run on the avx2 path: forced for the test, unless
+        # the `path` fixture forces another one inside it)
+        with _kernels.forced_kernel_path("avx2" if request.param in AVX2_MODES
+                                         else _kernels.kernel_path()):
+            if not int8_in_use():
+                pytest.skip("no int8 kernel on this path: precision='int8' is the float32 "
+                            "call (test_no_int8_kernel_takes_float32_products)")
+            yield request.param
     finally:
         _sdpa.set_int8_mode(prev)
         _sdpa.set_bf16_mode(prev_bf16)
@@ -64,10 +77,13 @@ def _q8(x):
 def int8_in_use():
     """Whether precision="int8" multiplies int8 rows here (the documented
     rule): the vpdpbusd kernel (native or emulated) runs on the avx512
-    path, the forced dequantize mode anywhere; otherwise (mode "float32",
-    the default without AVX512_VNNI, or another path) float32 products."""
-    mode = _sdpa.int8_mode()
-    return mode == 3 or (mode in (1, 2) and _sdpa.kernel_path() == "avx512")
+    path, the vpmaddubsw / AVX-VNNI ones (codes 4 - 6) on the avx2 path,
+    the forced dequantize mode anywhere; otherwise (mode "float32", the
+    default where no int8 kernel beats float32, or another path) float32
+    products."""
+    mode, path = _sdpa.int8_mode(), _sdpa.kernel_path()
+    return (mode == 3 or (mode in (1, 2) and path == "avx512")
+            or (mode in (4, 5, 6) and path == "avx2"))
 
 
 def method_model(q, k, v, group=1, **kw):
@@ -419,7 +435,8 @@ def test_layer_int8_cache_decoding():
 
 
 
-@pytest.mark.parametrize("mode", ["float32", "native", "emulate"])
+@pytest.mark.parametrize("mode", ["float32", "native", "emulate", "avx2", "avxvnni",
+                                  "avxvnni-emulate"])
 def test_no_int8_kernel_takes_float32_products(mode, path):
     """Where this CPU and path have no int8 kernel (the vpdpbusd kernel runs
     on the avx512 path only; mode "float32" is the default of CPUs without
@@ -438,5 +455,190 @@ def test_no_int8_kernel_takes_float32_products(mode, path):
             b = sd(q, k, v, **kw)
             for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
                 np.testing.assert_array_equal(x, y)
+    finally:
+        _sdpa.set_int8_mode(prev)
+
+
+# ---------------------------------------------------------------------------
+# the avx2 path's int8 kernels (vpmaddubsw with the sign trick, AVX-VNNI's
+# vpdpbusd, its AVX2 spelling) against a float64 NumPy reference of the
+# very int8 rows the call multiplies
+# ---------------------------------------------------------------------------
+@pytest.fixture(params=AVX2_MODES or ["none"])
+def avx2_mode(request):
+    """An AVX2-path int8 mode, the avx2 path forced, P.V in float32."""
+    if request.param == "none":
+        pytest.skip("this CPU has no AVX2")
+    if FORCED_PATH not in (None, "avx2"):
+        pytest.skip(f"ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
+    prev = _sdpa.set_int8_mode(request.param)
+    prev_bf16 = _sdpa.set_bf16_mode("off")
+    try:
+        with _kernels.forced_kernel_path("avx2"):
+            yield request.param
+    finally:
+        _sdpa.set_int8_mode(prev)
+        _sdpa.set_bf16_mode(prev_bf16)
+
+
+def _int8_rows_ref(q, k, v, **kw):
+    """float64 attention of the dequantized int8 rows the call multiplies:
+    attncore._int8's operands (smoothed, balanced, per-token scales; the
+    keys as given for an int8 (keys, scales) pair), made on the path in use
+    as the call makes them."""
+    from attncore import _int8
+    q = np.asarray(q, np.float32)
+    bshape, (N, D) = q.shape[:-2], q.shape[-2:]
+    if isinstance(k, tuple):
+        ops = _int8.quantize(q, 0, None, 0, k[0], k[1], bshape, 1, 1)
+        k8, ks = ops.k8[..., :D], ops.k_pairs[..., 0]
+    else:
+        ops = _int8.quantize(q, 0, k, 0, None, None, bshape, 1, 1)
+        k8, ks = ops.k8[..., :D], ops.k_pairs[..., 0]
+    # the quantizer's range: +-127 (the sign trick needs no -128 query)
+    assert ops.q8.min() >= -127 and k8.min() >= -127
+    qd = ops.q8.reshape(bshape + (N, -1))[..., :D] * ops.q_scales.reshape(bshape + (N, 1)).astype(np.float64)
+    kd = k8 * ks[..., None].astype(np.float64)
+    return sdpa_ref(qd, kd, v, scale=1 / np.sqrt(D), **kw)
+
+
+def _mask(kind, N, M):
+    rng = np.random.default_rng(5)
+    if kind == "bool":
+        m = rng.random((N, M)) > 0.3
+        m[:, 0] = True
+        return dict(attn_mask=m)
+    if kind == "float":
+        m = rng.standard_normal((N, M)).astype(np.float32)
+        m[:, 1::7] = -np.inf
+        return dict(attn_mask=m)
+    if kind == "causal":
+        return dict(is_causal=True)
+    return {}
+
+
+@pytest.mark.parametrize("D", [1, 3, 4, 63, 64, 128, 129])
+@pytest.mark.parametrize("N", [3, 100])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool", "float"])
+def test_avx2_kernels_match_float64_of_int8_rows(avx2_mode, D, N, case):
+    """Every AVX2 int8 mode computes the attention of its int8 rows: the
+    int32 sums are exact, only float32 rounding is left.  D 1 (the
+    dequantized rows), odd and padded row lengths (63, 129: rows padded
+    to a multiple of 4 bytes); N 3: the direct loops of a few rows, N 100:
+    the fused AVX2 panels (16 rows; a partial last panel)."""
+    M = 150
+    q, v = rand((2, 2, N, D), 0), rand((2, 2, M, D), 2)
+    k = _offset_keys((2, 2, M, D))
+    kw = _mask(case, N, M)
+    out = sd(q, k, v, precision="int8", **kw)
+    ref = _int8_rows_ref(q, k, v, **kw)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    # and the exact attention is near
+    assert _cos_err(out, sdpa_ref(q, k, v, **kw)) < 1e-3
+
+
+def test_avx2_kernels_int8_keys_given(avx2_mode):
+    """int8 keys from quantize_kv (no smoothing), zero query and key rows
+    (scale 0: their scores are 0), full-scale rows at +-127 and long rows
+    (D 1100: int32 sums of 127 x 127 x 1100)."""
+    for D in (64, 1100):
+        q, k, v = (rand((1, 2, 120, D), s) for s in range(3))
+        q[0, 0, 7] = 0
+        q[0, 1, 30] = np.where(np.arange(D) % 2, 5.0, -5.0)
+        k[0, :, 11] = 0
+        k[0, :, 12] = 3.0
+        k[0, :, 13] = -3.0
+        k8 = attncore.quantize_kv(k)
+        assert k8[0].min() >= -127
+        out = sd(q, k8, v, precision="int8", is_causal=True)
+        np.testing.assert_allclose(out, _int8_rows_ref(q, k8, v, is_causal=True),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_avx2_kernels_keys_of_minus_128(avx2_mode):
+    """int8 keys given with -128 entries (not from quantize_kv: it gives
+    +-127): vpsignb cannot negate -128, so the sign-trick mode takes the
+    AVX-VNNI layout in AVX2 for such a call -- still exact."""
+    q, v = rand((1, 2, 100, 36), 0), rand((1, 2, 90, 36), 2)
+    k8 = np.random.default_rng(3).integers(-128, 128, (1, 2, 90, 36), dtype=np.int8)
+    k8[..., ::5, :] = -128
+    ks = np.abs(rand((1, 2, 90), 4)) / 100
+    out = sd(q, (k8, ks), v, precision="int8", is_causal=True)
+    qf = q.astype(np.float64)
+    qd = _q8(qf)
+    ref = sdpa_ref(qd, k8 * ks[..., None].astype(np.float64), v, is_causal=True)
+    assert _cos_err(out, ref) < 2e-6
+    np.testing.assert_allclose(out, ref, atol=0.02)
+
+
+def test_avx2_modes_sum_the_same_integers():
+    """vpmaddubsw (sign trick), AVX-VNNI and its AVX2 spelling sum the same
+    integers: the same bits; and the same output as the AVX-512 kernel to
+    float rounding."""
+    if not AVX2_MODES or FORCED_PATH not in (None, "avx2"):
+        pytest.skip("needs the avx2 path")
+    q, k, v = (rand((1, 3, 300, 72), s) for s in range(3))
+    mask = np.random.default_rng(5).random((300, 300)) > 0.2
+    outs = {}
+    prev, prev_bf16 = _sdpa.set_int8_mode(None), _sdpa.set_bf16_mode("off")
+    try:
+        with _kernels.forced_kernel_path("avx2"):
+            for mode in AVX2_MODES:
+                _sdpa.set_int8_mode(mode)
+                assert int8_in_use()
+                outs[mode] = (sd(q, k, v, is_causal=True, precision="int8"),
+                              sd(q, k, v, attn_mask=mask, precision="int8"))
+        if "avx512" in PATHS:
+            with _kernels.forced_kernel_path("avx512"):
+                _sdpa.set_int8_mode("emulate")
+                outs["avx512"] = (sd(q, k, v, is_causal=True, precision="int8"),
+                                  sd(q, k, v, attn_mask=mask, precision="int8"))
+    finally:
+        _sdpa.set_int8_mode(prev)
+        _sdpa.set_bf16_mode(prev_bf16)
+    first = outs[AVX2_MODES[0]]
+    for mode in AVX2_MODES[1:]:
+        for a, b in zip(first, outs[mode]):
+            np.testing.assert_array_equal(a, b)
+    if "avx512" in outs:
+        for a, b in zip(first, outs["avx512"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_avx2_mode_choice_and_config(capsys):
+    """The default on the avx2 path is the AVX2 int8 kernel that beats
+    float32 products (_sdpa.INT8_AVX2_DEFAULTS), and show_config says what
+    precision="int8" computes; another path's code takes float32
+    products; unknown modes are refused."""
+    if "avx2" not in PATHS:
+        pytest.skip("needs the avx2 path")
+    from attncore import _config
+    vnni = _sdpa.cpu_features()["avx_vnni"]
+    prev = _sdpa.set_int8_mode(None)
+    try:
+        with _kernels.forced_kernel_path("avx2"):
+            want = (5 if vnni and _sdpa.INT8_AVX2_DEFAULTS["avxvnni"]
+                    else 4 if _sdpa.INT8_AVX2_DEFAULTS["avx2"] else 0)
+            assert _sdpa.int8_mode() == want
+            for mode, key in [("avx2", "int8-avx2"), ("avxvnni", "int8-avxvnni"),
+                              ("avxvnni-emulate", "int8-avxvnni-emulated"),
+                              ("float32", "float32"), ("dequantize", "dequantized")]:
+                if mode not in AVX2_MODES + ["float32", "dequantize"]:
+                    continue
+                _sdpa.set_int8_mode(mode)
+                assert _config.config_dict()["int8_products"] == key
+                attncore.show_config()
+                assert _config._INT8_LINES[key] in capsys.readouterr().out
+            for mode in ("native", "emulate"):
+                if mode in I8_MODES:
+                    _sdpa.set_int8_mode(mode)
+                    assert _config.config_dict()["int8_products"] == "float32"
+        if "avx512" in PATHS:
+            with _kernels.forced_kernel_path("avx512"):
+                _sdpa.set_int8_mode("avx2")
+                assert not int8_in_use()
+                assert attncore._call.int8_products(64) == 0
+        with pytest.raises(ValueError, match="int8 mode"):
+            _sdpa.set_int8_mode("avx3")
     finally:
         _sdpa.set_int8_mode(prev)

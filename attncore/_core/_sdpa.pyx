@@ -95,6 +95,7 @@ cdef extern from "ac_sdpa.h" nogil:
     int ac_fused_panel_rows()
     int ac_cpu_bf16_dot()
     int ac_cpu_vnni()
+    int ac_cpu_avxvnni()
     void ac_i8_quantize_rows(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
                              const float *sub, const float *w, const float *dv,
                              int8_t *out, Py_ssize_t ld, float *scales, float *dots,
@@ -109,7 +110,7 @@ cdef extern from "ac_sdpa.h" nogil:
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
     int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2
-    int AC_PATH_AVX512, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
+    int AC_PATH_AVX512, AC_PATH_AVX2, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
     int AC_I8_ROW_ALIGN
 
 
@@ -131,6 +132,7 @@ def cpu_features():
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
             "int8_dot": bool(ac_cpu_vnni()),
+            "avx_vnni": bool(ac_cpu_avxvnni()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
             "small_rows": AC_SMALL_ROWS}
 
@@ -172,32 +174,75 @@ def set_bf16_mode(mode):
     return prev
 
 
-# int8 Q.K^T (precision="int8"): 1 vpdpbusd where the CPU has AVX512_VNNI,
-# else 0 (float32 products: no int8 kernel of this CPU beats them, so int8
-# is never slower than float32); set_int8_mode("emulate") runs the vpdpbusd
-# kernels with the instruction spelled in AVX-512BW (tests of the path on
-# any AVX-512 CPU), "dequantize" (3) multiplies the dequantized int8 rows
-# (the method's numbers on any path; tests)
-_int8_mode = 1 if ac_cpu_vnni() else 0
+# int8 Q.K^T (precision="int8"), the kernel's qk8 codes:
+#   avx512 path: 1 vpdpbusd (AVX512_VNNI), 2 its AVX-512BW spelling (tests);
+#   avx2 path:   4 vpmaddubsw + vpmaddwd with the sign trick (AVX2), 5
+#                vpdpbusd on ymm (AVX-VNNI), 6 code 5's AVX2 spelling (tests);
+#   any path:    3 float products of the dequantized int8 rows (tests, the
+#                method's numbers), 0 float32 products (no int8 at all).
+# A code of another path than the one in use takes float32 products
+# (attncore._call.int8_products).  The default ("auto", None) is, per path,
+# the int8 kernel of this CPU where it is faster than float32 products, else
+# float32 products, so that precision="int8" is never slower than float32:
+# measured on AMD Zen 5 with the avx2 path forced (docs/guide/variants.rst).
+_INT8_CODES = {"float32": 0, "native": 1, "emulate": 2, "dequantize": 3, "avx2": 4,
+               "avxvnni": 5, "avxvnni-emulate": 6}
+_INT8_NAMES = {c: n for n, c in _INT8_CODES.items()}
+# whether the avx2 path's int8 kernels beat float32 products (prefill
+# 1x8x1024^2 x 64 / x 128, causal too: bench/compare_int8.py --avx2-modes;
+# AMD Zen 5, one thread: AVX-VNNI 1.16-1.28x, vpmaddubsw 0.98-1.05x, within
+# noise); the default takes one only where it does
+INT8_AVX2_DEFAULTS = {"avxvnni": True, "avx2": False}
+_int8_mode = -1  # -1: auto
+
+
+def _int8_auto():
+    """The qk8 code of the default mode on the kernel path in use."""
+    if ac_kernel_path == AC_PATH_AVX512:
+        return 1 if ac_cpu_vnni() else 0
+    if ac_kernel_path == AC_PATH_AVX2:
+        if ac_cpu_avxvnni() and INT8_AVX2_DEFAULTS["avxvnni"]:
+            return 5
+        if INT8_AVX2_DEFAULTS["avx2"]:
+            return 4
+    return 0
 
 
 def int8_mode():
-    """0: float32 products; 1: vpdpbusd; 2: emulated in AVX-512BW (tests);
-    3: float products of the dequantized int8 rows."""
-    return _int8_mode
+    """The qk8 code precision="int8" asks for on the kernel path in use:
+    0 float32 products; 1 vpdpbusd, 2 emulated in AVX-512BW (avx512 path);
+    3 float products of the dequantized int8 rows; 4 vpmaddubsw (sign
+    trick), 5 AVX-VNNI vpdpbusd, 6 code 5 emulated in AVX2 (avx2 path).
+    attncore._call.int8_products maps a code of another path to 0."""
+    return _int8_auto() if _int8_mode < 0 else _int8_mode
+
+
+def int8_mode_name():
+    """The name of the mode set (None: the default, "auto")."""
+    return None if _int8_mode < 0 else _INT8_NAMES[_int8_mode]
 
 
 def set_int8_mode(mode):
-    """Private, process-wide (tests and benchmarks): 'native' (needs
-    AVX512_VNNI), 'emulate' (needs AVX-512), 'dequantize', 'float32', or
-    None (the default of this CPU).  Returns the previous mode's name."""
+    """Private, process-wide (tests and benchmarks): 'native' (vpdpbusd,
+    needs AVX512_VNNI), 'emulate' (its AVX-512BW spelling, needs AVX-512),
+    'avx2' (vpmaddubsw sign trick, needs AVX2), 'avxvnni' (needs AVX-VNNI),
+    'avxvnni-emulate' (its AVX2 spelling, needs AVX2), 'dequantize',
+    'float32', or None (the default: per kernel path, this CPU's int8
+    kernel where it beats float32 products).  Returns the previous mode's
+    name (None for the default)."""
     global _int8_mode
-    prev = ("float32", "native", "emulate", "dequantize")[_int8_mode]
+    prev = int8_mode_name()
+    avx2 = ac_best_path >= AC_PATH_AVX2
+    if mode is None:
+        _int8_mode = -1
+        return prev
     _int8_mode = _mode_code(
         mode, "int8", {"native": 1 if ac_cpu_vnni() else None,
                        "emulate": 2 if ac_best_path == AC_PATH_AVX512 else None, "dequantize": 3,
-                       "float32": 0},
-        1 if ac_cpu_vnni() else 0)
+                       "float32": 0, "avx2": 4 if avx2 else None,
+                       "avxvnni": 5 if ac_cpu_avxvnni() and avx2 else None,
+                       "avxvnni-emulate": 6 if avx2 else None},
+        -1)
     return prev
 
 
@@ -817,7 +862,11 @@ def sdpa(call, out, weights=None, lse=None):
     int8 rows likewise padded with k_scales (..., M, 2) = per key (scale,
     128 sum k8 as the bits of an int32) ((..., M, 1), the scales alone, for
     qk8 3 or N <= SMALL_ROWS).  1 vpdpbusd (the CPU must have AVX512_VNNI),
-    2 the same in AVX-512BW (tests), 3 products of the dequantized rows.
+    2 the same in AVX-512BW (tests), 3 products of the dequantized rows; 4
+    vpmaddubsw with the sign trick (AVX2; keys in [-127, 127]), 5 AVX-VNNI
+    vpdpbusd, 6 its AVX2 spelling (tests).  1 / 2 run on the avx512 path's
+    fused kernel, 4 - 6 on the avx2 path's; elsewhere (a few rows, another
+    path) the dequantized rows' float products.
     plan: Bq, Bk (tiles), nsplit, chunk (key splits), nthreads.
 
     Returns whether every element of ``out`` is finite (a float32 output of
@@ -893,8 +942,11 @@ def sdpa(call, out, weights=None, lse=None):
                 or (k_scales is not None and k_fmt) or (v_scales is not None and v_fmt)):
             raise ValueError("invalid operand formats")
         if qk8:
-            if (qk8 not in (1, 2, 3) or (qk8 == 1 and not ac_cpu_vnni())
-                    or (qk8 == 2 and ac_best_path != AC_PATH_AVX512) or is64 or q_fmt or k_fmt
+            if (qk8 not in (1, 2, 3, 4, 5, 6) or (qk8 == 1 and not ac_cpu_vnni())
+                    or (qk8 == 2 and ac_best_path != AC_PATH_AVX512)
+                    or (qk8 in (4, 6) and ac_best_path < AC_PATH_AVX2)
+                    or (qk8 == 5 and not (ac_cpu_avxvnni() and ac_best_path >= AC_PATH_AVX2))
+                    or is64 or q_fmt or k_fmt
                     or weights is not None or k_scales is None or q_scales is None):
                 raise ValueError("invalid qk8")
             bqs = _acquire(&bufs, q_scales, PyBUF_RECORDS_RO)

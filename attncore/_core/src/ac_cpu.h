@@ -6,7 +6,8 @@
  *   runs its portable loops and ac_cpu_init picks AC_PATH_PORTABLE;
  * - the target attributes of those kernels: one macro per instruction set,
  *   the only place where a target string is spelled;
- * - CPU feature detection (ac_cpu_init, ac_cpu_bf16_dot, ac_cpu_vnni) and
+ * - CPU feature detection (ac_cpu_init, ac_cpu_bf16_dot, ac_cpu_vnni,
+ *   ac_cpu_avxvnni) and
  *   the choice of the kernel path (ac_set_kernel_path);
  * - the dispatch of the compiled variants (ac_variant, AC_VCALL).
  *
@@ -19,6 +20,8 @@
  *                        ac_cpu_bf16_dot()
  *   AC_TGT_AVX512_VNNI   + AVX512_VNNI (vpdpbusd): AC_PATH_AVX512 with
  *                        ac_cpu_vnni()
+ *   AC_TGT_AVXVNNI       AVX2 + AVX-VNNI (vpdpbusd on ymm, VEX encoded):
+ *                        AC_PATH_AVX2 with ac_cpu_avxvnni()
  * The feature lists ac_cpu_init requires of a path are the lists of its
  * target, so a function of a path's target runs on every CPU that path is
  * chosen for.
@@ -46,6 +49,7 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
 #define AC_HAVE_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 
 /* the feature lists (target strings) of the paths */
@@ -59,6 +63,7 @@
 #define AC_TGT_AVX512 __attribute__((target(AC_ISA_AVX512)))
 #define AC_TGT_AVX512_BF16 __attribute__((target("avx512bf16," AC_ISA_AVX512)))
 #define AC_TGT_AVX512_VNNI __attribute__((target("avx512vnni," AC_ISA_AVX512)))
+#define AC_TGT_AVXVNNI __attribute__((target("avxvnni," AC_ISA_AVX2)))
 
 /* the compiled variants */
 #define AC_VTGT_PORTABLE AC_NOINLINE
@@ -100,6 +105,20 @@ static AC_UNUSED int ac_cpu_vnni(void)
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
 
+/* whether the CPU has vpdpbusd on 256-bit vectors in its VEX encoding
+   (AVX-VNNI: CPUID leaf 7 subleaf 1, EAX bit 4; Alder Lake and later, Zen
+   5), with AVX2 (the OS saves the ymm state: the AVX2 check includes it) */
+static AC_UNUSED int ac_cpu_avxvnni(void)
+{
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c"))
+        return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
+    return (int)((a >> 4) & 1u);
+}
+
 /* select a path (-1: the best); 0 on success, -1 if this CPU lacks it */
 static AC_UNUSED int ac_set_kernel_path(int path)
 {
@@ -116,6 +135,7 @@ static AC_UNUSED int ac_set_kernel_path(int path)
 static AC_UNUSED void ac_cpu_init(void) {}
 static AC_UNUSED int ac_cpu_bf16_dot(void) { return 0; }
 static AC_UNUSED int ac_cpu_vnni(void) { return 0; }
+static AC_UNUSED int ac_cpu_avxvnni(void) { return 0; }
 static AC_UNUSED int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
 #endif /* AC_HAVE_X86 */
 

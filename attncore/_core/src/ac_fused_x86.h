@@ -253,6 +253,10 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 }
 
 #define AC_BF16_PANEL 1
+/* int8 Q.K^T: vpdpbusd (1) or its AVX-512BW spelling (2), 32 lanes */
+#define AC_I8(c) ((c) == 1 || (c) == 2)
+#define AC_I8_PACK(mode, ...) ac_i8_pack_panel(__VA_ARGS__)
+#define AC_I8_SCORES ac_i8_scores
 #include "ac_fused_impl.inc"
 
 #include "ac_fused_undef.inc"
@@ -418,6 +422,10 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 }
 
 #define AC_BF16_PANEL 0
+/* int8 Q.K^T: the sign trick, AVX-VNNI or its AVX2 spelling, 16 lanes */
+#define AC_I8(c) AC_QK8_AVX2(c)
+#define AC_I8_PACK ac_i8_pack_panel16
+#define AC_I8_SCORES ac_i8_scores16
 #include "ac_fused_impl.inc"
 
 #include "ac_fused_undef.inc"
@@ -473,7 +481,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
     /* bfloat16 dot products: the AVX-512 panels, chunks shared by a block */
     const int bfm = p->bf16dot && ac_kernel_path == AC_PATH_AVX512;
     /* int8 Q.K^T reads its int8 keys in place */
-    const int i8 = p->qk8 == 1 || p->qk8 == 2;
+    const int i8 = p->qk8 == 1 || p->qk8 == 2 || AC_QK8_AVX2(p->qk8);
     const int kconv = (p->kq8 && !i8) || p->kh, vconv = p->vq8 || p->vh;
     const int convert = kconv || vconv || bfm;
     if (!convert || nq <= P) {

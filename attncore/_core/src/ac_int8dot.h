@@ -1,6 +1,7 @@
 /*
  * ac_int8dot.h -- int8 Q.K^T (precision="int8") for the fused AVX-512
- * kernel: vpdpbusd (AVX512_VNNI, four u8 x s8 products per int32 lane)
+ * kernel (and, at the end, for the fused AVX2 kernel: vpmaddubsw with the
+ * sign trick, AVX-VNNI): vpdpbusd (AVX512_VNNI, four u8 x s8 products per int32 lane)
  * with an exact int32 sum, then one float scaling per score before the
  * float32 online softmax.  P.V is not touched (float32, or bfloat16 pairs
  * where that path is on).
@@ -257,6 +258,138 @@ ac_i8_col_stats_avx512(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int 
     }
     for (int d = 0; d < D; d++) mabs[d] = cnt[d] > 0 ? dev[d] / cnt[d] : 0.0f;
 }
+
+/* the same in AVX2 (8 columns a vector, the last one through lane masks):
+   the AVX2 path's quantizer, as fast there as the AVX-512 one is on its
+   path (the portable loops took 4x the time) */
+static AC_TGT_AVX2 inline __m256i ac_i8_lanes_avx2(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static AC_TGT_AVX2 inline float ac_i8_hmax_avx2(__m256 v)
+{
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static AC_TGT_AVX2 inline float ac_i8_hsum_avx2(__m256 v)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static AC_TGT_AVX2 void ac_i8_quantize_rows_avx2(
+    const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D, const float *sub,
+    const float *w, const float *dv, int8_t *out, ptrdiff_t ld, float *scales, float *dots,
+    int32_t *ksum, float *ybuf)
+{
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 big = _mm256_set1_ps(3.0e38f);
+    for (ptrdiff_t r = 0; r < n; r++) {
+        const float *xr = ac_i8_row(x, fmt, x_rs, r, D, ybuf);
+        __m256 vdot = _mm256_setzero_ps(), vmax = _mm256_setzero_ps(), nf = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            const __m256i m = ac_i8_lanes_avx2(D - d);
+            const __m256 xv = _mm256_maskload_ps(xr + d, m);
+            if (dots) vdot = _mm256_fmadd_ps(xv, _mm256_maskload_ps(dv + d, m), vdot);
+            __m256 y = sub ? _mm256_sub_ps(xv, _mm256_maskload_ps(sub + d, m)) : xv;
+            y = _mm256_mul_ps(y, _mm256_maskload_ps(w + d, m));
+            _mm256_maskstore_ps(ybuf + d, m, y);
+            const __m256 a = _mm256_and_ps(y, absm);
+            /* lanes beyond D are 0: never > 3e38, never NaN */
+            nf = _mm256_or_ps(nf, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+            vmax = _mm256_max_ps(vmax, a);
+        }
+        if (dots) dots[r] = ac_i8_hsum_avx2(vdot);
+        const float amax = ac_i8_hmax_avx2(vmax);
+        const int nonfinite = _mm256_movemask_ps(nf) != 0;
+        int8_t *o = out + r * ld;
+        int sum = 0;
+        if (nonfinite || amax == 0.0f) {
+            memset(o, 0, (size_t)ld);
+            scales[r] = nonfinite ? NAN : 0.0f;
+        } else {
+            /* a row below 2^-64 is first scaled up by 2^64 (exactly): 127 /
+               amax would overflow */
+            const float up = amax < 0x1p-64f ? 0x1p64f : 1.0f;
+            const __m256 inv = _mm256_set1_ps(127.0f / (amax * up)), vup = _mm256_set1_ps(up);
+            __m256i vs = _mm256_setzero_si256();
+            for (int d = 0; d < D; d += 8) {
+                const __m256i m = ac_i8_lanes_avx2(D - d);
+                __m256i it = _mm256_cvtps_epi32(_mm256_mul_ps(
+                    _mm256_mul_ps(_mm256_maskload_ps(ybuf + d, m), vup), inv));
+                it = _mm256_max_epi32(_mm256_min_epi32(it, _mm256_set1_epi32(127)),
+                                      _mm256_set1_epi32(-127));
+                it = _mm256_and_si256(it, m);
+                vs = _mm256_add_epi32(vs, it);
+                const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(it),
+                                                  _mm256_extracti128_si256(it, 1));
+                const __m128i b = _mm_packs_epi16(h, h);
+                if (D - d >= 8) {
+                    _mm_storel_epi64((__m128i *)(void *)(o + d), b);
+                } else {
+                    int8_t tmp[16];
+                    _mm_storeu_si128((__m128i *)(void *)tmp, b);
+                    memcpy(o + d, tmp, (size_t)(D - d));
+                }
+            }
+            const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vs),
+                                             _mm256_extracti128_si256(vs, 1));
+            const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+            for (ptrdiff_t d = D; d < ld; d++) o[d] = 0;
+            scales[r] = amax / 127.0f;
+        }
+        if (ksum) ksum[r] = 128 * sum;
+    }
+}
+
+/* the column statistics in AVX2, 8 columns at a time, float sums (as the
+   AVX-512 one) */
+static AC_TGT_AVX2 void ac_i8_col_stats_avx2(const void *x, int fmt, ptrdiff_t x_rs,
+                                             ptrdiff_t n, int D, float *mean, float *mabs,
+                                             float *amax, float *ybuf, double *accd)
+{
+    float *sum = (float *)(void *)accd, *cnt = sum + D, *dev = cnt + D;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f), one = _mm256_set1_ps(1.0f);
+    for (int d = 0; d < D; d++) sum[d] = cnt[d] = dev[d] = amax[d] = 0.0f;
+    for (int pass = 0; pass < (mean ? 2 : 1); pass++) {
+        for (ptrdiff_t r = 0; r < n; r++) {
+            const float *y = ac_i8_row(x, fmt, x_rs, r, D, ybuf);
+            for (int d = 0; d < D; d += 8) {
+                const __m256i m = ac_i8_lanes_avx2(D - d);
+                const __m256 yv = _mm256_maskload_ps(y + d, m);
+                /* finite entries (lanes beyond D: 0, never stored) */
+                const __m256 ok = _mm256_cmp_ps(_mm256_and_ps(yv, absm), big, _CMP_LE_OQ);
+                if (pass == 0) {
+                    const __m256 c = _mm256_maskload_ps(cnt + d, m);
+                    _mm256_maskstore_ps(cnt + d, m, _mm256_add_ps(c, _mm256_and_ps(ok, one)));
+                    if (mean) {
+                        const __m256 sm = _mm256_maskload_ps(sum + d, m);
+                        _mm256_maskstore_ps(sum + d, m, _mm256_add_ps(sm, _mm256_and_ps(ok, yv)));
+                        continue;
+                    }
+                }
+                /* |y| (queries) or |y - mean| (keys, second pass) */
+                const __m256 t = mean ? _mm256_and_ps(_mm256_sub_ps(yv, _mm256_maskload_ps(mean + d, m)), absm)
+                                      : _mm256_and_ps(yv, absm);
+                const __m256 dvv = _mm256_maskload_ps(dev + d, m);
+                _mm256_maskstore_ps(dev + d, m, _mm256_add_ps(dvv, _mm256_and_ps(ok, t)));
+                const __m256 am = _mm256_maskload_ps(amax + d, m);
+                _mm256_maskstore_ps(amax + d, m, _mm256_blendv_ps(am, _mm256_max_ps(am, t), ok));
+            }
+        }
+        if (pass == 0 && mean)
+            for (int d = 0; d < D; d++) mean[d] = cnt[d] > 0 ? sum[d] / cnt[d] : 0.0f;
+    }
+    for (int d = 0; d < D; d++) mabs[d] = cnt[d] > 0 ? dev[d] / cnt[d] : 0.0f;
+}
 #endif
 
 static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D,
@@ -270,6 +403,11 @@ static void ac_i8_quantize_rows(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_
                                    ybuf);
         return;
     }
+    if (ac_kernel_path == AC_PATH_AVX2) {
+        ac_i8_quantize_rows_avx2(x, fmt, x_rs, n, D, sub, w, dv, out, ld, scales, dots, ksum,
+                                 ybuf);
+        return;
+    }
 #endif
     ac_i8_quantize_rows_c(x, fmt, x_rs, n, D, sub, w, dv, out, ld, scales, dots, ksum, ybuf);
 }
@@ -280,6 +418,10 @@ static void ac_i8_col_stats(const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n,
 #if AC_HAVE_X86
     if (ac_kernel_path == AC_PATH_AVX512) {
         ac_i8_col_stats_avx512(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
+        return;
+    }
+    if (ac_kernel_path == AC_PATH_AVX2) {
+        ac_i8_col_stats_avx2(x, fmt, x_rs, n, D, mean, mabs, amax, ybuf, acc);
         return;
     }
 #endif
@@ -496,6 +638,309 @@ static void ac_i8_scores(int mode, const uint32_t *QT4, int Dq, const int8_t *kr
             ac_i8_qk1_emu(QT4, Dq, kr + j * k_rs, k_rs, kp + 2 * j, ST + (ptrdiff_t)j * 32, t0,
                           t1);
     }
+}
+
+/* ------------------------------------------------------------------------
+ * The same Q.K^T for the fused AVX2 kernel (16-row panels, 2 ymm of query
+ * lanes), AC_PATH_AVX2.  Three spellings of one exact int32 sum, chosen by
+ * the qk8 code:
+ *   AC_QK8_MADDUBS (4)  AVX2 alone: vpmaddubsw + vpmaddwd with the sign
+ *       trick.  vpmaddubsw multiplies unsigned bytes by signed ones and
+ *       adds adjacent pairs into int16 with saturation; with |q| as the
+ *       unsigned operand and q's sign moved onto the key (vpsignb), both
+ *       factors stay within +-128 / +-127 and a pair sums to at most 2 x
+ *       128 x 127 = 32512 < 32767: never saturated.  vpmaddwd with ones
+ *       then adds the pairs into int32.  The query bytes are packed as they
+ *       are (|q| is taken once per 4 channels, not per key), no correction.
+ *       (A key byte of -128 has no positive counterpart for vpsignb: int8
+ *       keys given by the caller that hold -128 take code 6, see
+ *       attncore._call.)
+ *   AC_QK8_AVXVNNI (5)  vpdpbusd on ymm (AVX-VNNI, VEX encoded): the layout
+ *       of the AVX-512 kernel above, query bytes offset by 128, the key's
+ *       128 sum k8 taken back by the accumulators' start value.
+ *   AC_QK8_AVXVNNI_EMU (6)  code 5's arithmetic in AVX2 (bytes widened to
+ *       16 bits, vpmaddwd): tests of that layout on any AVX2 CPU, and the
+ *       full int8 range of keys for code 4.
+ * Layout: QT4[t][r] = the 4 bytes q8[r][4t .. 4t+3] of query row r (16
+ * lanes; xor 0x80 for codes 5 / 6), then the 16 rows' scales.  Dq x 16 +
+ * 16 words: within the panel's D x 16 floats for D >= 2.
+ * ---------------------------------------------------------------------- */
+#define AC_QK8_MADDUBS 4
+#define AC_QK8_AVXVNNI 5
+#define AC_QK8_AVXVNNI_EMU 6
+/* the qk8 codes of the fused AVX2 kernel */
+#define AC_QK8_AVX2(c) ((c) >= AC_QK8_MADDUBS && (c) <= AC_QK8_AVXVNNI_EMU)
+/* keys per score micro-tile: 2 KU accumulators of 16 ymm registers (the
+   sign trick needs 5 more: |q|, q and the key's signed bytes, temps) */
+#ifndef AC_I8_KU_MADDUBS
+#define AC_I8_KU_MADDUBS 3
+#endif
+#ifndef AC_I8_KU_VNNI256
+#define AC_I8_KU_VNNI256 6
+#endif
+
+static AC_TGT_AVXVNNI inline __m256i ac_dp256_u8s8(__m256i acc, __m256i a, __m256i b)
+{
+    /* {vex}: the AVX-VNNI encoding (an assembler picks EVEX for the bare
+       mnemonic, an AVX512_VNNI + VL instruction); asm as ac_dp_u8s8 */
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+}
+
+/* the same four u8 x s8 products per lane in AVX2 (as ac_dp_u8s8_emu) */
+static AC_TGT_AVX2 inline __m256i ac_dp256_u8s8_emu(__m256i acc, __m256i a, __m256i b)
+{
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    const __m256i ae = _mm256_and_si256(a, lo8), ao = _mm256_srli_epi16(a, 8);
+    const __m256i be = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+    const __m256i bo = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ae, be),
+                                                  _mm256_madd_epi16(ao, bo)));
+}
+
+/* QT4 (Dq x 16 words) from int8 query rows r < nr (rows nr..15: zero
+   bytes, offset for codes 5 / 6, with scale 0), then rs[16] = qs * scale
+   of each row */
+static void ac_i8_pack_panel16(int mode, const int8_t *q, ptrdiff_t q_rs, const float *qsc,
+                               int nr, int D, float qs, uint32_t *QT4)
+{
+    const int Dq = (D + 3) / 4;
+    const uint32_t x = mode == AC_QK8_MADDUBS ? 0u : 0x80808080u;
+    for (int r = 0; r < 16; r++) {
+        const int8_t *qr = q + (ptrdiff_t)r * q_rs;
+        for (int t = 0; t < Dq; t++) {
+            uint32_t u = 0;
+            if (r < nr) memcpy(&u, qr + 4 * t, 4);
+            QT4[(ptrdiff_t)t * 16 + r] = u ^ x;
+        }
+    }
+    float *rsc = (float *)(void *)(QT4 + (ptrdiff_t)Dq * 16);
+    for (int r = 0; r < 16; r++) rsc[r] = r < nr ? qs * qsc[r] : 0.0f;
+}
+
+/* the tile's float scores from the int32 sums: ST rows (ld 16), running
+   tile max */
+#define AC_I8_FINISH256(KU)                                                                \
+    const float *rsc = (const float *)(const void *)(QT4 + (ptrdiff_t)Dq * 16);            \
+    const __m256 s0 = _mm256_loadu_ps(rsc), s1 = _mm256_loadu_ps(rsc + 8);                 \
+    __m256 m0 = *mx0, m1 = *mx1;                                                           \
+    _Pragma("GCC unroll 8")                                                                \
+    for (int u = 0; u < KU; u++) {                                                         \
+        const __m256 ks = _mm256_set1_ps(kp[2 * u]);                                       \
+        const __m256 x0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a0[u]), _mm256_mul_ps(s0, ks)); \
+        const __m256 x1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a1[u]), _mm256_mul_ps(s1, ks)); \
+        _mm256_storeu_ps(ST + u * 16, x0);                                                 \
+        _mm256_storeu_ps(ST + u * 16 + 8, x1);                                             \
+        m0 = _mm256_max_ps(x0, m0);                                                        \
+        m1 = _mm256_max_ps(x1, m1);                                                        \
+    }                                                                                      \
+    *mx0 = m0;                                                                             \
+    *mx1 = m1;
+
+/* codes 5 / 6: scores of KU keys (int8 rows of ld k_rs bytes; kp: per key
+ * (scale, 128 sum k8)) x 16 query lanes into ST rows (ld 16) */
+#define AC_DEF_I8_QK256(KU, NAME, TGT, DP)                                                 \
+static TGT AC_NOINLINE void NAME(const uint32_t *QT4, int Dq, const int8_t *kr,           \
+                                 ptrdiff_t k_rs, const float *kp, float *ST, __m256 *mx0,  \
+                                 __m256 *mx1)                                              \
+{                                                                                          \
+    __m256i a0[KU], a1[KU];                                                                \
+    _Pragma("GCC unroll 8")                                                                \
+    for (int u = 0; u < KU; u++) {                                                         \
+        int32_t c_;                                                                        \
+        memcpy(&c_, kp + 2 * u + 1, 4);                                                    \
+        a0[u] = _mm256_set1_epi32(-c_);                                                    \
+        a1[u] = a0[u];                                                                     \
+    }                                                                                      \
+    for (int t = 0; t < Dq; t++) {                                                         \
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(QT4 + (ptrdiff_t)t * 16));  \
+        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(QT4 + (ptrdiff_t)t * 16 + 8)); \
+        _Pragma("GCC unroll 8")                                                            \
+        for (int u = 0; u < KU; u++) {                                                     \
+            int32_t w;                                                                     \
+            memcpy(&w, kr + (ptrdiff_t)u * k_rs + 4 * t, 4);                               \
+            const __m256i b = _mm256_set1_epi32(w);                                        \
+            a0[u] = DP(a0[u], q0, b);                                                      \
+            a1[u] = DP(a1[u], q1, b);                                                      \
+        }                                                                                  \
+    }                                                                                      \
+    AC_I8_FINISH256(KU)                                                                    \
+}
+
+/* code 4, the sign trick: per lane sum over 4 channels of |q| (q's sign
+ * on k): vpsignb zeroes the key bytes where q is 0 */
+#define AC_DEF_I8_QK256S(KU, NAME)                                                         \
+static AC_TGT_AVX2 AC_NOINLINE void NAME(const uint32_t *QT4, int Dq, const int8_t *kr,   \
+                                         ptrdiff_t k_rs, const float *kp, float *ST,       \
+                                         __m256 *mx0, __m256 *mx1)                         \
+{                                                                                          \
+    __m256i a0[KU], a1[KU];                                                                \
+    const __m256i ones = _mm256_set1_epi16(1);                                             \
+    _Pragma("GCC unroll 8")                                                                \
+    for (int u = 0; u < KU; u++) {                                                         \
+        a0[u] = _mm256_setzero_si256();                                                    \
+        a1[u] = a0[u];                                                                     \
+    }                                                                                      \
+    for (int t = 0; t < Dq; t++) {                                                         \
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)(QT4 + (ptrdiff_t)t * 16));  \
+        const __m256i q1 = _mm256_loadu_si256((const __m256i *)(QT4 + (ptrdiff_t)t * 16 + 8)); \
+        const __m256i u0 = _mm256_abs_epi8(q0), u1 = _mm256_abs_epi8(q1);                  \
+        _Pragma("GCC unroll 8")                                                            \
+        for (int u = 0; u < KU; u++) {                                                     \
+            int32_t w;                                                                     \
+            memcpy(&w, kr + (ptrdiff_t)u * k_rs + 4 * t, 4);                               \
+            const __m256i b = _mm256_set1_epi32(w);                                        \
+            a0[u] = _mm256_add_epi32(a0[u], _mm256_madd_epi16(                             \
+                _mm256_maddubs_epi16(u0, _mm256_sign_epi8(b, q0)), ones));                \
+            a1[u] = _mm256_add_epi32(a1[u], _mm256_madd_epi16(                             \
+                _mm256_maddubs_epi16(u1, _mm256_sign_epi8(b, q1)), ones));                \
+        }                                                                                  \
+    }                                                                                      \
+    AC_I8_FINISH256(KU)                                                                    \
+}
+
+AC_DEF_I8_QK256S(AC_I8_KU_MADDUBS, ac_i8_qk_mb)
+AC_DEF_I8_QK256S(1, ac_i8_qk1_mb)
+AC_DEF_I8_QK256(AC_I8_KU_VNNI256, ac_i8_qk_avxvnni, AC_TGT_AVXVNNI, ac_dp256_u8s8)
+AC_DEF_I8_QK256(1, ac_i8_qk1_avxvnni, AC_TGT_AVXVNNI, ac_dp256_u8s8)
+AC_DEF_I8_QK256(AC_I8_KU_VNNI256, ac_i8_qk_avxvnni_emu, AC_TGT_AVX2, ac_dp256_u8s8_emu)
+AC_DEF_I8_QK256(1, ac_i8_qk1_avxvnni_emu, AC_TGT_AVX2, ac_dp256_u8s8_emu)
+
+typedef void (*ac_i8_qk256_fn)(const uint32_t *, int, const int8_t *, ptrdiff_t, const float *,
+                               float *, __m256 *, __m256 *);
+
+/* scores of nk keys from kr (ld k_rs bytes), kp (ld 2 floats) for the
+   16-row panel QT4: mode AC_QK8_MADDUBS / AVXVNNI / AVXVNNI_EMU */
+static void ac_i8_scores16(int mode, const uint32_t *QT4, int Dq, const int8_t *kr,
+                           ptrdiff_t k_rs, const float *kp, int nk, float *ST, __m256 *t0,
+                           __m256 *t1)
+{
+    ac_i8_qk256_fn fm, f1;
+    int ku;
+    if (mode == AC_QK8_MADDUBS) {
+        fm = ac_i8_qk_mb;
+        f1 = ac_i8_qk1_mb;
+        ku = AC_I8_KU_MADDUBS;
+    } else if (mode == AC_QK8_AVXVNNI) {
+        fm = ac_i8_qk_avxvnni;
+        f1 = ac_i8_qk1_avxvnni;
+        ku = AC_I8_KU_VNNI256;
+    } else {
+        fm = ac_i8_qk_avxvnni_emu;
+        f1 = ac_i8_qk1_avxvnni_emu;
+        ku = AC_I8_KU_VNNI256;
+    }
+    int j = 0;
+    for (; j + ku <= nk; j += ku)
+        fm(QT4, Dq, kr + j * k_rs, k_rs, kp + 2 * j, ST + (ptrdiff_t)j * 16, t0, t1);
+    for (; j < nk; j++)
+        f1(QT4, Dq, kr + j * k_rs, k_rs, kp + 2 * j, ST + (ptrdiff_t)j * 16, t0, t1);
+}
+
+/* S[r, j] = scale * sq[r] * ks[j] * (q8_r . k8_j) for a few query rows on
+ * the AVX2 path (decoding), keys read in place, 8 keys at a time, 32 bytes
+ * per load (the last chunk of a row through a 4-byte lane mask: rows are
+ * zero padded to a multiple of 4 bytes), the 8 sums reduced together.
+ * Code 4 takes the sign trick the other way round: |k| is the unsigned
+ * operand and k's sign moves onto q (queries come from the quantizer,
+ * +-127: every int8 key, -128 included, is exact); codes 5 / 6 the keys
+ * offset by 128 as the unsigned operand, 128 sum_d q8_r[d] subtracted. */
+static AC_TGT_AVX2 inline __m256i ac_hsum8_epi32(const __m256i *a)
+{
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+static AC_TGT_AVX2 inline __m256i ac_dp256_mb_k(__m256i acc, __m256i kv, __m256i qv)
+{
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv)),
+        _mm256_set1_epi16(1)));
+}
+
+static AC_TGT_AVXVNNI inline __m256i ac_dp256_off_k(__m256i acc, __m256i kv, __m256i qv)
+{
+    return ac_dp256_u8s8(acc, _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80)), qv);
+}
+
+static AC_TGT_AVX2 inline __m256i ac_dp256_off_k_emu(__m256i acc, __m256i kv, __m256i qv)
+{
+    return ac_dp256_u8s8_emu(acc, _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80)), qv);
+}
+
+#define AC_DEF_I8_SMALL256(NAME, TGT, DP, OFFSET)                                          \
+static TGT void NAME(int nq, int nk, int D, float scale, const int8_t *q, ptrdiff_t q_rs,  \
+                     const float *sq, const int8_t *k, ptrdiff_t k_rs, const float *ks,   \
+                     ptrdiff_t ks_rs, float *S, int ldS)                                  \
+{                                                                                          \
+    const int Dw = (D + 3) / 4, nf = Dw / 8, rest = Dw % 8;                                \
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest),                       \
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));    \
+    for (int r = 0; r < nq; r++) {                                                         \
+        const int8_t *qr = q + r * q_rs;                                                   \
+        int qsum = 0;                                                                      \
+        if (OFFSET)                                                                        \
+            for (int d = 0; d < 4 * Dw; d++) qsum += qr[d];                                \
+        const __m256i comp = _mm256_set1_epi32(128 * qsum);                                \
+        const float rs = scale * sq[r];                                                    \
+        float *Sr = S + (ptrdiff_t)r * ldS;                                                \
+        for (int j = 0; j < nk; j += 8) {                                                  \
+            const int nu = nk - j < 8 ? nk - j : 8;                                        \
+            const int8_t *kb = k + (ptrdiff_t)j * k_rs;                                    \
+            if (j + 24 <= nk) /* the block after next, a line at a time */                \
+                for (int u = 0; u < 8; u++)                                                \
+                    for (int o = 0; o < 4 * Dw; o += 64)                                   \
+                        _mm_prefetch((const char *)(kb + (ptrdiff_t)(u + 16) * k_rs + o),  \
+                                     _MM_HINT_T0);                                         \
+            __m256i a[8];                                                                  \
+            for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_si256();                     \
+            for (int c = 0; c < nf; c++) {                                                 \
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(qr + 32 * c));     \
+                for (int u = 0; u < nu; u++)                                               \
+                    a[u] = DP(a[u], _mm256_loadu_si256(                                    \
+                               (const __m256i *)(kb + (ptrdiff_t)u * k_rs + 32 * c)), qv); \
+            }                                                                              \
+            if (rest) {                                                                    \
+                const __m256i qv = _mm256_maskload_epi32((const int *)(qr + 32 * nf), tail); \
+                for (int u = 0; u < nu; u++)                                               \
+                    a[u] = DP(a[u], _mm256_maskload_epi32(                                 \
+                               (const int *)(kb + (ptrdiff_t)u * k_rs + 32 * nf), tail), qv); \
+            }                                                                              \
+            float sc[8];                                                                   \
+            for (int u = 0; u < 8; u++) sc[u] = u < nu ? ks[(ptrdiff_t)(j + u) * ks_rs] : 0.0f; \
+            __m256i t = ac_hsum8_epi32(a);                                                 \
+            if (OFFSET) t = _mm256_sub_epi32(t, comp);                                     \
+            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(t),                          \
+                                           _mm256_mul_ps(_mm256_loadu_ps(sc),              \
+                                                         _mm256_set1_ps(rs)));             \
+            if (nu == 8) {                                                                 \
+                _mm256_storeu_ps(Sr + j, x);                                               \
+            } else {                                                                       \
+                float xb[8];                                                               \
+                _mm256_storeu_ps(xb, x);                                                   \
+                for (int u = 0; u < nu; u++) Sr[j + u] = xb[u];                            \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+}
+
+AC_DEF_I8_SMALL256(ac_i8_scores_small_mb, AC_TGT_AVX2, ac_dp256_mb_k, 0)
+AC_DEF_I8_SMALL256(ac_i8_scores_small_avxvnni, AC_TGT_AVXVNNI, ac_dp256_off_k, 1)
+AC_DEF_I8_SMALL256(ac_i8_scores_small_avxvnni_emu, AC_TGT_AVX2, ac_dp256_off_k_emu, 1)
+
+/* the int8 scores of a few rows on the AVX2 path, code `mode` (4 - 6) */
+static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
+                                 const int8_t *q, ptrdiff_t q_rs, const float *sq,
+                                 const int8_t *k, ptrdiff_t k_rs, const float *ks,
+                                 ptrdiff_t ks_rs, float *S, int ldS)
+{
+    (mode == AC_QK8_MADDUBS   ? ac_i8_scores_small_mb
+     : mode == AC_QK8_AVXVNNI ? ac_i8_scores_small_avxvnni
+                              : ac_i8_scores_small_avxvnni_emu)(nq, nk, D, scale, q, q_rs, sq,
+                                                                k, k_rs, ks, ks_rs, S, ldS);
 }
 #endif /* AC_HAVE_X86 */
 

@@ -93,7 +93,10 @@ typedef struct {
                                  are int8 (kq8, ks_rs = 2: per key its
                                  scale and 128 sum k8); 1 vpdpbusd, 2 its
                                  AVX-512BW spelling (tests), 3 products of
-                                 the dequantized rows (other paths)        */
+                                 the dequantized rows (other paths); on
+                                 the AVX2 path 4 vpmaddubsw (sign trick),
+                                 5 AVX-VNNI vpdpbusd, 6 its AVX2 spelling
+                                 (ac_int8dot.h, AC_QK8_*)                  */
     const float *qsc;         /* the query rows' scales of this batch
                                  element (qk8)                             */
     ptrdiff_t mp_off;         /* offset in the score scratch of the fused
