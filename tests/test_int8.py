@@ -11,15 +11,19 @@ AVX-512 CPU, and the dequantized rows of the other paths; on the avx2
 path vpmaddubsw with the sign trick, AVX-VNNI's vpdpbusd where the CPU has
 it and that layout spelled in AVX2.
 """
+import os
+
 import numpy as np
 import pytest
 
 import attncore
 from attncore import _kernels
 from attncore._core import _sdpa
-from conftest import FORCED_PATH
-from reference import sdpa_ref
-from reference import rand
+from reference import rand, sdpa_ref
+
+# the path a session is forced to (tests/conftest.py reads the same variable; a
+# module import of conftest would find docs/guide's when both folders run)
+FORCED_PATH = os.environ.get("ATTNCORE_TEST_KERNEL_PATH") or None
 
 sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
