@@ -1082,10 +1082,12 @@ def sdpa(call, out, weights=None, lse=None):
 # keys a query block of a few rows stages at a time (all its key heads:
 # 64 rows of 8 x 128 float32 keys and values are 512 KiB, within an L2)
 DEF _STAGE_SMALL = 64
+DEF _STAGE_BYTES = 2097152
 
 
 cdef struct _PItem:
-    double cost     # query rows x keys seen (the order of the work list)
+    double gcost    # the same of its (sequence, head): the order of the work list
+    double cost     # query rows x keys seen by this item
     int seq
     int head        # query head; with fold, the key head
     int fold        # 1: the rows are the query heads of one key head (one query)
@@ -1127,6 +1129,7 @@ cdef struct _POps:
                                   # of many rows stage every range
     Py_ssize_t stage_rows         # (key, head) rows the staging buffer holds
     Py_ssize_t stage_off          # bytes from a thread's scratch to its staging rows
+    Py_ssize_t tag_off            # ... and to the _Staged record of what they hold
     const double *slopes          # ALiBi slope per (sequence, query head), or NULL
     const double *sinks           # sink logit per (sequence, query head), or NULL
 
@@ -1181,6 +1184,11 @@ cdef inline Py_ssize_t _stage_bytes(const ac_params *pb, const _POps *ops,
     """Bytes of the staging area of cap (key, head) rows: K rows, V rows,
     then the int8 scales (one of the compute dtype per row each)."""
     return cap * (pb.D * ops.k_isz + pb.Dv * ops.v_isz + 2 * ops.sc_isz)
+
+
+cdef struct _Staged:
+    Py_ssize_t seq, hk0, j, je, cap   # what a thread's staging buffer holds (seq -1: nothing)
+    int nh
 
 
 cdef inline void _stage_rows(char *dst, const char *src, Py_ssize_t take, Py_ssize_t nh,
@@ -1273,6 +1281,7 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
     # the whole key array)
     cdef Py_ssize_t base = ops.koff[s] if ops.koff != NULL else 0
     cdef char *st = (<char *>buf) + ops.stage_off
+    cdef _Staged *tag = <_Staged *>((<char *>buf) + ops.tag_off)
     cdef char *sth
     cdef ac_params pc = pb[0]
     cdef Py_ssize_t j = ks, je, blk, bid, off, hk, r0
@@ -1302,7 +1311,18 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
                               or (je - j < cap and je < ke))
         if staged:
             je = _stage_end(cap, j, ke)
-            _stage_keys(pb, ops, row, base, hk0, nh, j, je, cap, st)
+            # the keys this thread staged last serve here too when they
+            # are the same head's from the same key (the blocks of one head,
+            # costliest -- widest -- first)
+            if not (tag.seq == s and tag.hk0 == hk0 and tag.nh == nh and tag.j == j
+                    and tag.je >= je and tag.cap == cap):
+                _stage_keys(pb, ops, row, base, hk0, nh, j, je, cap, st)
+                tag.seq = s
+                tag.hk0 = hk0
+                tag.nh = nh
+                tag.j = j
+                tag.je = je
+                tag.cap = cap
         pc.M = <int>(pb.M - j)
         for t in range(nh):
             hk = hk0 + t
@@ -1472,15 +1492,21 @@ cdef inline void _paged_merge(const ac_params *p0, const _POps *ops, const _PIte
 
 
 cdef int _pitem_cmp(const void *a, const void *b) noexcept nogil:
-    """Costliest first; ties in the order built (sequence, head, block)."""
+    """(sequence, head) pairs costliest first, and within one its blocks
+    costliest first: a thread works through one head's keys together (its
+    staged keys serve the next block of the same head), the longest
+    sequences start first and the cheapest blocks of the shortest ones fill
+    the gaps at the end."""
     cdef const _PItem *x = <const _PItem *>a
     cdef const _PItem *y = <const _PItem *>b
-    if x.cost != y.cost:
-        return -1 if x.cost > y.cost else 1
+    if x.gcost != y.gcost:
+        return -1 if x.gcost > y.gcost else 1
     if x.seq != y.seq:
         return -1 if x.seq < y.seq else 1
     if x.head != y.head:
         return -1 if x.head < y.head else 1
+    if x.cost != y.cost:
+        return -1 if x.cost > y.cost else 1
     if x.qb != y.qb:
         return -1 if x.qb < y.qb else 1
     return -1 if x.split < y.split else (1 if x.split > y.split else 0)
@@ -1494,7 +1520,7 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
     splits).  Each thread's scratch: the kernel's, the running state and
     one partial.  0 on success, -1 when memory ran out."""
     cdef Py_ssize_t Bq = p.Bq
-    cdef Py_ssize_t total = ops.stage_off + _stage_bytes(p, ops, ops.stage_rows)
+    cdef Py_ssize_t total = ops.tag_off + sizeof(_Staged)
     cdef void *raw = NULL
     cdef floating *buf = NULL
     cdef int err = 0
@@ -1505,6 +1531,7 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
         buf = <floating *>_align64(raw)
         if buf == NULL:
             return -1
+        (<_Staged *>((<char *>buf) + ops.tag_off)).seq = -1
         ac_blas_hold()
         for w in range(W):
             _paged_item(p, ops, items + w, buf)
@@ -1518,6 +1545,8 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
         buf = <floating *>_align64(raw)
         if buf == NULL:
             errp[0] = -1
+        else:
+            (<_Staged *>((<char *>buf) + ops.tag_off)).seq = -1
         ac_blas_hold()
         for w in prange(W, schedule='dynamic'):
             if buf != NULL:
@@ -1608,8 +1637,8 @@ def sdpa_paged(call, out, lse=None):
     cdef ac_params p
     cdef _POps ops
     cdef Py_ssize_t S = lens.shape[0], W = 0, F = 0, w, s, h, qb, nqb, ns, sp, nq, i0, L, lo
-    cdef Py_ssize_t hi, nslot = 0, H
-    cdef double cost
+    cdef Py_ssize_t hi, nslot = 0, H, w0, w1
+    cdef double cost, gcost
     cdef _PItem *items = NULL
     cdef _PItem *firsts = NULL
     cdef char *part = NULL
@@ -1738,12 +1767,19 @@ def sdpa_paged(call, out, lse=None):
         # them (at most 256 KiB) at a time, where blocks are shorter: the
         # kernel's tiles stay long and its per-range work (the query
         # panels, the merge) is amortized
-        ops.stage = 262144 // (D * ops.k_isz + Dv * ops.v_isz + 2 * ops.sc_isz)
-        ops.stage = max(1, min(256, ops.stage))
+        # query blocks of many rows stage up to 2 MiB of keys at a time (a
+        # head's keys staged once serve its next blocks on the thread)
+        ops.stage = _STAGE_BYTES // (D * ops.k_isz + Dv * ops.v_isz + 2 * ops.sc_isz)
+        L = 1
+        for s in range(S):
+            if lens[s] > L:
+                L = lens[s]
+        ops.stage = max(1, min(L, ops.stage))
         ops.stage_small = min(ops.stage, _STAGE_SMALL)
         ops.stage_rows = max(ops.stage, ops.stage_small * (H // group))
         ops.strided = p.k_rs != D or p.v_rs != Dv
         ops.stage_off = ((p.s_len + 2 * (Bq * Dv + 5 * Bq)) * bo.itemsize + 63) // 64 * 64
+        ops.tag_off = (ops.stage_off + _stage_bytes(&p, &ops, ops.stage_rows) + 63) // 64 * 64
         # consecutive block ids are one range where a block follows the
         # previous one in memory (every cache array's block stride is its
         # block's rows)
@@ -1773,6 +1809,7 @@ def sdpa_paged(call, out, lse=None):
                 ns = (L + chunk - 1) // chunk if (ops.chunk and L > 0) else 1
                 p.N = <int>nq
                 p.M = <int>L
+                w0 = w
                 if fold and nq == 1:
                     _paged_items(items, &w, firsts, &F, &nslot, s, 0, 1, 0, ns, <double>H * L / ns)
                 else:
@@ -1789,6 +1826,13 @@ def sdpa_paged(call, out, lse=None):
                         cost = <double>(Bq if nq - i0 > Bq else nq - i0) * (hi - lo + 16) / ns
                         for h in range(H):
                             _paged_items(items, &w, firsts, &F, &nslot, s, h, 0, qb, ns, cost)
+                # a head's items together: every head of a sequence costs the same
+                gcost = 0
+                for w1 in range(w0, w):
+                    if items[w1].head == items[w0].head:
+                        gcost += items[w1].cost
+                for w1 in range(w0, w):
+                    items[w1].gcost = gcost
             qsort(items, W, sizeof(_PItem), _pitem_cmp)
             p.N = 0
             p.M = 0
