@@ -1121,12 +1121,13 @@ cdef struct _POps:
     int runs                      # physically consecutive blocks read as one range
     Py_ssize_t k_isz, v_isz       # bytes per cache element
     Py_ssize_t sc_isz             # bytes per int8 scale (the compute dtype)
-    int stage                     # query blocks of more than AC_SMALL_ROWS rows: keys
-                                  # staged (dense, in the thread's scratch) this many
-                                  # at a time where runs are shorter; 0 never
-    int stage_small               # the same for query blocks of a few rows
-    int strided                   # a head's key / value rows are not dense: query blocks
-                                  # of many rows stage every range
+    # keys staged (dense, in the thread's scratch) at a time by query
+    # blocks of more than AC_SMALL_ROWS rows (stage) and of a few
+    # (stage_small); strided: a head's key / value rows are not dense
+    # (query blocks of many rows then stage every range)
+    int stage
+    int stage_small
+    int strided
     Py_ssize_t stage_rows         # (key, head) rows the staging buffer holds
     Py_ssize_t stage_off          # bytes from a thread's scratch to its staging rows
     Py_ssize_t tag_off            # ... and to the _Staged record of what they hold
@@ -1519,7 +1520,6 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
     order given, then the merge of the split ones (firsts: their first
     splits).  Each thread's scratch: the kernel's, the running state and
     one partial.  0 on success, -1 when memory ran out."""
-    cdef Py_ssize_t Bq = p.Bq
     cdef Py_ssize_t total = ops.tag_off + sizeof(_Staged)
     cdef void *raw = NULL
     cdef floating *buf = NULL
@@ -1636,7 +1636,7 @@ def sdpa_paged(call, out, lse=None):
     cdef Py_buffer *bvs = NULL
     cdef ac_params p
     cdef _POps ops
-    cdef Py_ssize_t S = lens.shape[0], W = 0, F = 0, w, s, h, qb, nqb, ns, sp, nq, i0, L, lo
+    cdef Py_ssize_t S = lens.shape[0], W = 0, F = 0, w, s, h, qb, nqb, ns, nq, i0, L, lo
     cdef Py_ssize_t hi, nslot = 0, H, w0, w1
     cdef double cost, gcost
     cdef _PItem *items = NULL
