@@ -496,6 +496,36 @@ def conversion(md: Modes, qk8: int, fmts: tuple, ks, vs) -> int:
     return int(bool(fmts[1] or fmts[2] or ks is not None or vs is not None or md.bf16dot))
 
 
+def _folded_decode(chk: Checked) -> Call | None:
+    """A one-query grouped-query call (a decoding step, (B, Hq, 1, D) over
+    (B, Hk, M, D)) as the paged kernel's folded items: each batch
+    element's query heads run a key head at a time as the rows of one
+    range, so a key head's keys and values are read once for its group
+    (the dense kernel's items read them once per query head).  The keys
+    are a pool of one block per batch element, a view.  None where this
+    does not apply: a mask, weights, ALiBi, int8 Q.K^T, upper-left causal
+    or window alignment, broadcast batch axes, keys of another dtype."""
+    q, k, v = chk.q, chk.k, chk.v
+    k8, v8 = chk.k8, chk.v8
+    if (chk.group < 2 or q.ndim != 4 or q.shape[2] != 1 or k.ndim != 4 or v.ndim != 4
+            or chk.mask is not None or chk.need_weights or chk.slopes is not None
+            or chk.causal not in (0, 2) or chk.window != (-1, -1) or chk.pol.products == "int8"
+            or not q.shape[0] == k.shape[0] == v.shape[0] or chk.bshape != q.shape[:2]
+            or (k8 is None) != (v8 is None)
+            or (k8 is None and not q.dtype == k.dtype == v.dtype)):
+        return None
+    from . import _paged  # noqa: PLC0415 - it builds on this module
+
+    B, M = q.shape[0], k.shape[2]
+    kp, vp = (x[0] if x is not None else y for x, y in ((k8, k), (v8, v)))
+    ks, vs = (None if x is None else x[1].transpose(0, 2, 1) for x in (k8, v8))
+    c = _paged._paged_call(q[:, :, 0], kp.transpose(0, 2, 1, 3), ks, vp.transpose(0, 2, 1, 3),
+                           vs, np.arange(B, dtype=np.int32)[:, None], np.full(B, M, np.int64),
+                           np.arange(B + 1, dtype=np.int64), chk.pol, chk.group, chk.scale, 0,
+                           (-1, -1), chk.softcap, None, chk.sinks, chk.nthreads, chk.need_lse)
+    return c._replace(bshape=chk.bshape, N=1, M=M)
+
+
 def describe(chk: Checked) -> Call:
     """The kernel call of a checked, non-empty call."""
     cdt = chk.pol.compute
@@ -506,6 +536,9 @@ def describe(chk: Checked) -> Call:
             q=to_float(chk.q, cdt) if half_code(chk.q.dtype) else chk.q,
             k=to_float(chk.k, cdt) if half_code(chk.k.dtype) and chk.k8 is None else chk.k,
             v=to_float(chk.v, cdt) if half_code(chk.v.dtype) and chk.v8 is None else chk.v)
+    folded = _folded_decode(chk)
+    if folded is not None:
+        return folded
     (_, _, _, _, _, _, mask_kind, pol, bshape, group, causal, scale, nthreads, window, softcap,
      slopes, sinks, need_w, need_lse) = chk
     N, D = chk.q.shape[-2:]
@@ -540,7 +573,11 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
     if c.block_table is not None:
         out = np.empty((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
         lse = np.empty(c.q.shape[:2], dtype=c.compute) if c.need_lse else None
-        return out, None, lse, _sdpa.sdpa_paged(c, out, lse)
+        finite = _sdpa.sdpa_paged(c, out, lse)
+        if c.N:  # a dense one-query call run folded (_folded_decode): its shapes
+            nb = math.prod(c.bshape)
+            out, lse = out.reshape(nb, 1, c.Dv), None if lse is None else lse.reshape(nb, 1)
+        return out, None, lse, finite
     nb = math.prod(c.bshape)
     out = np.empty((nb, c.N, c.Dv), dtype=c.compute)
     weights = np.empty((nb, c.N, c.M), dtype=c.compute) if c.need_weights else None

@@ -1308,8 +1308,7 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
         if je > ke:
             je = ke
         off = base + j - blk * bs
-        staged = cap > 0 and ((nq <= AC_SMALL_ROWS and nh > 1) or ops.strided
-                              or (je - j < cap and je < ke))
+        staged = cap > 0 and (ops.strided or (je - j < cap and je < ke))
         if staged:
             je = _stage_end(cap, j, ke)
             # the keys this thread staged last serve here too when they

@@ -1,0 +1,79 @@
+"""One-query grouped-query calls (decoding steps) run as the paged kernel's
+folded items (attncore._call._folded_decode): the same results as the
+float64 reference, and the dense kernel wherever the fold does not apply."""
+import numpy as np
+import pytest
+
+import attncore
+from attncore._core import _sdpa
+from reference import rand, sdpa_ref
+
+sdpa = attncore.scaled_dot_product_attention
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Which compiled launcher each call took."""
+    seen = []
+    for name in ("sdpa", "sdpa_paged"):
+        real = getattr(_sdpa, name)
+
+        def spy(*args, _real=real, _name=name):
+            seen.append(_name)
+            return _real(*args)
+        monkeypatch.setattr(_sdpa, name, spy)
+    return seen
+
+
+CASES = {
+    "plain": {},
+    "lower-right causal": dict(is_causal="lower_right"),
+    "softcap": dict(softcap=4.0),
+    "sinks": dict(sinks=np.linspace(-1, 1, 8)),
+    "scale": dict(scale=0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("B,Hk,M,D", [(1, 2, 300, 64), (3, 4, 37, 16), (2, 1, 1000, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_folded_decode_matches_reference(kernels, name, B, Hk, M, D, threads):
+    kw = CASES[name]
+    q, k, v = rand((B, 8, 1, D), 0), rand((B, Hk, M, D), 1), rand((B, Hk, M, D), 2)
+    out, lse = sdpa(q, k, v, enable_gqa=True, return_lse=True, num_threads=threads, **kw)
+    ref, rlse = sdpa_ref(q, k, v, is_causal=2 if kw.get("is_causal") else 0, group=8 // Hk,
+                         scale=kw.get("scale"), softcap=kw.get("softcap"),
+                         sinks=kw.get("sinks"), return_lse=True)
+    assert kernels == ["sdpa_paged"]
+    assert out.shape == (B, 8, 1, D) and lse.shape == (B, 8, 1)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lse, rlse, atol=2e-5, rtol=1e-6)
+
+
+def test_folded_decode_int8_and_half(kernels):
+    q, k, v = rand((2, 8, 1, 64), 3), rand((2, 2, 200, 64), 4), rand((2, 2, 200, 64), 5)
+    k8, v8 = attncore.quantize_kv(k), attncore.quantize_kv(v)
+    out = sdpa(q, k8, v8, enable_gqa=True)
+    kd, vd = k8[0] * k8[1][..., None], v8[0] * v8[1][..., None]
+    np.testing.assert_allclose(out, sdpa_ref(q, kd, vd, group=4), atol=2e-5, rtol=0)
+    h = [a.astype(np.float16) for a in (q, k, v)]
+    out = sdpa(*h, enable_gqa=True)
+    assert out.dtype == np.float16
+    ref = sdpa_ref(*(a.astype(np.float64) for a in h), group=4)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=2e-3, rtol=0)
+    assert kernels == ["sdpa_paged", "sdpa_paged"]
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(attn_mask=np.ones((1, 50), bool)),
+                                dict(alibi_slopes=np.ones(8)), dict(window=(3, 0)),
+                                dict(return_weights=True)])
+def test_dense_kernel_where_the_fold_does_not_apply(kernels, kw):
+    q, k, v = rand((1, 8, 1, 32), 6), rand((1, 2, 50, 32), 7), rand((1, 2, 50, 32), 8)
+    sdpa(q, k, v, enable_gqa=True, **kw)
+    assert kernels == ["sdpa"]
+
+
+def test_no_group_keeps_the_dense_kernel(kernels):
+    q, k = rand((2, 4, 1, 32), 9), rand((2, 4, 60, 32), 10)
+    sdpa(q, k, k)
+    assert kernels == ["sdpa"]
