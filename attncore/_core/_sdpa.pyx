@@ -1258,14 +1258,15 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
     they are in cache), their query rows G * q_hs elements apart and their
     state one after the other.  Keys are read in place a run of physically
     consecutive blocks at a time, or staged dense in the thread's scratch
-    (_stage_keys): a folded item's every range (up to ops.stage_small keys
-    of all its heads, the pool read in its own order; read head by head in
-    place, a block is pieces a 4 KiB multiple apart that the hardware
-    prefetchers follow badly), a query block of more rows every range of
-    ops.stage keys where a head's rows are not dense (heads side by side:
-    fewer pages and cache lines per key tile) and otherwise its runs
-    shorter than that (the kernel's tiles stay long, its per-range work
-    amortized).  Returns whether any key tile was processed."""
+    (_stage_keys, the pool read in its own order): every range where a
+    head's rows are not dense (the paged layout, heads side by side: read
+    head by head in place, a block is pieces a 4 KiB multiple apart that
+    the hardware prefetchers follow badly), up to ops.stage_small keys of
+    all the item's heads for a few query rows and ops.stage keys for
+    more, and otherwise the runs shorter than that (the kernel's tiles
+    stay long, its per-range work amortized).  A thread's staged keys serve
+    its next item of the same head and key range.  Returns whether any key
+    tile was processed."""
     cdef Py_ssize_t Bq = pb.Bq, Dv = pb.Dv, bs = ops.bs
     cdef floating *S = buf
     cdef floating *acc = S + pb.s_len
