@@ -11,21 +11,7 @@ import numpy as np
 import attncore
 
 from .common import THREADS, TIMEOUT, api_threads, memo
-
-
-def _pool(lens, Hk=8, D=128, bs=32, seed=0):
-    rng = np.random.default_rng(seed)
-    nblk = -(-np.asarray(lens) // bs)
-    NB = int(nblk.sum()) + 16
-    kc = rng.standard_normal((NB, bs, Hk, D), dtype=np.float32)
-    vc = rng.standard_normal((NB, bs, Hk, D), dtype=np.float32)
-    perm = rng.permutation(NB).astype(np.int32)
-    bt = np.zeros((len(lens), int(nblk.max())), np.int32)
-    o = 0
-    for s, n in enumerate(nblk):
-        bt[s, :n] = perm[o:o + n]
-        o += n
-    return kc, vc, bt
+from .paged_inputs import pool
 
 
 def _inputs(case):
@@ -37,7 +23,7 @@ def _inputs(case):
         dec = np.geomspace(256, 4096, 28).astype(np.int64)
         lens = np.concatenate([[1024] * 4, dec])
         nq = np.concatenate([[512] * 4, [1] * 28])
-    kc, vc, bt = _pool(lens)
+    kc, vc, bt = pool(lens, Hk=8, D=128, bs=32)
     cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
     q = rng.standard_normal((int(cq[-1]), 32, 128), dtype=np.float32)
     return q, kc, vc, dict(block_table=bt, seq_lens=lens.astype(np.int32), cu_seqlens_q=cq,

@@ -62,7 +62,7 @@ import attncore
 import attncore.integrations.transformers as act
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import cpu_model  # noqa: E402
+from timing import accumulating, cpu_model  # noqa: E402
 
 CASES = ["prefill 1x4096", "prefill 4x512 left-pad", "decode 128 after 2048"]
 # issue 10: attention alone >= 1.3x sdpa; end to end prefill at 4096 >= 1.05x; decode >= 1.0x
@@ -75,13 +75,8 @@ _attn_seconds = {name: 0.0 for name in IMPLS + (F32,)}
 
 
 def _timed(name, fn):
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _attn_seconds[name] += time.perf_counter() - t0
-    return timed
+    """``fn`` adding its wall time to ``_attn_seconds[name]``."""
+    return accumulating(_attn_seconds, name, fn)
 
 
 def _register_timed():

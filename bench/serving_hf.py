@@ -54,7 +54,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import cpu_model  # noqa: E402
+from timing import accumulating, cpu_model  # noqa: E402
 
 IMPLS = ("attncore", "sdpa", "paged|eager")
 _attn_seconds = dict.fromkeys(IMPLS, 0.0)
@@ -62,13 +62,7 @@ _attn_seconds = dict.fromkeys(IMPLS, 0.0)
 
 def _timed(name, fn):
     """``fn`` adding its wall time to ``_attn_seconds[name]``."""
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _attn_seconds[name] += time.perf_counter() - t0
-    return timed
+    return accumulating(_attn_seconds, name, fn)
 
 
 def load_model(torch, prefer_smollm=True):

@@ -49,6 +49,18 @@ def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.
     return {key: statistics.median(s) for key, s in samples.items()}
 
 
+def accumulating(totals, name, fn):
+    """``fn`` adding the wall seconds of every call to ``totals[name]``
+    (the attention functions of a model run, timed inside it)."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return timed
+
+
 def cpu_model():
     """The CPU's model name with its family / model numbers (Linux
     /proc/cpuinfo; platform otherwise): virtual machines often report a bare
