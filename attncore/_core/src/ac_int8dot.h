@@ -275,14 +275,6 @@ static AC_TGT_AVX2 inline float ac_i8_hmax_avx2(__m256 v)
     return _mm_cvtss_f32(x);
 }
 
-static AC_TGT_AVX2 inline float ac_i8_hsum_avx2(__m256 v)
-{
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-}
-
 static AC_TGT_AVX2 void ac_i8_quantize_rows_avx2(
     const void *x, int fmt, ptrdiff_t x_rs, ptrdiff_t n, int D, const float *sub,
     const float *w, const float *dv, int8_t *out, ptrdiff_t ld, float *scales, float *dots,
@@ -305,7 +297,7 @@ static AC_TGT_AVX2 void ac_i8_quantize_rows_avx2(
             nf = _mm256_or_ps(nf, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
             vmax = _mm256_max_ps(vmax, a);
         }
-        if (dots) dots[r] = ac_i8_hsum_avx2(vdot);
+        if (dots) dots[r] = ac_hsum1_avx2(vdot);
         const float amax = ac_i8_hmax_avx2(vmax);
         const int nonfinite = _mm256_movemask_ps(nf) != 0;
         int8_t *o = out + r * ld;
@@ -525,25 +517,6 @@ AC_DEF_I8_QK(1, ac_i8_qk1, AC_TGT_AVX512_VNNI, ac_dp_u8s8)
 AC_DEF_I8_QK(8, ac_i8_qk8_emu, AC_TGT_AVX512, ac_dp_u8s8_emu)
 AC_DEF_I8_QK(1, ac_i8_qk1_emu, AC_TGT_AVX512, ac_dp_u8s8_emu)
 
-/* the 16 horizontal int32 sums of a[0..15] (lane i: sum of a[i]), the
- * transposing tree of ac_hsum16_avx512 in integers (exact) */
-static AC_TGT_AVX512 inline __m512i ac_hsum16_epi32(const __m512i *a)
-{
-    __m512i t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
-                                _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-    const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44),
-                                         _mm512_shuffle_i32x4(u[0], u[1], 0xEE));
-    const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44),
-                                         _mm512_shuffle_i32x4(u[2], u[3], 0xEE));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, 0x88),
-                            _mm512_shuffle_i32x4(x01, x23, 0xDD));
-}
-
 /* S[r, j] = scale * sq[r] * ks[j] * (q8_r . k8_j) for a few query rows
  * (decoding), keys read in place: 16 keys at a time, each key's bytes
  * (offset by 128: the unsigned operand) against the query row's, the 16
@@ -608,7 +581,8 @@ static TGT void NAME(int nq, int nk, int D, float scale, const int8_t *q, ptrdif
             const __m512 kscale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx,  \
                                                            ks + (ptrdiff_t)j * ks_rs, 4);  \
             const __m512 sc = _mm512_mul_ps(                                               \
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(ac_hsum16_epi32(a), comp)),            \
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(                                       \
+                    _mm512_castps_si512(ac_hsum16_avx512((const __m512 *)a, 1)), comp)),   \
                                             _mm512_mul_ps(kscale, _mm512_set1_ps(rs)));    \
             _mm512_mask_storeu_ps(Sr + j, live, sc);                                       \
         }                                                                                  \
@@ -845,15 +819,6 @@ static void ac_i8_scores16(int mode, const uint32_t *QT4, int Dq, const int8_t *
  * operand and k's sign moves onto q (queries come from the quantizer,
  * +-127: every int8 key, -128 included, is exact); codes 5 / 6 the keys
  * offset by 128 as the unsigned operand, 128 sum_d q8_r[d] subtracted. */
-static AC_TGT_AVX2 inline __m256i ac_hsum8_epi32(const __m256i *a)
-{
-    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
-    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
-    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                            _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
 static AC_TGT_AVX2 inline __m256i ac_dp256_mb_k(__m256i acc, __m256i kv, __m256i qv)
 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(
@@ -911,7 +876,7 @@ static TGT void NAME(int nq, int nk, int D, float scale, const int8_t *q, ptrdif
             }                                                                              \
             float sc[8];                                                                   \
             for (int u = 0; u < 8; u++) sc[u] = u < nu ? ks[(ptrdiff_t)(j + u) * ks_rs] : 0.0f; \
-            __m256i t = ac_hsum8_epi32(a);                                                 \
+            __m256i t = _mm256_castps_si256(ac_hsum8_avx2((const __m256 *)a, 1));          \
             if (OFFSET) t = _mm256_sub_epi32(t, comp);                                     \
             const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(t),                          \
                                            _mm256_mul_ps(_mm256_loadu_ps(sc),              \

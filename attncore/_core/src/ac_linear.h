@@ -130,17 +130,12 @@ static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
     if (ac_kernel_path == AC_PATH_PORTABLE) return -1;
     if (c1 <= c0 || nr <= 0) return 0;
     if (nr <= AC_LINEAR_SMALL) {
-        for (int r = r0; r < r0 + nr; r++) {
-            float *o = out + r * o_rs + c0;
-            if (ac_kernel_path == AC_PATH_AVX512)
-                ac_scores_small_f32_avx512(1, c1 - c0, K, 1.0f, x + r * x_rs, x_rs,
-                                           w + c0 * w_rs, w_rs, o, (int)o_rs);
-            else
-                ac_scores_small_f32(1, c1 - c0, K, 1.0f, x + r * x_rs, x_rs,
-                                    w + c0 * w_rs, w_rs, o, (int)o_rs);
-            if (bias)
-                for (int c = 0; c < c1 - c0; c++) o[c] += bias[c0 + c];
-        }
+        float *o = out + r0 * o_rs + c0;
+        ac_scores_small_x86(ac_kernel_path == AC_PATH_AVX512, AC_SE_F32, nr, c1 - c0, K, 1.0f,
+                            x + r0 * x_rs, x_rs, w + c0 * w_rs, w_rs, NULL, 0, o, (int)o_rs);
+        if (bias)
+            for (int r = 0; r < nr; r++)
+                for (int c = 0; c < c1 - c0; c++) o[r * o_rs + c] += bias[c0 + c];
         return 0;
     }
     const int P = ac_fused_panel_rows();

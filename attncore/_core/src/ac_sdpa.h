@@ -30,9 +30,8 @@
 #include <math.h>
 #include "ac_common.h"
 #include "ac_math.h"
-#include "ac_small_x86.h"
+#include "ac_small.h"
 #include "ac_half.h"
-#include "ac_small_avx2.h"
 #include "ac_bf16dot.h"
 #include "ac_int8dot.h"
 

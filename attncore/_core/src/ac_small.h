@@ -1,0 +1,241 @@
+/*
+ * ac_small.h -- products for query blocks of a few rows (decoding, one
+ * decoder step of a seq2seq model, a grouped-query head group) on the AVX2
+ * and AVX-512 paths, keys and values read in place in every storage
+ * format: float32, bfloat16 (a shift), float16 (F16C) and int8 (a sign
+ * extension; the row's scale applied to the sum).
+ *
+ * At these sizes the work is streaming K and V once.  One body
+ * (ac_small_impl.inc), instantiated per instruction set and parameterized
+ * by the element loader, scores a block of keys x query rows at a time
+ * with one accumulator each (16 zmm / 8 ymm registers) whose sums are
+ * reduced together by a transposing tree (one query row on AVX-512: the
+ * row in registers, each key row read in order), prefetches the rows a
+ * few KiB ahead, and keeps the P.V accumulator of
+ * up to 8 vectors of columns x rows in registers across all keys: each key
+ * and value row is loaded once for all the block's query rows.  Nothing is
+ * converted to a float copy first, so a 16-bit or int8 cache is read at
+ * its own size.
+ *
+ * Chosen at run time (ac_sdpa_variant.inc: ac_scores_small_x86 /
+ * ac_pv_small_x86); the portable loops are in ac_sdpa_impl.inc.
+ */
+#ifndef AC_SMALL_H
+#define AC_SMALL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include "ac_common.h"
+#include "ac_cpu.h"
+
+/* element formats of an operand read in place (the 16-bit codes are
+ * ac_half.h's AC_H_BF16 / AC_H_F16) */
+#define AC_SE_F32 0
+#define AC_SE_BF16 1
+#define AC_SE_F16 2
+#define AC_SE_I8 3
+
+/* the format of an operand from its int8 flag and 16-bit code (AC_H_*) */
+#define AC_SMALL_FMT(q8, h) ((q8) ? AC_SE_I8 : (h))
+
+static inline size_t ac_se_size(int fmt)
+{
+    return fmt == AC_SE_F32 ? 4 : (fmt == AC_SE_I8 ? 1 : 2);
+}
+
+#if AC_HAVE_X86
+
+#define AC_SINLINE inline __attribute__((always_inline))
+
+/* software prefetch distances, in rows: keys (scores) and values (P.V) */
+/* software prefetch distances in bytes of rows ahead: keys (scores) and
+ * values (P.V); tuned on Zen 5 (8 / 4 KiB against 4 - 16 KiB) */
+#ifndef AC_SMALL_PF_K
+#define AC_SMALL_PF_K 8192
+#endif
+#ifndef AC_SMALL_PF_V
+#define AC_SMALL_PF_V 4096
+#endif
+
+/* rows of rb bytes that make about `bytes` (at least one) */
+static inline int ac_small_pf_rows(ptrdiff_t rb, ptrdiff_t bytes)
+{
+    const ptrdiff_t n = bytes / (rb > 0 ? rb : 1);
+    return n < 1 ? 1 : (int)n;
+}
+
+/* 16 elements at p (fmt, a compile-time constant in every caller) as
+ * floats; the _m form reads only the lanes of m (the rest are 0) */
+static AC_TGT_AVX512 AC_SINLINE __m512 ac_ld16_m(int fmt, const void *p, __mmask16 m)
+{
+    if (fmt == AC_SE_F32)
+        return _mm512_maskz_loadu_ps(m, p);
+    if (fmt == AC_SE_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    if (fmt == AC_SE_F16)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+static AC_TGT_AVX512 AC_SINLINE __m512 ac_ld16(int fmt, const void *p)
+{
+    return ac_ld16_m(fmt, p, (__mmask16)0xFFFF);
+}
+
+/* 8 elements at p as floats; the _n form the first n < 8 (the rest 0) */
+static AC_TGT_AVX2 AC_SINLINE __m256 ac_ld8(int fmt, const void *p)
+{
+    if (fmt == AC_SE_F32)
+        return _mm256_loadu_ps((const float *)p);
+    if (fmt == AC_SE_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    if (fmt == AC_SE_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static AC_TGT_AVX2 AC_SINLINE __m256 ac_ld8_n(int fmt, const void *p, int n)
+{
+    unsigned char tmp[32] = {0};
+    memcpy(tmp, p, ac_se_size(fmt) * (size_t)n);
+    return ac_ld8(fmt, tmp);
+}
+
+static AC_TGT_AVX2 AC_SINLINE void ac_st8_n(float *p, __m256 x, int n)
+{
+    float tmp[8];
+    _mm256_storeu_ps(tmp, x);
+    memcpy(p, tmp, sizeof(float) * (size_t)n);
+}
+
+/* lane i of the result: the sum of a[i]'s lanes, for the 16 / 8 vectors
+ * a[] of floats, or of int32 (ints: exact integer sums; the shuffles are
+ * the same) -- a transposing tree of adds (45 shuffles / adds for 16 sums,
+ * against about 10 per sum one at a time) */
+static AC_TGT_AVX512 AC_SINLINE __m512 ac_add16(__m512 a, __m512 b, int ints)
+{
+    return ints ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a),
+                                                       _mm512_castps_si512(b)))
+                : _mm512_add_ps(a, b);
+}
+
+static AC_TGT_AVX512 AC_SINLINE __m512 ac_hsum16_avx512(const __m512 *a, int ints)
+{
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = ac_add16(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                        _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]), ints);
+    /* t[i], 128-bit lane L: partial sums of a[2i], a[2i+1], a[2i], a[2i+1] */
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = ac_add16(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)), ints);
+    }
+    /* u[g], lane L: partial sums (over lane L's elements) of a[4g .. 4g+3] */
+    const __m512 x01 = ac_add16(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                                _mm512_shuffle_f32x4(u[0], u[1], 0xEE), ints);
+    const __m512 x23 = ac_add16(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                                _mm512_shuffle_f32x4(u[2], u[3], 0xEE), ints);
+    return ac_add16(_mm512_shuffle_f32x4(x01, x23, 0x88),
+                    _mm512_shuffle_f32x4(x01, x23, 0xDD), ints);
+}
+
+static AC_TGT_AVX2 AC_SINLINE __m256 ac_hadd8(__m256 a, __m256 b, int ints)
+{
+    return ints ? _mm256_castsi256_ps(_mm256_hadd_epi32(_mm256_castps_si256(a),
+                                                        _mm256_castps_si256(b)))
+                : _mm256_hadd_ps(a, b);
+}
+
+static AC_TGT_AVX2 AC_SINLINE __m256 ac_hsum8_avx2(const __m256 *a, int ints)
+{
+    const __m256 t0 = ac_hadd8(a[0], a[1], ints), t1 = ac_hadd8(a[2], a[3], ints);
+    const __m256 t2 = ac_hadd8(a[4], a[5], ints), t3 = ac_hadd8(a[6], a[7], ints);
+    const __m256 u0 = ac_hadd8(t0, t1, ints), u1 = ac_hadd8(t2, t3, ints);
+    /* u0: sums of a[0..3] over lanes 0-3 (low half) and 4-7 (high half) */
+    const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+    return ints ? _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(lo),
+                                                       _mm256_castps_si256(hi)))
+                : _mm256_add_ps(lo, hi);
+}
+
+static AC_TGT_AVX2 AC_SINLINE float ac_hsum1_avx2(__m256 a)
+{
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+/* the small-row products of a key / value operand (k_rs / v_rs, ks_rs /
+ * vs_rs in elements; ks / vsc: int8 rows' scales, else unused) */
+typedef void (*ac_scores_small_fn)(int nq, int nk, int D, float scale, const float *q,
+                                   ptrdiff_t q_rs, const void *k, ptrdiff_t k_rs,
+                                   const float *ks, ptrdiff_t ks_rs, float *S, int ldS);
+typedef void (*ac_pv_small_fn)(int nq, int nk, int Dv, const float *S, int ldS,
+                               const void *v, ptrdiff_t v_rs, const float *vsc,
+                               ptrdiff_t vs_rs, float *acc, int first);
+
+/* AVX-512 */
+#define AC_SISA avx512
+#define AC_STGT AC_TGT_AVX512
+#define SVEC __m512
+#define AC_SW 16
+#define SZERO() _mm512_setzero_ps()
+#define SLOAD(p) _mm512_loadu_ps(p)
+#define SLOADN(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1u), (p))
+#define SSTORE(p, x) _mm512_storeu_ps((p), (x))
+#define SSTOREN(p, x, n) _mm512_mask_storeu_ps((p), (__mmask16)((1u << (n)) - 1u), (x))
+#define SSET1(x) _mm512_set1_ps(x)
+#define SFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define SMUL(a, b) _mm512_mul_ps((a), (b))
+#define SLDF(fmt, p) ac_ld16((fmt), (p))
+#define SLDFN(fmt, p, n) ac_ld16_m((fmt), (p), (__mmask16)((1u << (n)) - 1u))
+#define SHSUM(a) ac_hsum16_avx512((a), 0)
+#define SREDUCE(x) _mm512_reduce_add_ps(x)
+#define AC_SKEYMAJ(D) ((D) % 16 == 0 && (D) <= 128)
+#include "ac_small_impl.inc"
+
+/* AVX2 */
+#define AC_SISA avx2
+#define AC_STGT AC_TGT_AVX2
+#define SVEC __m256
+#define AC_SW 8
+#define SZERO() _mm256_setzero_ps()
+#define SLOAD(p) _mm256_loadu_ps(p)
+#define SLOADN(p, n) ac_ld8_n(AC_SE_F32, (p), (n))
+#define SSTORE(p, x) _mm256_storeu_ps((p), (x))
+#define SSTOREN(p, x, n) ac_st8_n((p), (x), (n))
+#define SSET1(x) _mm256_set1_ps(x)
+#define SFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define SMUL(a, b) _mm256_mul_ps((a), (b))
+#define SLDF(fmt, p) ac_ld8((fmt), (p))
+#define SLDFN(fmt, p, n) ac_ld8_n((fmt), (p), (n))
+#define SHSUM(a) ac_hsum8_avx2((a), 0)
+#define SREDUCE(x) ac_hsum1_avx2(x)
+#define AC_SKEYMAJ(D) 0
+#include "ac_small_impl.inc"
+
+/* the products of operand format fmt (AC_SE_*) on the AVX-512 (avx512
+ * set) or the AVX2 path */
+static void ac_scores_small_x86(int avx512, int fmt, int nq, int nk, int D, float scale,
+                                const float *q, ptrdiff_t q_rs, const void *k, ptrdiff_t k_rs,
+                                const float *ks, ptrdiff_t ks_rs, float *S, int ldS)
+{
+    (avx512 ? ac_scores_small_avx512 : ac_scores_small_avx2)[fmt](
+        nq, nk, D, scale, q, q_rs, k, k_rs, ks, ks_rs, S, ldS);
+}
+
+static void ac_pv_small_x86(int avx512, int fmt, int nq, int nk, int Dv, const float *S,
+                            int ldS, const void *v, ptrdiff_t v_rs, const float *vsc,
+                            ptrdiff_t vs_rs, float *acc, int first)
+{
+    (avx512 ? ac_pv_small_avx512 : ac_pv_small_avx2)[fmt](
+        nq, nk, Dv, S, ldS, v, v_rs, vsc, vs_rs, acc, first);
+}
+#endif /* AC_HAVE_X86 */
+
+#endif /* AC_SMALL_H */
