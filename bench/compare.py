@@ -6,6 +6,7 @@
     python bench/compare.py --concurrency   # Python threads calling at once
     python bench/compare.py --variants      # sliding window, softcap, int8 K/V
     python bench/compare.py --suite mha     # MultiHeadAttention: bench/compare_mha.py
+    python bench/compare.py --suite attention / varlen   # compare_alignments / compare_varlen
     python bench/compare.py --dtype bfloat16 float16   # 16-bit inputs: bench/compare_dtype.py
     python bench/compare.py --precision int8           # int8 Q.K^T: bench/compare_int8.py
     python bench/compare.py --simulate-avx2 ...        # an AVX2-only core on an AVX-512 one
@@ -342,8 +343,10 @@ def main(argv=None):
                          "bfloat16 products (with --dtype float32 / bfloat16 inputs)")
     ap.add_argument("--simulate-avx2", action="store_true",
                     help="time an AVX2-only core on an AVX-512 machine (see the module's doc)")
-    ap.add_argument("--suite", choices=["sdpa", "mha"], default="sdpa",
-                    help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding)")
+    ap.add_argument("--suite", choices=["sdpa", "mha", "attention", "varlen"], default="sdpa",
+                    help="mha: run bench/compare_mha.py (MultiHeadAttention, cached decoding); "
+                         "attention: bench/compare_alignments.py (the Attention layer); "
+                         "varlen: bench/compare_varlen.py")
     args = ap.parse_args(argv)
     if SIMULATED:
         print("SIMULATED AVX2 core (every table below): attncore path avx2, "
@@ -364,12 +367,14 @@ def main(argv=None):
             ["--dtype", *args.dtype, "--threads", *map(str, args.threads), "--repeats",
              str(args.repeats)] + (["--path", args.path] if args.path else [])
             + (["--no-peak"] if args.no_peak else []))
-    if args.suite == "mha":
-        import compare_mha
+    if args.suite != "sdpa":
+        import importlib
 
-        return compare_mha.main(
+        mod = importlib.import_module({"mha": "compare_mha", "attention": "compare_alignments",
+                                       "varlen": "compare_varlen"}[args.suite])
+        return mod.main(
             ["--threads", *map(str, args.threads), "--repeats", str(args.repeats)]
-            + (["--cases", *args.cases] if args.cases else [])
+            + (["--cases", *args.cases] if args.cases and args.suite != "varlen" else [])
             + (["--json", args.json] if args.json else []))
     cases = [c for c in CASES if not args.cases or any(w in c[0] for w in args.cases)]
     print(header())
