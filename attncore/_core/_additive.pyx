@@ -23,6 +23,7 @@ from libc.stdint cimport uint8_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from attncore._core._blas cimport ac_sgemm_t, ac_dgemm_t
+from attncore._core._elementwise cimport _map_array
 from attncore._core._openmp cimport ac_blas_hold, ac_blas_release, set_blas_local_fns
 
 ctypedef fused floating:
@@ -42,8 +43,8 @@ cdef extern from "ac_additive.h" nogil:
                                const double *kp, const double *v, const uint8_t *mask,
                                const double *values, double *W, double *out, int *idx,
                                int factored, ac_dgemm_t gemm)
-    float ac_tanhf(float x)
-    double ac_tanh(double x)
+    void ac_tanh_array_f32(const float *x, float *y, Py_ssize_t n)
+    void ac_tanh_array_f64(const double *x, double *y, Py_ssize_t n)
     void ac_state_attach(void *home)
 
 
@@ -204,26 +205,4 @@ def tanh_array(x):
 
     Exposed for the accuracy tests only.
     """
-    import numpy as np
-    x = np.ascontiguousarray(x)
-    y = np.empty_like(x)
-    cdef const float[::1] xf
-    cdef float[::1] yf
-    cdef const double[::1] xd
-    cdef double[::1] yd
-    cdef Py_ssize_t i, n = x.shape[0]
-    if x.dtype == np.float32:
-        xf = x
-        yf = y
-        with nogil:
-            for i in range(n):
-                yf[i] = ac_tanhf(xf[i])
-    elif x.dtype == np.float64:
-        xd = x
-        yd = y
-        with nogil:
-            for i in range(n):
-                yd[i] = ac_tanh(xd[i])
-    else:
-        raise TypeError(f"tanh_array: float32 or float64 expected, got {x.dtype}")
-    return y
+    return _map_array(x, "tanh_array", ac_tanh_array_f32, ac_tanh_array_f64)

@@ -22,6 +22,7 @@ from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from attncore._core._blas cimport ac_sgemm_t, ac_dgemm_t
+from attncore._core._elementwise cimport _map_array
 from attncore._core._buffers cimport _Buffers, _acquire, _release_all
 from attncore._core._openmp cimport (
     AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs, ac_blas_hold,
@@ -1894,27 +1895,8 @@ def all_finite(a):
 
 
 def exp_array(x):
-    """Elementwise exp with the kernels' own exp (float32 / float64, 1-D contiguous).
+    """Elementwise exp with the kernels' own exp (float32 / float64, 1-D).
 
     Exposed for the accuracy tests only.
     """
-    import numpy as np
-    x = np.ascontiguousarray(x)
-    y = np.empty_like(x)
-    cdef const float[::1] xf
-    cdef float[::1] yf
-    cdef const double[::1] xd
-    cdef double[::1] yd
-    if x.dtype == np.float32:
-        xf = x
-        yf = y
-        if x.shape[0]:
-            ac_exp_array_f32(&xf[0], &yf[0], x.shape[0])
-    elif x.dtype == np.float64:
-        xd = x
-        yd = y
-        if x.shape[0]:
-            ac_exp_array_f64(&xd[0], &yd[0], x.shape[0])
-    else:
-        raise TypeError(f"exp_array: float32 or float64 expected, got {x.dtype}")
-    return y
+    return _map_array(x, "exp_array", ac_exp_array_f32, ac_exp_array_f64)

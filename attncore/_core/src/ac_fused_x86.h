@@ -462,13 +462,7 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
  * keys / values are converted once per chunk of AC_BK keys for all the
  * panels of the block (p->mp_off: each panel's packed queries and running
  * statistics between chunks), not once per panel. */
-static int ac_fused_range_f32(const ac_params *p, const float *q,
-                              const float *k, const float *v,
-                              const float *ksc, const float *vsc,
-                              const uint8_t *mb, const float *mf,
-                              ptrdiff_t i0, int nq, ptrdiff_t ks,
-                              ptrdiff_t ke, float *scratch, float *acc,
-                              float *m, float *l, int *bad)
+static AC_FUSED_RANGE_F32
 {
     const int P = ac_fused_panel_rows();
     const int D = p->D, Dv = p->Dv;
@@ -561,13 +555,7 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 
 #else
 static int ac_fused_panel_rows(void) { return AC_PANEL_ROWS_AVX2; }
-static int ac_fused_range_f32(const ac_params *p, const float *q,
-                              const float *k, const float *v,
-                              const float *ksc, const float *vsc,
-                              const uint8_t *mb, const float *mf,
-                              ptrdiff_t i0, int nq, ptrdiff_t ks,
-                              ptrdiff_t ke, float *scratch, float *acc,
-                              float *m, float *l, int *bad)
+static AC_FUSED_RANGE_F32
 {
     (void)ksc; (void)vsc;
     (void)p; (void)q; (void)k; (void)v; (void)mb; (void)mf; (void)i0;

@@ -178,13 +178,15 @@ static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
 #define AC_PANEL_ROWS_AVX512 32
 #define AC_PANEL_ROWS_AVX2 16
 
-static int ac_fused_range_f32(const ac_params *p, const float *q,
-                              const float *k, const float *v,
-                              const float *ksc, const float *vsc,
-                              const uint8_t *mb, const float *mf,
-                              ptrdiff_t i0, int nq, ptrdiff_t ks,
-                              ptrdiff_t ke, float *scratch, float *acc,
-                              float *m, float *l, int *bad);
+/* the fused float32 kernel's entry, declared here and defined in
+   ac_fused_x86.h (which uses the float helpers instantiated below) */
+#define AC_FUSED_RANGE_F32                                                                 \
+    int ac_fused_range_f32(const ac_params *p, const float *q, const float *k,             \
+                           const float *v, const float *ksc, const float *vsc,             \
+                           const uint8_t *mb, const float *mf, ptrdiff_t i0, int nq,       \
+                           ptrdiff_t ks, ptrdiff_t ke, float *scratch, float *acc, float *m, \
+                           float *l, int *bad)
+static AC_FUSED_RANGE_F32;
 
 /* instantiate for float and double */
 #define AC_T float
@@ -195,13 +197,6 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_GEMM_T ac_sgemm_t
 #define AC_HALF_ROWS ac_half_rows_f32
 #include "ac_sdpa_impl.inc"
-#undef AC_HALF_ROWS
-#undef AC_T
-#undef AC_IS_F32
-#undef AC_SUF
-#undef AC_EXP
-#undef AC_TANH
-#undef AC_GEMM_T
 
 /* the fused float32 kernel (uses the float helpers above) */
 #include "ac_fused_x86.h"
@@ -214,13 +209,6 @@ static int ac_fused_range_f32(const ac_params *p, const float *q,
 #define AC_GEMM_T ac_dgemm_t
 #define AC_HALF_ROWS ac_half_rows_f64
 #include "ac_sdpa_impl.inc"
-#undef AC_HALF_ROWS
-#undef AC_T
-#undef AC_IS_F32
-#undef AC_SUF
-#undef AC_EXP
-#undef AC_TANH
-#undef AC_GEMM_T
 
 /* round a count of floats / doubles up to 64 bytes' worth of floats */
 #define AC_ROUND16(n) (((n) + 15) / 16 * 16)
