@@ -457,6 +457,13 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
         if not (math.isfinite(sc) and sc > 0):
             return None
     fmt = half_code(dt)
+    if N == 1 and H > Hk and causal != 1 and window == (-1, -1):
+        # a decoding step of grouped-query heads: the query heads of a key
+        # head are the rows of one block over that head's keys (every row
+        # sees every key), so its keys and values are read once per group
+        out = attention_prepared(q.reshape(B, Hk, H // Hk, D), k, v, 0, sc, nthreads,
+                                 window, softcap)
+        return None if out is None else out.reshape(B, H, 1, Dv)
     # bfloat16 inputs: bfloat16 products where the CPU has them (the policy)
     c = _prepared_call(dt, N, M, D, Dv, causal, B, H, Hk, nthreads, _sdpa.kernel_path(),
                        _sdpa.bf16_mode() if fmt == HALF_BF16 else 0, sc, window, softcap)

@@ -77,3 +77,21 @@ def test_no_group_keeps_the_dense_kernel(kernels):
     q, k = rand((2, 4, 1, 32), 9), rand((2, 4, 60, 32), 10)
     sdpa(q, k, k)
     assert kernels == ["sdpa"]
+
+
+@pytest.mark.parametrize("causal", [0, 2])
+@pytest.mark.parametrize("B,H,Hk,M,D", [(1, 12, 4, 300, 64), (2, 8, 2, 37, 16), (1, 4, 1, 65, 20)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_prepared_grouped_decode(kernels, causal, B, H, Hk, M, D, dtype):
+    """The prepared path (the Hugging Face backend's decoding steps) runs a
+    key head's query heads as the rows of one block: one dense call over
+    Hk heads, the reference's result for every query head, q given as the
+    backend gives it (a transposed (B, 1, H, D) array)."""
+    from attncore.functional import attention_prepared
+
+    q = np.ascontiguousarray(rand((B, 1, H, D), 6)).astype(dtype).transpose(0, 2, 1, 3)
+    k, v = rand((B, Hk, M, D), 7).astype(dtype), rand((B, Hk, M, D), 8).astype(dtype)
+    out = attention_prepared(q, k, v, causal, 0.3, 2, (-1, -1), 2.0)
+    ref = sdpa_ref(q, k, v, is_causal=causal, scale=0.3, softcap=2.0, group=H // Hk)
+    assert kernels == ["sdpa"] and out.shape == (B, H, 1, D) and out.dtype == dtype
+    np.testing.assert_allclose(out, ref, atol=2e-5 if dtype == np.float32 else 2e-3, rtol=0)
