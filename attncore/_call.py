@@ -526,6 +526,28 @@ def _folded_decode(chk: Checked) -> Call | None:
     return c._replace(bshape=chk.bshape, N=1, M=M)
 
 
+def grouped_rows(chk: Checked) -> Checked | None:
+    """A one-query grouped-query call (a decoding step, (B, Hq, 1, D) over
+    (B, Hk, M, D)) as a dense call over the Hk key heads whose rows are
+    each key head's query heads: every row sees every key, so a key head's
+    keys and values are read once for its group, and the dense kernel's
+    items (batch element, key head) and key splits keep every thread busy.
+    The output's memory order is the original call's.  None where this
+    does not apply (then :func:`_folded_decode` or per-head items): sinks
+    (one per query head), a mask, weights, ALiBi, int8 Q.K^T, upper-left
+    causal alignment or a window, broadcast batch axes."""
+    q, k, v = chk.q, chk.k, chk.v
+    if (chk.group < 2 or q.ndim != 4 or q.shape[2] != 1 or k.ndim != 4 or v.ndim != 4
+            or chk.mask is not None or chk.need_weights or chk.slopes is not None
+            or chk.sinks is not None or chk.causal not in (0, 2) or chk.window != (-1, -1)
+            or chk.pol.products == "int8" or not q.shape[0] == k.shape[0] == v.shape[0]
+            or chk.bshape != q.shape[:2]):
+        return None
+    B, H, _, D = q.shape
+    return chk._replace(q=q.reshape(B, H // chk.group, chk.group, D),
+                        bshape=(B, H // chk.group), group=1, causal=0)
+
+
 def describe(chk: Checked) -> Call:
     """The kernel call of a checked, non-empty call."""
     cdt = chk.pol.compute

@@ -361,8 +361,11 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         return _broadcast_rows(
             _attention(chk.q[..., :1, :], key, value, chk.mask, *opts, **kw),
             chk.bshape, chk.q.shape[-2])
-    c = _call.describe(chk)
+    rows = _call.grouped_rows(chk)
+    c = _call.describe(chk if rows is None else rows)
     out, weights, lse, finite = _call.launch(c)
+    if rows is not None:  # (B Hk, group, Dv) is (B Hq, 1, Dv) in memory
+        c = c._replace(N=1)
     if not finite and c.compute == _call.F32:
         # float32 accumulation overflowed if the operands are finite (values
         # near the float32 maximum: the unnormalized P.V sums exceed it

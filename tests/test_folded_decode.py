@@ -1,6 +1,9 @@
-"""One-query grouped-query calls (decoding steps) run as the paged kernel's
-folded items (attncore._call._folded_decode): the same results as the
-float64 reference, and the dense kernel wherever the fold does not apply."""
+"""One-query grouped-query calls (decoding steps) read a key head once for
+its group of query heads: as the rows of one dense call over the key heads
+(attncore._call.grouped_rows), or, with per-head sinks, as the paged
+kernel's folded items (attncore._call._folded_decode).  The same results as
+the float64 reference, and the per-head dense items wherever neither
+applies."""
 import numpy as np
 import pytest
 
@@ -44,7 +47,7 @@ def test_folded_decode_matches_reference(kernels, name, B, Hk, M, D, threads):
     ref, rlse = sdpa_ref(q, k, v, is_causal=2 if kw.get("is_causal") else 0, group=8 // Hk,
                          scale=kw.get("scale"), softcap=kw.get("softcap"),
                          sinks=kw.get("sinks"), return_lse=True)
-    assert kernels == ["sdpa_paged"]
+    assert kernels == (["sdpa_paged"] if name == "sinks" else ["sdpa"])
     assert out.shape == (B, 8, 1, D) and lse.shape == (B, 8, 1)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
     np.testing.assert_allclose(lse, rlse, atol=2e-5, rtol=1e-6)
@@ -61,7 +64,11 @@ def test_folded_decode_int8_and_half(kernels):
     assert out.dtype == np.float16
     ref = sdpa_ref(*(a.astype(np.float64) for a in h), group=4)
     np.testing.assert_allclose(out.astype(np.float64), ref, atol=2e-3, rtol=0)
-    assert kernels == ["sdpa_paged", "sdpa_paged"]
+    assert kernels == ["sdpa", "sdpa"]
+    out = sdpa(*h, enable_gqa=True, sinks=np.zeros(8))  # the folded items
+    np.testing.assert_allclose(out.astype(np.float64), sdpa_ref(
+        *(a.astype(np.float64) for a in h), group=4, sinks=np.zeros(8)), atol=2e-3, rtol=0)
+    assert kernels == ["sdpa", "sdpa", "sdpa_paged"]
 
 
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(attn_mask=np.ones((1, 50), bool)),
