@@ -215,25 +215,36 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
                       fold=fold)
 
 
+def _query_offsets(cu_seqlens_q, qshape: tuple, lens: np.ndarray) -> np.ndarray:
+    """The checked query offsets (int64, num_seqs + 1) of q (shape
+    ``qshape``) for sequences of ``lens`` keys (None: one query each)."""
+    S, total_q = lens.shape[0], qshape[0]
+    if cu_seqlens_q is None:
+        if total_q != S:
+            raise ValueError(f"without cu_seqlens_q every sequence has one query: q must have "
+                             f"num_seqs = {S} rows, got q shape {qshape}")
+        return np.arange(S + 1, dtype=np.int64)
+    cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+    if cq.shape[0] != S + 1:
+        raise ValueError(f"cu_seqlens_q must hold num_seqs + 1 = {S + 1} offsets (one "
+                         f"sequence per block table row), got {cq.shape[0]}")
+    lq = np.diff(cq)
+    if (lq > lens).any():
+        s = int(np.argmax(lq > lens))
+        raise ValueError(f"sequence {s} has {int(lq[s])} queries but seq_lens[{s}] = "
+                         f"{int(lens[s])} keys: a sequence's queries are its last tokens")
+    return cq
+
+
 @foreign_arrays(("q", "k_cache", "v_cache"),
                 ("block_table", "seq_lens", "cu_seqlens_q", "alibi_slopes", "sinks"),
                 last_in_compute_dtype="return_lse", half_native=True)
 def paged_attention(
-    q: ArrayLike,
-    k_cache: Any,
-    v_cache: Any,
-    *,
-    block_table: ArrayLike,
-    seq_lens: ArrayLike,
-    cu_seqlens_q: Optional[ArrayLike] = None,
-    is_causal: bool = True,
-    scale: Optional[float] = None,
-    window: Optional[Tuple[int, int]] = None,
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[ArrayLike] = None,
-    sinks: Optional[ArrayLike] = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
+    q: ArrayLike, k_cache: Any, v_cache: Any, *, block_table: ArrayLike, seq_lens: ArrayLike,
+    cu_seqlens_q: Optional[ArrayLike] = None, is_causal: bool = True,
+    scale: Optional[float] = None, window: Optional[Tuple[int, int]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, enable_gqa: bool = False, return_lse: bool = False,
     num_threads: Optional[int] = None,
     precision: Optional[Literal["float32", "bfloat16", "int8"]] = None,
 ) -> Any:
@@ -341,21 +352,7 @@ def paged_attention(
     (total_q, Hq, D), (nblocks, bs), Dv = qa.shape, ka.shape[:2], va.shape[3]
     bt, lens = _check_table(block_table, seq_lens, nblocks, bs)
     S = lens.shape[0]
-    if cu_seqlens_q is None:
-        if total_q != S:
-            raise ValueError(f"without cu_seqlens_q every sequence has one query: q must have "
-                             f"num_seqs = {S} rows, got q shape {qa.shape}")
-        cq = np.arange(S + 1, dtype=np.int64)
-    else:
-        cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
-        if cq.shape[0] != S + 1:
-            raise ValueError(f"cu_seqlens_q must hold num_seqs + 1 = {S + 1} offsets (one "
-                             f"sequence per block table row), got {cq.shape[0]}")
-    lq = np.diff(cq)
-    if (lq > lens).any():
-        s = int(np.argmax(lq > lens))
-        raise ValueError(f"sequence {s} has {int(lq[s])} queries but seq_lens[{s}] = "
-                         f"{int(lens[s])} keys: a sequence's queries are its last tokens")
+    cq = _query_offsets(cu_seqlens_q, qa.shape, lens)
     sc = parse_scale(scale, D)
     nthreads = resolve_num_threads(num_threads)
     pol = _call.policy((qa.dtype, qa.dtype, qa.dtype), ("q", "k_cache", "v_cache"), precision)
