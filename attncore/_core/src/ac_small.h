@@ -58,6 +58,19 @@ static inline size_t ac_se_size(int fmt)
 #define AC_SMALL_PF_V 4096
 #endif
 
+/* the line at p, of a row `stride` bytes after the one before: into L1,
+ * or only into L2 where rows a multiple of 2 KiB apart share the L1 sets
+ * (the heads of a paged block, 4 KiB apart: prefetched into L1 they would
+ * evict the rows in use) */
+static inline __attribute__((always_inline)) void ac_small_prefetch(const char *p,
+                                                                    ptrdiff_t stride)
+{
+    if (stride % 2048 == 0)
+        _mm_prefetch(p, _MM_HINT_T1);
+    else
+        _mm_prefetch(p, _MM_HINT_T0);
+}
+
 /* rows of rb bytes that make about `bytes` (at least one) */
 static inline int ac_small_pf_rows(ptrdiff_t rb, ptrdiff_t bytes)
 {
