@@ -28,6 +28,27 @@
 #define AC_INLINE static inline
 #endif
 
+/* Horner's rule: from p, p x + c for each coefficient c in turn (highest
+   degree first), in the type of p and x */
+#define AC_HORNER1(p, x, a) ((p) * (x) + (a))
+#define AC_HORNER2(p, x, a, b) AC_HORNER1(AC_HORNER1(p, x, a), x, b)
+#define AC_HORNER4(p, x, a, b, c, d) AC_HORNER2(AC_HORNER2(p, x, a, b), x, c, d)
+
+/* 2^n from t = n + magic (rounded to nearest by the addition, the low bits
+   of t hold n): n + BIAS shifted into the exponent field */
+#define AC_DEF_POW2N(NAME, FT, IT, UT, BIAS, MANT)   \
+    AC_INLINE FT NAME(FT t)                          \
+    {                                                \
+        IT ti;                                       \
+        memcpy(&ti, &t, sizeof ti);                  \
+        const IT ei = (IT)((UT)(ti + BIAS) << MANT); \
+        FT two_n;                                    \
+        memcpy(&two_n, &ei, sizeof two_n);           \
+        return two_n;                                \
+    }
+AC_DEF_POW2N(ac_pow2nf, float, int32_t, uint32_t, 127, 23)
+AC_DEF_POW2N(ac_pow2n, double, int64_t, uint64_t, 1023, 52)
+
 /* ------------------------------------------------------------------ float */
 AC_INLINE float ac_expf(float x)
 {
@@ -41,20 +62,11 @@ AC_INLINE float ac_expf(float x)
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float r2 = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float p = AC_HORNER1(AC_HORNER4(1.9875691500e-4f, r, 1.3981999507e-3f, 8.3334519073e-3f,
+                                    4.1665795894e-2f, 1.6666665459e-1f),
+                         r, 5.0000001201e-1f);
     p = p * r2 + r + 1.0f;
-    /* the low bits of t hold n; build 2^n in the exponent field */
-    int32_t ti;
-    memcpy(&ti, &t, sizeof ti);
-    int32_t ei = (int32_t)((uint32_t)(ti + 127) << 23);
-    float two_n;
-    memcpy(&two_n, &ei, sizeof two_n);
-    float res = p * two_n;
+    float res = p * ac_pow2nf(t);
     res = x > hi ? (float)INFINITY : res;
     res = x < lo ? 0.0f : res;
     return res;
@@ -81,12 +93,7 @@ AC_INLINE double ac_exp(double x)
                  + 2.27265548208155028766e-1) * rr
                 + 2.00000000000000000009e0;
     double e = 1.0 + 2.0 * (px / (qx - px));
-    int64_t ti;
-    memcpy(&ti, &t, sizeof ti);
-    int64_t ei = (int64_t)((uint64_t)(ti + 1023) << 52);
-    double two_n;
-    memcpy(&two_n, &ei, sizeof two_n);
-    double res = e * two_n;
+    double res = e * ac_pow2n(t);
     res = x > hi ? (double)INFINITY : res;
     res = x < lo ? 0.0 : res;
     return res;
