@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, Sequence, overload
+from typing import TYPE_CHECKING, Literal, Sequence, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -70,51 +70,54 @@ def _broadcast_rows(res, bshape, N: int):
 # --------------------------------------------------------------------------
 # scaled_dot_product_attention
 # --------------------------------------------------------------------------
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    from typing_extensions import Unpack
+
+    class _SdpaOptions(TypedDict, total=False):
+        """The keywords of scaled_dot_product_attention that its overloads
+        share (all but return_weights and return_lse)."""
+
+        is_causal: bool | Literal["upper_left", "lower_right"]
+        scale: float | None
+        enable_gqa: bool
+        window: tuple[int, int] | None
+        softcap: float | None
+        num_threads: int | None
+        precision: Literal["float32", "bfloat16", "int8"] | None
+        alibi_slopes: ArrayLike | None
+        sinks: ArrayLike | None
+
+
 @overload
 def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
-    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
-    enable_gqa: bool = False, return_weights: Literal[False] = False,
-    return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
-    softcap: float | None = None, num_threads: int | None = None,
-    precision: Literal["float32", "bfloat16", "int8"] | None = None,
-    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+    return_weights: Literal[False] = False, return_lse: Literal[False] = False,
+    **options: Unpack[_SdpaOptions],
 ) -> np.ndarray: ...
 
 
 @overload
 def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
-    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
-    enable_gqa: bool = False, return_weights: Literal[True],
-    return_lse: Literal[False] = False, window: tuple[int, int] | None = None,
-    softcap: float | None = None, num_threads: int | None = None,
-    precision: Literal["float32", "bfloat16", "int8"] | None = None,
-    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+    return_weights: Literal[True], return_lse: Literal[False] = False,
+    **options: Unpack[_SdpaOptions],
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @overload
 def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
-    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
-    enable_gqa: bool = False, return_weights: Literal[False] = False,
-    return_lse: Literal[True], window: tuple[int, int] | None = None,
-    softcap: float | None = None, num_threads: int | None = None,
-    precision: Literal["float32", "bfloat16", "int8"] | None = None,
-    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+    return_weights: Literal[False] = False, return_lse: Literal[True],
+    **options: Unpack[_SdpaOptions],
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @overload
 def scaled_dot_product_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, attn_mask: ArrayLike | None = None, *,
-    is_causal: bool | Literal["upper_left", "lower_right"] = False, scale: float | None = None,
-    enable_gqa: bool = False, return_weights: bool = False,
-    return_lse: bool = False, window: tuple[int, int] | None = None,
-    softcap: float | None = None, num_threads: int | None = None,
-    precision: Literal["float32", "bfloat16", "int8"] | None = None,
-    alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
+    return_weights: bool = False, return_lse: bool = False, **options: Unpack[_SdpaOptions],
 ) -> np.ndarray | tuple[np.ndarray, ...]: ...
 
 
