@@ -36,18 +36,13 @@
 #include <string.h>
 
 #include "ac_cpu.h"
-
-#if defined(__GNUC__)
-#define AC_ROPE_INLINE static inline __attribute__((always_inline))
-#else
-#define AC_ROPE_INLINE static inline
-#endif
+#include "ac_math.h"
 
 /* below this |angle|, n = round(angle * 2 / pi) < 2^31 and the reduction is exact */
 #define AC_ROPE_FAST_LIMIT 3.0e9
 
 /* ------------------------------------------------------------ sin / cos */
-AC_ROPE_INLINE void ac_rope_sincos(double a, double *sp, double *cp)
+AC_INLINE void ac_rope_sincos(double a, double *sp, double *cp)
 {
     const double magic = 6755399441055744.0;      /* 1.5 * 2^52: round to nearest */
     /* pi / 2 = P1 + P2 + P3 + P4 (22, 22, 22 and 53 significant bits) */
@@ -65,25 +60,15 @@ AC_ROPE_INLINE void ac_rope_sincos(double a, double *sp, double *cp)
     r = r - n * P3;
     r = r - n * P4;
     double r2 = r * r;
-    /* Taylor series of sin and cos (coefficients +-1/k!) */
-    double ps = 1.0 / 355687428096000.0;              /* 1/17! */
-    ps = ps * r2 - 1.0 / 1307674368000.0;             /* 1/15! */
-    ps = ps * r2 + 1.0 / 6227020800.0;                /* 1/13! */
-    ps = ps * r2 - 1.0 / 39916800.0;                  /* 1/11! */
-    ps = ps * r2 + 1.0 / 362880.0;                    /* 1/9!  */
-    ps = ps * r2 - 1.0 / 5040.0;                      /* 1/7!  */
-    ps = ps * r2 + 1.0 / 120.0;                       /* 1/5!  */
-    ps = ps * r2 - 1.0 / 6.0;                         /* 1/3!  */
+    /* Taylor series of sin and cos, in r2: the coefficients +-1/k! of sin
+       (k = 17, 15, ..., 3) and cos (k = 18, 16, ..., 2) */
+    double ps = AC_HORNER4(1.0 / 355687428096000.0, r2, -1.0 / 1307674368000.0,
+                           1.0 / 6227020800.0, -1.0 / 39916800.0, 1.0 / 362880.0);
+    ps = AC_HORNER1(AC_HORNER2(ps, r2, -1.0 / 5040.0, 1.0 / 120.0), r2, -1.0 / 6.0);
     double s = r + r * r2 * ps;
-    double pc = -1.0 / 6402373705728000.0;            /* 1/18! */
-    pc = pc * r2 + 1.0 / 20922789888000.0;            /* 1/16! */
-    pc = pc * r2 - 1.0 / 87178291200.0;               /* 1/14! */
-    pc = pc * r2 + 1.0 / 479001600.0;                 /* 1/12! */
-    pc = pc * r2 - 1.0 / 3628800.0;                   /* 1/10! */
-    pc = pc * r2 + 1.0 / 40320.0;                     /* 1/8!  */
-    pc = pc * r2 - 1.0 / 720.0;                       /* 1/6!  */
-    pc = pc * r2 + 1.0 / 24.0;                        /* 1/4!  */
-    pc = pc * r2 - 0.5;                               /* 1/2!  */
+    double pc = AC_HORNER4(-1.0 / 6402373705728000.0, r2, 1.0 / 20922789888000.0,
+                           -1.0 / 87178291200.0, 1.0 / 479001600.0, -1.0 / 3628800.0);
+    pc = AC_HORNER4(pc, r2, 1.0 / 40320.0, -1.0 / 720.0, 1.0 / 24.0, -0.5);
     double c = 1.0 + r2 * pc;
     /* angle = n pi/2 + r: rotate (s, c) by the quadrant */
     double sa = (q & 1) ? c : s;
@@ -96,7 +81,7 @@ AC_ROPE_INLINE void ac_rope_sincos(double a, double *sp, double *cp)
 /* Portable IEEE binary16 <-> float conversions (round to nearest even);
  * used where the compiler has no _Float16, and checked by the tests
  * against NumPy over every half value. */
-AC_ROPE_INLINE float ac_half_to_float(uint16_t h)
+AC_INLINE float ac_half_to_float(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
@@ -115,7 +100,7 @@ AC_ROPE_INLINE float ac_half_to_float(uint16_t h)
     return f;
 }
 
-AC_ROPE_INLINE uint16_t ac_float_to_half(float f)
+AC_INLINE uint16_t ac_float_to_half(float f)
 {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
@@ -173,7 +158,7 @@ static int64_t ac_rope_items(const ac_rope_params *p)
 
 /* ------------------------------------------------------------ tables */
 #define AC_ROPE_TABLE(NAME, CT)                                                         \
-AC_ROPE_INLINE void NAME(const ac_rope_params *p, int64_t prow, int64_t l0, int64_t nl, \
+AC_INLINE void NAME(const ac_rope_params *p, int64_t prow, int64_t l0, int64_t nl, \
                          CT *cs, CT *sn)                                                \
 {                                                                                       \
     const int64_t h = p->h;                                                             \
