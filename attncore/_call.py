@@ -496,6 +496,20 @@ def conversion(md: Modes, qk8: int, fmts: tuple, ks, vs) -> int:
     return int(bool(fmts[1] or fmts[2] or ks is not None or vs is not None or md.bf16dot))
 
 
+def _grouped_step(chk: Checked) -> bool:
+    """Whether ``chk`` is a one-query grouped-query call (a decoding step,
+    (B, Hq, 1, D) over (B, Hk, M, D)) whose every query row sees every key:
+    no mask, weights, ALiBi, int8 Q.K^T, upper-left causal alignment or
+    window, no broadcast batch axes -- what :func:`grouped_rows` and
+    :func:`_folded_decode` run with each key head read once for its group."""
+    q, k, v = chk.q, chk.k, chk.v
+    return not (chk.group < 2 or q.ndim != 4 or q.shape[2] != 1 or k.ndim != 4
+                or v.ndim != 4 or chk.mask is not None or chk.need_weights
+                or chk.slopes is not None or chk.causal not in (0, 2)
+                or chk.window != (-1, -1) or chk.pol.products == "int8"
+                or not q.shape[0] == k.shape[0] == v.shape[0] or chk.bshape != q.shape[:2])
+
+
 def _folded_decode(chk: Checked) -> Call | None:
     """A one-query grouped-query call (a decoding step, (B, Hq, 1, D) over
     (B, Hk, M, D)) as the paged kernel's folded items: each batch
@@ -503,15 +517,11 @@ def _folded_decode(chk: Checked) -> Call | None:
     range, so a key head's keys and values are read once for its group
     (the dense kernel's items read them once per query head).  The keys
     are a pool of one block per batch element, a view.  None where this
-    does not apply: a mask, weights, ALiBi, int8 Q.K^T, upper-left causal
-    or window alignment, broadcast batch axes, keys of another dtype."""
+    does not apply (:func:`_grouped_step`; keys of another dtype).  Calls
+    without sinks take :func:`grouped_rows` first."""
     q, k, v = chk.q, chk.k, chk.v
     k8, v8 = chk.k8, chk.v8
-    if (chk.group < 2 or q.ndim != 4 or q.shape[2] != 1 or k.ndim != 4 or v.ndim != 4
-            or chk.mask is not None or chk.need_weights or chk.slopes is not None
-            or chk.causal not in (0, 2) or chk.window != (-1, -1) or chk.pol.products == "int8"
-            or not q.shape[0] == k.shape[0] == v.shape[0] or chk.bshape != q.shape[:2]
-            or (k8 is None) != (v8 is None)
+    if (not _grouped_step(chk) or (k8 is None) != (v8 is None)
             or (k8 is None and not q.dtype == k.dtype == v.dtype)):
         return None
     from . import _paged  # noqa: PLC0415 - it builds on this module
@@ -533,18 +543,12 @@ def grouped_rows(chk: Checked) -> Checked | None:
     keys and values are read once for its group, and the dense kernel's
     items (batch element, key head) and key splits keep every thread busy.
     The output's memory order is the original call's.  None where this
-    does not apply (then :func:`_folded_decode` or per-head items): sinks
-    (one per query head), a mask, weights, ALiBi, int8 Q.K^T, upper-left
-    causal alignment or a window, broadcast batch axes."""
-    q, k, v = chk.q, chk.k, chk.v
-    if (chk.group < 2 or q.ndim != 4 or q.shape[2] != 1 or k.ndim != 4 or v.ndim != 4
-            or chk.mask is not None or chk.need_weights or chk.slopes is not None
-            or chk.sinks is not None or chk.causal not in (0, 2) or chk.window != (-1, -1)
-            or chk.pol.products == "int8" or not q.shape[0] == k.shape[0] == v.shape[0]
-            or chk.bshape != q.shape[:2]):
+    does not apply (:func:`_grouped_step`; sinks, one per query head: then
+    :func:`_folded_decode`)."""
+    if chk.sinks is not None or not _grouped_step(chk):
         return None
-    B, H, _, D = q.shape
-    return chk._replace(q=q.reshape(B, H // chk.group, chk.group, D),
+    B, H, _, D = chk.q.shape
+    return chk._replace(q=chk.q.reshape(B, H // chk.group, chk.group, D),
                         bshape=(B, H // chk.group), group=1, causal=0)
 
 
