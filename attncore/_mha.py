@@ -30,7 +30,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from ._convert import keras_arrays, to_numpy, torch_arrays
 from ._dtypes import bfloat16_dtype, half_code, is_bf16, parse_precision
 from ._interop import foreign_arrays
-from ._linear import linear
+from ._linear import head_rows, linear
 from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
                           parse_float_dtype, parse_mask, parse_positive_int, to_array,
                           parse_window)
@@ -1200,7 +1200,7 @@ class MultiHeadAttention:
             o, w = res, None
         # (B, H, L, hdv) -> (B*L, H*hdv) -> output projection
         o2 = o.transpose(0, 2, 1, 3).reshape(B * L, H * hdv)
-        out = self._project(o2, self._wo, self._bo, nt).reshape(B, L, self.out_dim)
+        out = self._project(o2, self._wo, self._bo, nt, heads=False).reshape(B, L, self.out_dim)
         if not batched:
             out = out[0]
         if self._cdt != self.dtype:  # a 16-bit layer returns its dtype
@@ -1238,11 +1238,13 @@ class MultiHeadAttention:
                              f"{np.shape(key)} and value shape {np.shape(value)}")
         return k, v
 
-    def _project(self, x2d, w, b, nt):
+    def _project(self, x2d, w, b, nt, *, heads: bool = True):
         # on attncore's threads with single-threaded BLAS blocks (see _linear);
         # bfloat16 weights: bfloat16 products where the CPU has them, unless
-        # precision="float32"
-        return linear(x2d, w, b, num_threads=nt, precision=self._precision)
+        # precision="float32".  heads: the result is viewed as heads (rows
+        # padded where their stride would alias in L1, _linear.head_rows)
+        out = head_rows(x2d.shape[0], w.shape[0], x2d.dtype) if heads else None
+        return linear(x2d, w, b, num_threads=nt, out=out, precision=self._precision)
 
     def _project_self(self, x2d, nt):
         """(B*L, Nq+Nk+Nv): Q, K and V of one input, one gemm where the weights allow."""

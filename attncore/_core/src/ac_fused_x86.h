@@ -480,6 +480,15 @@ static AC_FUSED_RANGE_F32
     const int convert = kconv || vconv || bfm;
     if (!convert || nq <= P) {
         float state[64];
+        /* a last panel of a few rows (50 = 3 x 16 + 2 on AVX2) would cost
+           a whole panel's products: its rows come back bad = -1, for the
+           caller's direct loops, which read each key / value row once for
+           all of them (50 x 50 x 256 float32: 1.08x on AVX2) */
+        const int tail = nq % P;
+        if (nq > P && tail > 0 && tail <= AC_SMALL_ROWS && !p->qk8 && !p->bf16dot) {
+            nq -= tail;
+            for (int r = 0; r < tail; r++) bad[nq + r] = -1;
+        }
         for (int r0 = 0; r0 < nq; r0 += P) {
             const int nr = (nq - r0 < P) ? nq - r0 : P;
             processed |= ac_fused_panel_call(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke,
