@@ -118,6 +118,34 @@ def test_cross_attention_same_memory_vs_torch():
 
 
 @needs_torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_head_rows_padded_vs_torch(dtype):
+    """Widths whose projection rows are a multiple of 1 KiB (E = 256 float32,
+    128 float64): the projections are written with padded rows
+    (_linear.head_rows); self, cross (fused and separate K / V) and cached
+    decoding against torch."""
+    from attncore._linear import head_rows
+    E = 256 if dtype == np.float32 else 128
+    buf = head_rows(6, E, dtype)
+    assert buf.shape == (6, E) and buf.strides[0] == E * buf.itemsize + 64
+    assert head_rows(6, E + 8, dtype).flags.c_contiguous
+    tm, m = torch_pair(E=E, H=4, dtype=dtype)
+    tol = TOL32 if dtype == np.float32 else TOL64
+    x, mem = rand((2, 40, E), dtype=dtype), rand((2, 33, E), 1, dtype=dtype)
+    np.testing.assert_allclose(m(x)[0], tcall(tm, x, x, x)[0], **tol)
+    np.testing.assert_allclose(m(x, mem)[0], tcall(tm, x, mem, mem)[0], **tol)
+    np.testing.assert_allclose(m(x, mem, mem.copy())[0], tcall(tm, x, mem, mem)[0], **tol)
+    cache = m.new_cache(2, 41)
+    m(x, cache=cache, is_causal=True)
+    step = rand((2, 1, E), 2, dtype=dtype)
+    out, _ = m(step, cache=cache, is_causal="lower_right")
+    full = np.concatenate([x, step], axis=1)
+    ref = tcall(tm, full, full, full, attn_mask=torch.from_numpy(
+        np.triu(np.ones((41, 41), bool), 1)))[0][:, -1:]
+    np.testing.assert_allclose(out, ref, **tol)
+
+
+@needs_torch
 def test_key_mask_polarity_conversion_from_torch():
     """torch's key_padding_mask True = ignore; attncore's key_mask True = take part."""
     tm, m = torch_pair()
