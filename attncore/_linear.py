@@ -15,12 +15,9 @@ import numpy as np
 from ._core import _linalg, _sdpa
 from ._dtypes import HALF_BF16, half_code
 from ._threads import blas_parallel_threads, threads_for
-from ._validation import aligned, blas_rows
+from ._validation import ALIASING_STRIDE, aligned, blas_rows
 
 __all__ = ["linear", "head_rows"]
-
-# row strides (bytes) whose multiples share L1 cache sets
-_ALIASING_STRIDE = 1024
 
 # OpenBLAS would start threads above this many multiply-adds (see functional)
 
@@ -43,7 +40,7 @@ def head_rows(R: int, C: int, dtype) -> np.ndarray:
     on the AVX2 path and 1.15-1.2x on the AVX-512 path (Zen 5,
     bench/compare_mha.py)."""
     dt = np.dtype(dtype)
-    pad = 64 // dt.itemsize if (C * dt.itemsize) % _ALIASING_STRIDE == 0 else 0
+    pad = 64 // dt.itemsize if (C * dt.itemsize) % ALIASING_STRIDE == 0 else 0
     return np.empty((R, C + pad), dtype=dt)[:, :C]
 
 

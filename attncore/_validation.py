@@ -94,6 +94,23 @@ def aligned(a: np.ndarray) -> np.ndarray:
     return np.array(a, order="K", copy=True)
 
 
+# row strides (bytes) whose multiples put a strided operand's rows in the
+# same few L1 cache sets
+ALIASING_STRIDE = 1024
+
+
+def aliasing_rows(a: np.ndarray) -> bool:
+    """Whether the rows of ``a`` (its last two axes) are apart by a
+    multiple of :data:`ALIASING_STRIDE` bytes with gaps between them (the
+    heads of a (B, L, H * hd) projection viewed as (B, H, L, hd) at
+    H * hd * itemsize = 2 KiB, 4 KiB, ...): read in place, each row's lines
+    share their L1 sets with the others'."""
+    if a.ndim < 2 or a.shape[-2] < 2:
+        return False
+    st = a.strides[-2]
+    return st > a.shape[-1] * a.itemsize and st % ALIASING_STRIDE == 0
+
+
 def blas_rows(a: np.ndarray) -> np.ndarray:
     """``a`` itself when a kernel can read it in place as BLAS row blocks
     (aligned, last axis contiguous, row stride at least the row length and

@@ -182,3 +182,28 @@ def test_broadcast_query_rows_with_causal_or_row_mask(causal):
                                ref(q, k, v, causal=code)[0], rtol=1e-12, atol=1e-12)
     m = rand((6, 8), 4, np.float64) > 0
     np.testing.assert_allclose(sdpa(q, k, v, m), ref(q, k, v, m)[0], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------- heads viewed from projections
+@pytest.mark.parametrize("N", [5, 32, 33, 100])
+@pytest.mark.parametrize("width", [2, 3])
+def test_head_views_with_aliasing_rows(path, N, width):
+    """q / k / v as the heads of (B, L, width * H * hd) projections,
+    rows a multiple of 1 KiB apart (2 KiB, 3 KiB): the values are copied
+    for calls of many query rows (attncore._call.ALIASED_V_ROWS), read in
+    place otherwise; the same results either way, the inputs untouched."""
+    from attncore import _call
+    from attncore._validation import aliasing_rows
+    B, H, hd, M = 2, 4, 64, 70
+    qb, kvb = rand((B, N, width * H * hd), 1), rand((B, M, width * H * hd), 2)
+    heads = lambda x, i: x[..., i * H * hd:(i + 1) * H * hd].reshape(  # noqa: E731
+        x.shape[0], x.shape[1], H, hd).transpose(0, 2, 1, 3)
+    q, k, v = heads(qb, 0), heads(kvb, 0), heads(kvb, 1)
+    assert aliasing_rows(v) and not aliasing_rows(np.ascontiguousarray(v))
+    before = kvb.copy()
+    c = _call.describe(_call.check(q, k, v))
+    assert c.v.flags.c_contiguous == (N > _call.ALIASED_V_ROWS)
+    out = sdpa(q, k, v, is_causal="lower_right")
+    r, _ = ref(*(x.astype(np.float64) for x in (q, k, v)), causal=2)
+    np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
+    np.testing.assert_array_equal(kvb, before)
