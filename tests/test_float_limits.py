@@ -228,3 +228,21 @@ def test_huge_scale_tiny_keys(path):
     np.testing.assert_allclose(lse, lse_ref(q, k, scale=2e38), rtol=1e-5, atol=1e-5)
 
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_finds_every_nonfinite_element(path, dtype):
+    """The output check behind the float64 re-run (_sdpa.all_finite):
+    inf, -inf and NaN at the start, across a block boundary and at the
+    end, on every kernel path; extreme finite values are finite."""
+    from attncore._core import _sdpa
+    info = np.finfo(dtype)
+    for n in (1, 7, 4095, 4096, 4097, 20000):
+        a = np.random.default_rng(n).standard_normal(n).astype(dtype)
+        a[0], a[-1] = info.max, info.smallest_subnormal
+        assert _sdpa.all_finite(a)
+        for bad in (np.inf, -np.inf, np.nan):
+            for pos in {0, min(4096, n - 1), n // 2, n - 1}:
+                b = a.copy()
+                b[pos] = bad
+                assert not _sdpa.all_finite(b), (n, pos, bad)
