@@ -249,8 +249,18 @@ def int8_products(D: int) -> int:
 
 def policy(dtypes, names, precision) -> Policy:
     """The dtype policy of a call (``attncore._dtypes.resolve``), with this
-    CPU's bfloat16 dot products."""
-    return resolve(dtypes, names, precision, bf16_products=_sdpa.bf16_mode() != 0)
+    CPU's bfloat16 dot products (cached per argument set where
+    ``precision`` is None or a string: a small call's checks are a good
+    part of its time)."""
+    bf = _sdpa.bf16_mode() != 0
+    if precision is None or type(precision) is str:
+        return _policy_cached(tuple(dtypes), tuple(names), precision, bf)
+    return resolve(dtypes, names, precision, bf16_products=bf)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_cached(dtypes: tuple, names: tuple, precision, bf: bool) -> Policy:
+    return resolve(dtypes, names, precision, bf16_products=bf)
 
 
 def modes(pol: Policy, D: int) -> Modes:

@@ -49,7 +49,9 @@ def resolve_num_threads(num_threads) -> int:
     threadpoolctl limits); ``-1``: every processor; ``k >= 1``: ``k``.
     Always 1 when attncore was built without OpenMP.
     """
-    if num_threads is None:
+    if type(num_threads) is int and num_threads >= 1:  # the common case, first
+        n = num_threads
+    elif num_threads is None:
         n = _sdpa.omp_max_threads()
     else:
         if isinstance(num_threads, (bool,)) or not isinstance(num_threads, numbers.Integral):
