@@ -461,8 +461,11 @@ def _layout(chk: Checked):
 
 
 # elements of Q and K from which precision="int8" quantizes them on several
-# threads (below: about 20 ms on one thread at most, on one Zen 5 core)
-INT8_QUANT_THREADED = 1 << 24
+# threads (below: about 0.4 ms on one thread at most, on one Zen 5 core).
+# At 1 << 24 the quantizer of 1x8x1024^2 x 64 / x 128 ran on one thread
+# beside a 2-thread kernel: int8 1.00-1.23x float32 at 2 threads on the
+# avx2 path (AVX-VNNI), against 1.19-1.33x threaded (Zen 5, quiet machine)
+INT8_QUANT_THREADED = 1 << 19
 
 
 def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
@@ -474,9 +477,10 @@ def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
     nb = math.prod(bshape)
     # the quantizer's own work (its four passes each open an OpenMP region
     # when threaded, and a region's barrier waits for every thread to be
-    # scheduled: on a busy 2-core machine 2 threads took 50-70 ms against
-    # 1.2 ms on one, for 1x8x1024^2 x 64 operands): threaded only where the
-    # rows are many
+    # scheduled: on a 2-core machine busy with other processes 2 threads
+    # once took 50-70 ms against 1.2 ms on one, for 1x8x1024^2 x 64
+    # operands -- as the kernel's own region would): threaded where the
+    # rows are many enough to repay four regions
     rows_work = nb * (N + M) * D
     i8 = _int8.quantize(q, qf, None if ks is not None else k, kf,
                         k if ks is not None else None,
