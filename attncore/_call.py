@@ -436,6 +436,13 @@ def _float_operand(a: np.ndarray, cdt) -> tuple[np.ndarray, int]:
 ALIASED_V_ROWS = 32
 
 
+def _dense_rows(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``a``'s rows whose broadcast (stride-0) batch
+    axes stay broadcast: each distinct row is copied once."""
+    own = tuple(slice(0, 1) if st == 0 else slice(None) for st in a.strides[:-2])
+    return np.broadcast_to(np.ascontiguousarray(a[own]), a.shape)
+
+
 def _layout(chk: Checked):
     """(q, k, v, k_scales, v_scales, mask, fmts): the operands laid out."""
     cdt = chk.pol.compute
@@ -450,7 +457,7 @@ def _layout(chk: Checked):
         (v, vf), vs = _float_operand(chk.v, cdt), None
         if (not vf and cdt == F32 and not chk.need_weights and chk.q.shape[-2] > ALIASED_V_ROWS
                 and aliasing_rows(v)):
-            v = np.ascontiguousarray(v)
+            v = _dense_rows(v)
     m = chk.mask
     if m is not None:
         if chk.mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):

@@ -207,3 +207,20 @@ def test_head_views_with_aliasing_rows(path, N, width):
     r, _ = ref(*(x.astype(np.float64) for x in (q, k, v)), causal=2)
     np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
     np.testing.assert_array_equal(kvb, before)
+
+
+def test_aliasing_values_broadcast_batch_not_expanded():
+    """Values with aliasing rows broadcast over a batch axis (stride 0)
+    are copied once per distinct row, not once per batch element."""
+    from attncore import _call
+    B, H, hd, M, N = 6, 4, 64, 50, 40
+    kvb = rand((1, M, 2 * H * hd), 2)
+    v = kvb[..., H * hd:].reshape(1, M, H, hd).transpose(0, 2, 1, 3)
+    vb = np.broadcast_to(v, (B, H, M, hd))
+    q, k = rand((B, H, N, hd), 1), rand((B, H, M, hd), 3)
+    c = _call.describe(_call.check(q, k, vb))
+    assert c.v.strides[0] == 0 and c.v.strides[-2] == hd * c.v.itemsize  # dense rows, once
+    np.testing.assert_array_equal(np.asarray(c.v), vb)
+    out = sdpa(q, k, vb)
+    r, _ = ref(q.astype(np.float64), k.astype(np.float64), vb.astype(np.float64))
+    np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
