@@ -17,7 +17,7 @@ from cpython.pycapsule cimport PyCapsule_New
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free, qsort
 from libc.string cimport memcpy
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int8_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, int64_t
 from libc.math cimport exp, log, NAN, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
