@@ -47,7 +47,9 @@ def head_rows(R: int, C: int, dtype) -> np.ndarray:
 def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
            num_threads: int | None = None, out: np.ndarray | None = None,
            precision: str | None = None) -> np.ndarray:
-    """``x2d @ w.T (+ b)`` as a new C-contiguous (R, C) array.
+    """``x2d @ w.T (+ b)`` as a new C-contiguous (R, C) array, or written
+    into ``out`` (R, C) of x2d's dtype with contiguous rows (any row
+    stride: :func:`head_rows`' padded rows).
 
     x2d (R, K) and w (C, K) must share a float32 / float64 dtype (b too),
     or w is bfloat16 / float16 with float32 x2d (and b): then w is read in

@@ -442,8 +442,8 @@ _FLOATS = (_F32_DT, _F64_DT)   # native byte order
 
 def all_finite(a: np.ndarray) -> bool:
     """Whether every element of ``a`` is finite: for the kernels' C-contiguous
-    float32 / float64 outputs one pass over the exponent bits in C (no
-    temporary, no warning); otherwise NumPy's element-wise test."""
+    float32 / float64 outputs one vectorized pass in C (no temporary, no
+    warning); otherwise NumPy's element-wise test."""
     dt = a.dtype
     if (dt is _F32_DT or dt is _F64_DT or dt in _FLOATS) and a.flags.c_contiguous:
         return _sdpa.all_finite(a)

@@ -1872,8 +1872,9 @@ cdef bint _finite(const Py_buffer *view) noexcept nogil:
 
 def all_finite(a):
     """Whether every element of the C-contiguous float32 / float64 array
-    ``a`` is finite: one pass over the exponent bits (no temporary, no
-    floating-point warning), the GIL released."""
+    ``a`` is finite: one vectorized pass (x - x summed: NaN exactly where
+    an element is inf or NaN; no temporary, no NumPy warning), the GIL
+    released."""
     cdef Py_buffer view
     cdef bint ok
     PyObject_GetBuffer(a, &view, PyBUF_C_CONTIGUOUS)

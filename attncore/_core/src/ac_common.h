@@ -20,6 +20,14 @@
 #ifndef AC_COMMON_H
 #define AC_COMMON_H
 
+/* The kernels need IEEE inf and NaN: the masked softmax's -inf, the
+ * output check's x - x (NaN exactly for inf / NaN).  -ffast-math or
+ * -ffinite-math-only (in CFLAGS, or a compiler's default fast model)
+ * would fold them away silently. */
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#error "attncore's kernels need IEEE inf / NaN: build without -ffast-math / -ffinite-math-only"
+#endif
+
 typedef void (*ac_sgemm_t)(char *, char *, int *, int *, int *, float *,
                            float *, int *, float *, int *, float *, float *,
                            int *);

@@ -456,7 +456,9 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
  * the same contract as ac_sdpa_range_f32, except that a row whose scores
  * (the scale, a float mask entry) are out of range for the base-2 units
  * of the fused kernel, or NaN, comes back with bad = -1: the caller then
- * computes it on its own loops.
+ * computes it on its own loops.  So do the rows of a last panel of at most
+ * AC_SMALL_ROWS rows of a float32 call (the small loops read each key and
+ * value row once for them; a panel would cost all its lanes).
  *
  * float32 keys / values are read in place by every panel.  int8 and half
  * keys / values are converted once per chunk of AC_BK keys for all the
