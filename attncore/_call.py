@@ -431,8 +431,9 @@ def _float_operand(a: np.ndarray, cdt) -> tuple[np.ndarray, int]:
 # query rows above which float32 values whose rows alias in L1
 # (attncore._validation.aliasing_rows) are copied once for the call: the
 # fused kernel reads each value row once per panel of queries, and at
-# 2 KiB apart a 4 x 8 x 512^2 x 64 call ran 1.5x (AVX2) / 1.3x (AVX-512)
-# slower than on contiguous values (Zen 5), against 0.1 ms for the copy
+# 4 KiB apart a 4 x 8 x 512^2 x 64 call ran 1.5x (AVX2) / 1.2x (AVX-512)
+# slower than on contiguous values (Zen 5, one thread), against 0.1 ms for
+# the copy
 ALIASED_V_ROWS = 32
 
 
