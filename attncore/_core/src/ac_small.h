@@ -48,7 +48,6 @@ static inline size_t ac_se_size(int fmt)
 
 #define AC_SINLINE inline __attribute__((always_inline))
 
-/* software prefetch distances, in rows: keys (scores) and values (P.V) */
 /* software prefetch distances in bytes of float32 rows ahead: keys
  * (scores) and values (P.V); rows of 16-bit and int8 elements go twice as
  * far.  Tuned on Zen 5 (float32 4 / 2 KiB against 8 / 4 KiB: 1.05-1.3x at
