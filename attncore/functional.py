@@ -406,27 +406,64 @@ def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
 # --------------------------------------------------------------------------
 # a lean call for integrations (the Hugging Face backend's decoding steps)
 # --------------------------------------------------------------------------
+def _rows_ok(shape: tuple, strides: tuple, isz: int) -> bool:
+    """Whether the kernel reads a 4-D operand of this shape and these
+    strides as it is (rows of contiguous elements, non-negative batch
+    strides; see blas_rows), its alignment aside."""
+    st = strides
+    return (st[3] == isz and st[2] >= shape[3] * isz and st[2] % isz == 0
+            and st[1] % isz == 0 and st[0] % isz == 0 and st[1] >= 0 and st[0] >= 0)
+
+
 @functools.lru_cache(maxsize=512)
-def _prepared_call(dtype: np.dtype, N: int, M: int, D: int, Dv: int, causal: int, B: int, H: int,
-                   Hk: int, nthreads: int, kernel_path: str, bf16: int, scale: float,
-                   window: tuple, softcap: float) -> _call.Call:
-    """The description of a prepared call of this shape (cached), its
-    operands still to be filled in."""
-    fmt = half_code(dtype)
-    pl = _call.plan_call(np.dtype(np.float32 if fmt else dtype), N, M, D, Dv, causal, B * H,
+def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tuple,
+                   vshape: tuple, vstrides: tuple, dt: np.dtype, causal: int, scale,
+                   nthreads: int, window: tuple, softcap: float, kernel_path: str,
+                   bf16: int) -> tuple | None:
+    """What the operands' metadata decide of a prepared call (cached):
+    (the call's description without its operands, the shape q is read in
+    (a decoding step of grouped-query heads) or None, the output's shape),
+    or None where the call needs the general path."""
+    if (len(qshape) != 4 or len(kshape) != 4 or len(vshape) != 4
+            or not (dt == np.float32 or half_code(dt))):
+        return None
+    B, H, N, D = qshape
+    Bk, Hk, M, Dk = kshape
+    Dv = vshape[3]
+    isz = dt.itemsize
+    if (Bk != B or vshape[:3] != (B, Hk, M) or Dk != D or Hk == 0 or H % Hk
+            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > _INT32_MAX
+            or not (_rows_ok(qshape, qstrides, isz) and _rows_ok(kshape, kstrides, isz)
+                    and _rows_ok(vshape, vstrides, isz))):
+        return None
+    if scale is None:
+        sc = 1.0 / math.sqrt(D)
+    else:
+        sc = float(scale)
+        if not (math.isfinite(sc) and sc > 0):
+            return None
+    fmt = half_code(dt)
+    oshape = (B, H, N, Dv)
+    qread = None
+    if N == 1 and H > Hk and causal != 1 and window == (-1, -1):
+        # a decoding step of grouped-query heads: the query heads of a key
+        # head are the rows of one block over that head's keys (every row
+        # sees every key), so its keys and values are read once per group;
+        # q (B, H, 1, D) read as (B, Hk, H / Hk, D) (a view: its rows H's)
+        qread = (B, Hk, H // Hk, D)
+        if not _rows_ok(qread, (qstrides[0], (H // Hk) * qstrides[1], qstrides[1], qstrides[3]),
+                        isz):
+            return None
+        N, H, causal = H // Hk, Hk, 0
+    pl = _call.plan_call(np.dtype(np.float32 if fmt else dt), N, M, D, Dv, causal, B * H,
                          nthreads, kernel_path=kernel_path,
                          converted_kv=2 if bf16 and kernel_path == "avx512" else int(bool(fmt)))
-    return _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, scale,
-                      window, softcap, None, None, None, (fmt, fmt, fmt), None, None,
-                      bf16 if pl.fused else 0, 0, pl, np.dtype(np.float32 if fmt else dtype))
-
-
-def _kernel_rows(a: np.ndarray) -> bool:
-    """Whether the kernel reads ``a`` (4-D) as it is (see blas_rows)."""
-    st, isz = a.strides, a.itemsize
-    return (a.flags.aligned and st[3] == isz and st[2] >= a.shape[3] * isz
-            and st[2] % isz == 0 and st[1] % isz == 0 and st[0] % isz == 0
-            and st[1] >= 0 and st[0] >= 0)
+    if not pl.fused and N > _SMALL_ROWS:
+        return None  # the BLAS path: the general call decides its threads
+    c = _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, sc,
+                   window, softcap, None, None, None, (fmt, fmt, fmt), None, None,
+                   bf16 if pl.fused else 0, 0, pl, np.dtype(np.float32 if fmt else dt))
+    return c, qread, oshape
 
 
 def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
@@ -435,7 +472,10 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     """Attention of already-checked operands, without the general call's
     argument handling (private: for integrations that call attncore per
     layer and per decoding step, where that handling costs as much as a
-    small kernel call).
+    small kernel call -- and more when the caches are cold, as they are
+    between a model's layers: every distinct Python or NumPy operation then
+    costs microseconds, so the metadata's verdict is cached and the call
+    does as few as it can).
 
     q (B, H, L, D), k / v (B, Hk, S, D / Dv): NumPy arrays of one dtype
     (float32, float16 or bfloat16), Hk dividing H, no mask; ``causal`` a
@@ -446,40 +486,24 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     the caller then uses :func:`scaled_dot_product_attention`.
     """
     dt = q.dtype
-    if (q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.dtype != dt or v.dtype != dt
-            or not (dt == np.float32 or half_code(dt))):
+    if k.dtype != dt or v.dtype != dt:
         return None
-    B, H, N, D = q.shape
-    Bk, Hk, M, Dk = k.shape
-    Dv = v.shape[3]
-    if (Bk != B or v.shape[:3] != (B, Hk, M) or Dk != D or Hk == 0 or H % Hk
-            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > _INT32_MAX
-            or not (_kernel_rows(q) and _kernel_rows(k) and _kernel_rows(v))):
+    prep = _prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, dt,
+                          causal, scale, nthreads, window, softcap, _sdpa.kernel_path(),
+                          _sdpa.bf16_mode() if dt.itemsize == 2 else 0)
+    if prep is None or not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
         return None
-    if scale is None:
-        sc = 1.0 / math.sqrt(D)
-    else:
-        sc = float(scale)
-        if not (math.isfinite(sc) and sc > 0):
-            return None
-    fmt = half_code(dt)
-    if N == 1 and H > Hk and causal != 1 and window == (-1, -1):
-        # a decoding step of grouped-query heads: the query heads of a key
-        # head are the rows of one block over that head's keys (every row
-        # sees every key), so its keys and values are read once per group
-        out = attention_prepared(q.reshape(B, Hk, H // Hk, D), k, v, 0, sc, nthreads,
-                                 window, softcap)
-        return None if out is None else out.reshape(B, H, 1, Dv)
-    # bfloat16 inputs: bfloat16 products where the CPU has them (the policy)
-    c = _prepared_call(dt, N, M, D, Dv, causal, B, H, Hk, nthreads, _sdpa.kernel_path(),
-                       _sdpa.bf16_mode() if fmt == HALF_BF16 else 0, sc, window, softcap)
-    if not c.plan.fused and N > _SMALL_ROWS:
-        return None  # the BLAS path: the general call decides its threads
-    out, _, _, finite = _call.launch(_call.Call(_call.bits(q, fmt), _call.bits(k, fmt),
-                                                _call.bits(v, fmt), *c[3:]))
+    c, qread, oshape = prep
+    if qread is not None:
+        q = q.reshape(qread)
+    fmt = c.fmts[0]
+    if fmt == HALF_BF16:
+        q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
+    # the description with its operands (tuple.__new__: the Call's fields in order)
+    out, _, _, finite = _call.launch(tuple.__new__(_call.Call, (q, k, v) + c[3:]))
     if not finite:
         return None  # an overflow or non-finite inputs: the general call decides
-    out = out.reshape(B, H, N, Dv)
+    out = out.reshape(oshape)
     return out.astype(dt) if fmt else out
 
 

@@ -102,3 +102,34 @@ def test_prepared_grouped_decode(kernels, causal, B, H, Hk, M, D, dtype):
     ref = sdpa_ref(q, k, v, is_causal=causal, scale=0.3, softcap=2.0, group=H // Hk)
     assert kernels == ["sdpa"] and out.shape == (B, H, 1, D) and out.dtype == dtype
     np.testing.assert_allclose(out, ref, atol=2e-5 if dtype == np.float32 else 2e-3, rtol=0)
+
+
+def test_prepared_layouts_share_no_verdict():
+    """The prepared path caches what the operands' metadata decide: calls
+    of one shape with other strides (rows apart, heads interleaved, a
+    transposed query) each read their own layout, and an operand the
+    kernel cannot read in place (a misaligned view, a column stride) is
+    handed back to the general call (None), whatever came before."""
+    from attncore.functional import attention_prepared
+
+    B, H, Hk, M, D = 2, 8, 2, 37, 16
+    q = rand((B, H, 1, D), 20)
+    k, v = rand((B, Hk, M, D), 21), rand((B, Hk, M, D), 22)
+    ref = sdpa_ref(q, k, v, scale=0.25, group=H // Hk)
+    spread = np.zeros((B, Hk, M, 2 * D), np.float32)       # rows 2 D apart
+    spread[..., :D] = k
+    qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    heads = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    for qq, kk in [(q, k), (q, spread[..., :D]), (qt, k), (q, heads), (qt, spread[..., :D])]:
+        out = attention_prepared(qq, kk, v, 0, 0.25, 1)
+        assert out.shape == (B, H, 1, D)
+        np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    raw = np.zeros(k.size * 4 + 1, np.uint8)
+    odd = raw[1:].view(np.float32).reshape(k.shape)        # misaligned by one byte
+    odd[...] = k
+    assert not odd.flags.aligned
+    assert attention_prepared(q, odd, v, 0, 0.25, 1) is None
+    assert attention_prepared(q, np.asfortranarray(k), v, 0, 0.25, 1) is None
+    out = attention_prepared(q, k, v, 0, 0.25, 1)           # the same call again
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    assert attention_prepared(q, k.astype(np.float16), v, 0, 0.25, 1) is None  # mixed dtypes

@@ -267,6 +267,30 @@ def test_forward_layout_and_lower_right_causal_without_mask():
     torch.testing.assert_close(out, _expected(q, k, v, lower_right, 0.3), rtol=1e-5, atol=1e-5)
 
 
+def test_forward_decode_step_layout_and_mixed_dtypes():
+    """A decoding step (L = 1) comes back as a contiguous (B, 1, H, D)
+    tensor that owns its values (a new call leaves it as it was); tensors
+    of mixed dtypes (which the lean path hands to the general call) give
+    the promoted result, and a float64 query the float64 one."""
+    q, k, v = _inputs(L=1, S=11, seed=3)
+    with torch.no_grad():
+        out, _ = attention_forward(_Module(), q, k, v, None, scaling=0.3)
+        keep = out.clone()
+        attention_forward(_Module(), q + 1, k, v, None, scaling=0.3)
+    assert out.shape == (2, 1, 4, 8) and out.is_contiguous() and out.dtype is torch.float32
+    torch.testing.assert_close(out, keep, rtol=0, atol=0)
+    ref = _expected(q.double(), k.double(), v.double(), None, 0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        mixed, _ = attention_forward(_Module(), q, k.half(), v, None, scaling=0.3)
+        wide, _ = attention_forward(_Module(), q.double(), k.double(), v.double(), None,
+                                    scaling=0.3)
+    assert mixed.dtype is torch.float32 and wide.dtype is torch.float64
+    ref_h = _expected(q.double(), k.half().double(), v.double(), None, 0.3)
+    torch.testing.assert_close(mixed.double(), ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wide, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_forward_sliding_window_and_position_bias():
     q, k, v = _inputs(L=4, S=12, seed=1)
     qpos = torch.arange(8, 12)[:, None]

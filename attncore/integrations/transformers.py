@@ -250,10 +250,12 @@ def _fast_numpy(t, bf16):
     """A view of a CPU tensor of the model's own dtype (float32 / float16,
     or bfloat16 read through int16 as ``bf16``), without the general
     conversion's checks and caching (one call per layer and step)."""
-    d = t.detach()
     if bf16 is not None:
-        return d.view(sys.modules["torch"].int16).numpy().view(bf16)
-    return d.numpy()
+        return t.detach().view(sys.modules["torch"].int16).numpy().view(bf16)
+    try:
+        return t.numpy()
+    except RuntimeError:    # a tensor that requires grad: its detached view
+        return t.detach().numpy()
 
 
 # ---- sliding windows (transformers' convention) ----------------------------
@@ -310,26 +312,40 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     """The lean path of most calls (decoding steps, unpadded prefill) for a
     call without mask, weights, bias, sinks or precision: views, the
     kernel, and the output back as a torch tensor; None where it does not
-    apply (then the general path runs)."""
+    apply (then the general path runs).  As few torch operations as it can:
+    between a model's layers the caches are cold, and each distinct one
+    then costs microseconds (the dtype alone is checked here: ``numpy()``
+    refuses tensors of another device or layout, and the NumPy dtypes are
+    compared)."""
     torch = sys.modules["torch"]
-    if not (query.device.type == "cpu"
-            and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and all(t.device == query.device and t.dtype is query.dtype
-                    and t.layout is torch.strided for t in (query, key, value))):
-        return None
+    dt = query.dtype
     bf = None
-    if query.dtype is torch.bfloat16:
-        bf = bfloat16_dtype() if bfloat16_available() else False
-    if bf is False:
+    if dt is torch.bfloat16:
+        if not bfloat16_available() or key.dtype is not dt or value.dtype is not dt:
+            return None
+        bf = bfloat16_dtype()
+    elif dt is not torch.float32 and dt is not torch.float16:
         return None
-    causal, win, mask = _sliding_window(module, is_causal, kwargs, query.shape[2], key.shape[2])
+    try:
+        q, k, v = _fast_numpy(query, bf), _fast_numpy(key, bf), _fast_numpy(value, bf)
+    except (TypeError, RuntimeError, NotImplementedError):  # not a CPU strided tensor:
+        return None  # the general path says why
+    causal, win, mask = _sliding_window(module, is_causal, kwargs, q.shape[2], k.shape[2])
     if mask is not None:
         return None
-    out = attention_prepared(
-        _fast_numpy(query, bf), _fast_numpy(key, bf), _fast_numpy(value, bf),
-        2 if causal else 0, scaling, resolve_num_threads(torch.get_num_threads()),
-        win or (-1, -1), parse_softcap(kwargs.get("softcap")))
-    return None if out is None else numpy_to_torch(out).transpose(1, 2).contiguous()
+    out = attention_prepared(q, k, v, 2 if causal else 0, scaling,
+                             resolve_num_threads(torch.get_num_threads()), win or (-1, -1),
+                             parse_softcap(kwargs.get("softcap")))
+    if out is None:
+        return None
+    B, H, L, Dv = out.shape
+    if bf is not None:
+        t = numpy_to_torch(out)
+    else:   # a fresh, writable float32 / float16 array
+        t = torch.from_numpy(out)
+    if L == 1:  # (B, H, 1, Dv) is (B, 1, H, Dv) in memory
+        return t.view(B, 1, H, Dv)
+    return t.transpose(1, 2).contiguous()
 
 
 def _mask(module, attention_mask, is_causal, L, S, kwargs):
