@@ -22,6 +22,7 @@ from ._core import _sdpa
 from ._dtypes import HALF_BF16, half_code
 from ._interop import foreign_arrays
 from ._quant import dequantize, split_quantized
+from ._threads import resolve_num_threads
 from ._validation import all_finite, as_float_array, parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
@@ -295,6 +296,13 @@ def scaled_dot_product_attention(
     * The GIL is released while computing; calls from several Python
       threads at once are safe.
     """
+    if (attn_mask is None and window is None and softcap is None and precision is None
+            and alibi_slopes is None and sinks is None and return_weights is False
+            and return_lse is False and type(query) is np.ndarray and type(key) is np.ndarray
+            and type(value) is np.ndarray):
+        out = _plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads)
+        if out is not None:
+            return out
     return_weights = parse_bool(return_weights, "return_weights")
     return_lse = parse_bool(return_lse, "return_lse")
     enable_gqa = parse_bool(enable_gqa, "enable_gqa")
@@ -306,6 +314,75 @@ def scaled_dot_product_attention(
     if not (return_weights or return_lse):
         return out
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
+
+
+# --------------------------------------------------------------------------
+# plain calls: the description decided once per operand metadata
+# --------------------------------------------------------------------------
+# (query, key, value metadata, options, threads, kernel path, bfloat16 mode)
+# -> (the call's description without operands, the shape q is read in or
+# None, the output's shape, its dtype), or False where a call of that
+# metadata needs the general path every time (copies, conversions, BLAS
+# products, broadcast query rows, an empty call)
+_PLAIN: dict = {}
+_PLAIN_MAX = 256
+
+
+def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal, scale,
+                enable_gqa, num_threads) -> np.ndarray | None:
+    """A call without mask or options beyond ``is_causal`` / ``scale`` /
+    ``enable_gqa`` / ``num_threads`` on NumPy arrays, from its description
+    cached by the operands' metadata (shapes, strides, dtypes: everything
+    :func:`attncore._call.check` and :func:`attncore._call.describe`
+    decide from).  A small call's checks cost as much as its kernel, and
+    more when the caches are cold.  None where the general path must run
+    (it then raises any error, as it would have)."""
+    try:
+        nt = resolve_num_threads(num_threads)
+    except (TypeError, ValueError):
+        return None
+    key_ = (query.shape, query.strides, query.dtype, key.shape, key.strides, key.dtype,
+            value.shape, value.strides, value.dtype, type(is_causal), is_causal, type(scale),
+            scale, type(enable_gqa), enable_gqa, nt, _sdpa.kernel_path(), _sdpa.bf16_mode())
+    try:
+        hit = _PLAIN.get(key_)
+    except TypeError:   # an unhashable argument: the general path says what it is
+        return None
+    if hit is None:
+        hit = _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads)
+        if len(_PLAIN) >= _PLAIN_MAX:
+            _PLAIN.clear()
+        _PLAIN[key_] = hit
+    if hit is False or not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
+        return None
+    c, qread, oshape, rdt = hit
+    q = query if qread is None else query.reshape(qread)
+    # the description with its operands (tuple.__new__: the Call's fields in order)
+    out, _, _, finite = _call.launch(tuple.__new__(_call.Call, (q, key, value) + c[3:]))
+    if not finite:
+        return None  # an overflow or non-finite inputs: the general path decides
+    out = out.reshape(oshape)
+    return out if rdt == c.compute else out.astype(rdt)
+
+
+def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads):
+    """The cache entry of :func:`_plain_call` for these operands (their
+    checks raise as the general call's would)."""
+    chk = _call.check(query, key, value, None, is_causal, scale,
+                      parse_bool(enable_gqa, "enable_gqa"), False, False, num_threads)
+    if (chk.empty or _broadcast_query(chk) or chk.q is not query or chk.k is not key
+            or chk.v is not value):
+        return False   # (operands converted by the checks: a byte order, say)
+    rows = _call.grouped_rows(chk)
+    c = _call.describe(chk if rows is None else rows)
+    read = chk if rows is None else rows
+    pl = c.plan
+    if (c.block_table is not None or c.mask is not None or c.q is not read.q or c.k is not chk.k
+            or c.v is not chk.v or not (pl.fused or c.N <= _SMALL_ROWS)):
+        return False   # operands copied or converted, or the BLAS path
+    qread = None if rows is None else rows.q.shape
+    return (c._replace(q=None, k=None, v=None), qread, chk.bshape + (chk.q.shape[-2], c.Dv),
+            chk.pol.result)
 
 
 def _dequantized(chk: _call.Checked) -> _call.Checked:

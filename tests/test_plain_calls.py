@@ -1,0 +1,129 @@
+"""Plain calls (NumPy operands, no mask or options beyond ``is_causal``,
+``scale``, ``enable_gqa`` and ``num_threads``) run from a description cached
+by their operands' metadata (attncore.functional._plain_call).  What the
+cache must never do: serve a call whose data, layout, dtype, options,
+thread count or kernel path differ from the one that filled it, accept an
+argument the general path refuses, or skip the float64 re-run of an
+overflow.  Every result against the float64 reference."""
+import numpy as np
+import pytest
+
+import attncore
+from attncore import _kernels, functional
+from reference import rand, sdpa_ref
+
+sdpa = attncore.scaled_dot_product_attention
+
+
+@pytest.fixture
+def fresh():
+    """An empty cache before and after the test."""
+    functional._PLAIN.clear()
+    yield functional._PLAIN
+    functional._PLAIN.clear()
+
+
+def close(out, ref, dtype=np.float32):
+    atol = {np.float64: 1e-12, np.float32: 3e-5, np.float16: 3e-3}[dtype]
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("shape", [(3, 2, 1, 7, 16), (2, 4, 6, 9, 8), (2, 2, 40, 33, 24)])
+def test_new_data_same_metadata(path, fresh, dtype, shape):
+    """Each call reads its own operands: three calls of one metadata, new
+    data each time, each equal to its reference (and the cache filled)."""
+    B, H, N, M, D = shape
+    for seed in range(3):
+        q, k, v = (rand(s, 10 * seed + i, dtype) for i, s in
+                   enumerate([(B, H, N, D), (B, H, M, D), (B, H, M, D)]))
+        for causal in (False, "lower_right"):
+            out = sdpa(q, k, v, is_causal=causal, scale=0.3)
+            close(out, sdpa_ref(q.astype(np.float64), k.astype(np.float64),
+                                v.astype(np.float64), is_causal=causal, scale=0.3), dtype)
+    # cached wherever no BLAS product runs: the fused kernel, or a few rows
+    blas = N > 4 and (path == "portable" or dtype == np.float64)
+    assert any(hit for hit in fresh.values()) != blas
+
+
+def test_layouts_and_options_are_part_of_the_key(path, fresh):
+    """One shape, other strides / options / threads / grouped heads: every
+    call its own reference, whatever ran before it."""
+    q, k, v = rand((2, 4, 5, 16), 1), rand((2, 4, 9, 16), 2), rand((2, 4, 9, 16), 3)
+    wide = np.zeros((2, 4, 9, 40), np.float32)
+    wide[..., 3:19] = k
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    kg, vg = k[:, :2], v[:, :2]
+    qd = q.astype(np.float64)
+    runs = [
+        (dict(), (q, k, v), sdpa_ref(qd, k, v)),
+        (dict(), (q, wide[..., 3:19], v), sdpa_ref(qd, k, v)),
+        (dict(), (q, kt, v), sdpa_ref(qd, k, v)),
+        (dict(is_causal=True), (q, k, v), sdpa_ref(qd, k, v, is_causal=True)),
+        (dict(is_causal="lower_right"), (q, k, v), sdpa_ref(qd, k, v, is_causal="lower_right")),
+        (dict(scale=0.5), (q, k, v), sdpa_ref(qd, k, v, scale=0.5)),
+        (dict(scale=np.float32(0.5)), (q, k, v), sdpa_ref(qd, k, v, scale=0.5)),
+        (dict(num_threads=1), (q, k, v), sdpa_ref(qd, k, v)),
+        (dict(num_threads=2), (q, k, v), sdpa_ref(qd, k, v)),
+        (dict(enable_gqa=True), (q, kg, vg), sdpa_ref(qd, kg, vg, group=2)),
+        (dict(enable_gqa=True), (q[:, :, :1], kg, vg), sdpa_ref(qd[:, :, :1], kg, vg, group=2)),
+        (dict(), (q[:, :, :1], k, v), sdpa_ref(qd[:, :, :1], k, v)),
+        (dict(), (q, k, np.asfortranarray(v)), sdpa_ref(qd, k, v)),
+        (dict(), (q, k, v[:, :, ::-1]), sdpa_ref(qd, k, v[:, :, ::-1])),
+        (dict(), (np.asfortranarray(q), k, v), sdpa_ref(qd, k, v)),
+        (dict(), (q[:, :, :1], k, v[:, :, ::-1]), sdpa_ref(qd[:, :, :1], k, v[:, :, ::-1])),
+    ]
+    for _ in range(2):
+        for kw, (a, b, c), ref in runs:
+            close(sdpa(a, b, c, **kw), ref)
+
+
+def test_what_the_checks_convert_or_refuse(fresh):
+    """Operands the checks convert (another byte order, an unaligned or a
+    reversed view) are converted on every call, not read as the cached
+    operand was; arguments the general path refuses stay refused after an
+    accepted call of the same metadata."""
+    q, k, v = rand((1, 2, 3, 8), 4), rand((1, 2, 6, 8), 5), rand((1, 2, 6, 8), 6)
+    ref = sdpa_ref(q, k, v)
+    close(sdpa(q, k, v), ref)
+    close(sdpa(q, k.astype(">f4"), v), ref)
+    raw = np.zeros(k.nbytes + 1, np.uint8)
+    odd = raw[1:].view(np.float32).reshape(k.shape)
+    odd[...] = k
+    close(sdpa(q, odd, v), ref)
+    close(sdpa(q, k[:, :, ::-1][:, :, ::-1], v), ref)
+    close(sdpa(q, k, v, is_causal=True), sdpa_ref(q, k, v, is_causal=True))
+    for bad in (1, "causal", np.array(True)):
+        with pytest.raises((ValueError, TypeError), match="is_causal"):
+            sdpa(q, k, v, is_causal=bad)
+    for bad in (0.0, -1.0, np.inf, "0.5"):
+        with pytest.raises((ValueError, TypeError), match="scale"):
+            sdpa(q, k, v, scale=bad)
+    with pytest.raises((ValueError, TypeError), match="num_threads"):
+        sdpa(q, k, v, num_threads=0)
+    with pytest.raises((ValueError, TypeError), match="enable_gqa"):
+        sdpa(q, k, v, enable_gqa="yes")
+
+
+def test_kernel_path_is_part_of_the_key(fresh):
+    """The same call under each forced path: each path's own description
+    (its panel rows, its kernels), each result the reference's."""
+    q, k, v = rand((2, 2, 37, 32), 7), rand((2, 2, 50, 32), 8), rand((2, 2, 50, 32), 9)
+    ref = sdpa_ref(q, k, v, is_causal=True)
+    for p in _kernels.available_kernel_paths() * 2:
+        with _kernels.forced_kernel_path(p):
+            close(sdpa(q, k, v, is_causal=True), ref)
+    assert len({key[-2] for key in fresh}) == len(_kernels.available_kernel_paths())
+
+
+def test_overflow_still_runs_again_in_float64(fresh):
+    """A float32 call whose accumulation overflows is computed again in
+    float64 on every call, cached or not."""
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    k = np.zeros((1, 1, 3, 4), np.float32)
+    v = np.full((1, 1, 3, 4), 3e38, np.float32)
+    for _ in range(3):
+        out = sdpa(q, k, v)
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(out, np.full((1, 1, 2, 4), 3e38, np.float32), rtol=1e-6)
