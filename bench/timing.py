@@ -38,7 +38,12 @@ def interleaved_medians(fns, threads, repeats, *, sample_seconds=0.02, settle=0.
         numbers = {}
         for key, fn in fns.items():
             fn()  # warm-up
-            numbers[key] = max(1, int(sample_seconds / max(seconds_per_call(fn), 1e-7)))
+            # calls per sample from the fastest of three: a single first
+            # call may wait milliseconds for an idle core to wake (a VM's
+            # parked vCPU), and a sample of one or two such calls would time
+            # the wake-up, not the contender
+            per = min(seconds_per_call(fn) for _ in range(3))
+            numbers[key] = max(1, int(sample_seconds / max(per, 1e-7)))
         samples = {key: [] for key in fns}
         for _ in range(repeats):
             for key, fn in fns.items():
