@@ -6,6 +6,7 @@ import pytest
 
 import attncore
 from attncore import scaled_dot_product_attention as sdpa
+from attncore._quant import dequantize
 
 from reference import allowed, sdpa_ref
 from reference import attention as ref
@@ -310,7 +311,7 @@ def test_mha_window_is_validated_by_every_loader():
 
 
 # ------------------------------------------------------------ panel tails
-@pytest.mark.parametrize("N", [17, 18, 20, 33, 35, 50, 66])
+@pytest.mark.parametrize("N", [5, 9, 16, 17, 18, 20, 21, 33, 35, 40, 48, 50, 52, 66])
 @pytest.mark.parametrize("opts", [
     {}, {"is_causal": True}, {"is_causal": "lower_right"}, {"window": (7, 3)},
     {"softcap": 2.0}, {"mask": "bool_full"}, {"mask": "float"},
@@ -318,7 +319,9 @@ def test_mha_window_is_validated_by_every_loader():
 def test_panel_tail_rows_against_reference(path, N, opts):
     """A call whose last query panel has a few rows (the fused kernel
     leaves them to the direct loops: 50 = 3 x 16 + 2 on AVX2, 35 = 32 + 3
-    on AVX-512), every option, float32 against the float64 reference."""
+    on AVX-512) or at most 16 (the AVX-512 path's 16-row panel: 40 = 32 +
+    8, 50 = 32 + 16 + 2 direct rows, 9 alone), every option, float32
+    against the float64 reference."""
     B, H, M, D, Dv = 2, 2, 41, 24, 20
     q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, Dv), 3)
     opts = dict(opts)
@@ -334,3 +337,25 @@ def test_panel_tail_rows_against_reference(path, N, opts):
                       opts.get("is_causal", False), return_lse=True, **ref_kw)
     np.testing.assert_allclose(out, ro, rtol=3e-5, atol=3e-6)
     np.testing.assert_allclose(lse, rl, rtol=3e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("N", [5, 12, 16, 20])
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+def test_short_panels_with_converted_keys_and_values(path, N, kv):
+    """A single short panel (5 - 20 query rows: the AVX-512 path's 16-row
+    panel, with direct rows after it) over float16 or int8 keys and values
+    (converted a tile at a time in the panel), causal and not, against the
+    float64 reference of the rounded / dequantized operands."""
+    B, H, M, D = 2, 3, 70, 32
+    q, k, v = rand((B, H, N, D), 4), rand((B, H, M, D), 5), rand((B, H, M, D), 6)
+    if kv == "float16":
+        kk, vv = k.astype(np.float16), v.astype(np.float16)
+        kr, vr = kk.astype(np.float64), vv.astype(np.float64)
+    else:
+        kk, vv = attncore.quantize_kv(k), attncore.quantize_kv(v)
+        kr = dequantize(*kk, np.float64)
+        vr = dequantize(*vv, np.float64)
+    for causal in (False, "lower_right"):
+        out = sdpa(q, kk, vv, is_causal=causal)
+        ref = sdpa_ref(q.astype(np.float64), kr, vr, is_causal=causal)
+        np.testing.assert_allclose(out, ref, rtol=3e-5, atol=3e-6)

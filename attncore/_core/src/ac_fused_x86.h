@@ -96,6 +96,7 @@ static int ac_row_attends_f32(const ac_params *p, const uint8_t *mb, const float
 #define VEC __m512
 #define AC_W 16
 #define AC_P AC_PANEL_ROWS_AVX512 /* 2 AC_W */
+#define AC_NV 2
 #ifndef AC_KU512
 #define AC_KU512 8
 #endif
@@ -133,13 +134,14 @@ static AC_TGT inline __m512 ac_gather_avx512(const float *p, ptrdiff_t stride, i
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, p, 4);
 }
 
-/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < 32: 16 x 16
- * blocks transposed in registers (unpack, then 128-bit lane shuffles) */
-static AC_TGT void ac_pack_avx512(const float *x, ptrdiff_t x_rs, int nr, int D,
-                                  float scale, float *XT)
+/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < P (P = 16 or
+ * 32, XT's row length): 16 x 16 blocks transposed in registers (unpack,
+ * then 128-bit lane shuffles) */
+static AC_TGT inline void ac_pack_p_avx512(const float *x, ptrdiff_t x_rs, int nr, int D,
+                                           float scale, float *XT, const int P)
 {
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int rb = 0; rb < 32; rb += 16) {
+    for (int rb = 0; rb < P; rb += 16) {
         for (int d0 = 0; d0 < D; d0 += 16) {
             const int nd = (D - d0 < 16) ? D - d0 : 16;
             const __mmask16 dm = (__mmask16)((1u << nd) - 1u);
@@ -170,10 +172,22 @@ static AC_TGT void ac_pack_avx512(const float *x, ptrdiff_t x_rs, int nr, int D,
                                      _mm512_shuffle_f32x4(B, E, 0x88), _mm512_shuffle_f32x4(B, E, 0xDD)};
                 for (int L = 0; L < 4; L++)
                     if (4 * L + k < nd)
-                        _mm512_storeu_ps(XT + (ptrdiff_t)(d0 + 4 * L + k) * 32 + rb, o[L]);
+                        _mm512_storeu_ps(XT + (ptrdiff_t)(d0 + 4 * L + k) * P + rb, o[L]);
             }
         }
     }
+}
+
+static AC_TGT void ac_pack_avx512(const float *x, ptrdiff_t x_rs, int nr, int D, float scale,
+                                  float *XT)
+{
+    ac_pack_p_avx512(x, x_rs, nr, D, scale, XT, 32);
+}
+
+static AC_TGT void ac_pack16_avx512(const float *x, ptrdiff_t x_rs, int nr, int D, float scale,
+                                    float *XT)
+{
+    ac_pack_p_avx512(x, x_rs, nr, D, scale, XT, 16);
 }
 
 /* 2^x for x <= 0: degree-5 minimax polynomial on [-1/2, 1/2] (about 2 ulp),
@@ -259,6 +273,34 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define AC_I8_SCORES ac_i8_scores
 #include "ac_fused_impl.inc"
 
+/* The 16-row AVX-512 panel (ac_fused_panel_f32_avx512h): one vector of
+ * rows, for a last panel of AC_SMALL_ROWS + 1 to 16 rows of a float32
+ * call, where the 32-row panel would run twice the score products (50
+ * rows = 32 + 16 + 2).  Float32 products only (no bfloat16 or int8
+ * panel); 8 keys per score micro-tile (12 and 16 measured the same). */
+#undef AC_ISA
+#undef AC_P
+#undef AC_NV
+#undef VPACK
+#undef AC_BF16_PANEL
+#undef AC_I8
+#undef AC_I8_PACK
+#undef AC_I8_SCORES
+#define AC_ISA avx512h
+#define AC_P AC_HALF_PANEL_ROWS
+#define AC_NV 1
+#ifndef AC_KU512H
+#define AC_KU512H 8
+#endif
+#undef AC_KU
+#define AC_KU AC_KU512H
+#define VPACK ac_pack16_avx512
+#define AC_BF16_PANEL 0
+#define AC_I8(c) 0
+#define AC_I8_PACK(...) ((void)0)
+#define AC_I8_SCORES(...) ((void)0)
+#include "ac_fused_impl.inc"
+
 #include "ac_fused_undef.inc"
 
 /* ------------------------------------------------------------ AVX2 + FMA */
@@ -267,6 +309,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define VEC __m256
 #define AC_W 8
 #define AC_P AC_PANEL_ROWS_AVX2 /* 2 AC_W */
+#define AC_NV 2
 #ifndef AC_KU256
 #define AC_KU256 6
 #endif
@@ -487,16 +530,32 @@ static AC_FUSED_RANGE_F32
            caller's direct loops, which read each key / value row once for
            all of them (32 x 50 x 50 x 256 float32 on AVX2: 1.20 -> 0.98 ms, Zen 5) */
         const int tail = nq % P;
-        if (nq > P && tail > 0 && tail <= AC_SMALL_ROWS && !p->qk8 && !p->bf16dot) {
-            nq -= tail;
-            for (int r = 0; r < tail; r++) bad[nq + r] = -1;
+        /* a last AVX-512 panel of at most 16 rows: the 16-row panel (and
+           then 1 - AC_SMALL_ROWS rows after it to the direct loops: 50 =
+           32 + 16 + 2; 32 x 1 x N x 50 x 256 float32, one thread, Zen 5:
+           N 50 0.59 -> 0.53 ms, 40 0.51 -> 0.44, 16 0.23 -> 0.18) */
+        const int half = P == AC_PANEL_ROWS_AVX512 && !p->qk8 && !p->bf16dot;
+        int direct = 0;
+        if (nq > P && tail > 0 && tail <= AC_SMALL_ROWS && !p->qk8 && !p->bf16dot)
+            direct = tail;
+        else if (half && tail > AC_HALF_PANEL_ROWS && tail <= AC_HALF_PANEL_ROWS + AC_SMALL_ROWS)
+            direct = tail - AC_HALF_PANEL_ROWS;
+        if (direct) {
+            nq -= direct;
+            for (int r = 0; r < direct; r++) bad[nq + r] = -1;
         }
         for (int r0 = 0; r0 < nq; r0 += P) {
             const int nr = (nq - r0 < P) ? nq - r0 : P;
-            processed |= ac_fused_panel_call(p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke,
-                                             scratch, acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0,
-                                             bad + r0, scratch, state,
-                                             AC_PH_INIT | AC_PH_FINISH, NULL, NULL, NULL);
+            if (half && nr <= AC_HALF_PANEL_ROWS)
+                processed |= ac_fused_panel_f32_avx512h(
+                    p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke, scratch,
+                    acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, scratch, state,
+                    AC_PH_INIT | AC_PH_FINISH, NULL, NULL, NULL);
+            else
+                processed |= ac_fused_panel_call(
+                    p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke, scratch,
+                    acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, scratch, state,
+                    AC_PH_INIT | AC_PH_FINISH, NULL, NULL, NULL);
         }
         return processed;
     }
