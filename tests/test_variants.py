@@ -311,7 +311,7 @@ def test_mha_window_is_validated_by_every_loader():
 
 
 # ------------------------------------------------------------ panel tails
-@pytest.mark.parametrize("N", [5, 9, 16, 17, 18, 20, 21, 33, 35, 40, 48, 50, 52, 66])
+@pytest.mark.parametrize("N", [5, 8, 9, 12, 13, 16, 17, 18, 20, 21, 33, 35, 40, 44, 48, 50, 52, 66])
 @pytest.mark.parametrize("opts", [
     {}, {"is_causal": True}, {"is_causal": "lower_right"}, {"window": (7, 3)},
     {"softcap": 2.0}, {"mask": "bool_full"}, {"mask": "float"},
@@ -319,9 +319,10 @@ def test_mha_window_is_validated_by_every_loader():
 def test_panel_tail_rows_against_reference(path, N, opts):
     """A call whose last query panel has a few rows (the fused kernel
     leaves them to the direct loops: 50 = 3 x 16 + 2 on AVX2, 35 = 32 + 3
-    on AVX-512) or at most 16 (the AVX-512 path's 16-row panel: 40 = 32 +
-    8, 50 = 32 + 16 + 2 direct rows, 9 alone), every option, float32
-    against the float64 reference."""
+    on AVX-512) or at most half a panel (the one-vector panels, 16 rows on
+    AVX-512: 40 = 32 + 8, 50 = 32 + 16 + 2 direct rows, 9 alone; 8 on AVX2:
+    40 = 2 x 16 + 8, 44 = 2 x 16 + 8 + 4, 12 = 8 + 4), every option,
+    float32 against the float64 reference."""
     B, H, M, D, Dv = 2, 2, 41, 24, 20
     q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, Dv), 3)
     opts = dict(opts)
@@ -339,7 +340,7 @@ def test_panel_tail_rows_against_reference(path, N, opts):
     np.testing.assert_allclose(lse, rl, rtol=3e-5, atol=3e-5)
 
 
-@pytest.mark.parametrize("N", [5, 12, 16, 20])
+@pytest.mark.parametrize("N", [5, 8, 12, 16, 20])
 @pytest.mark.parametrize("kv", ["float16", "int8"])
 def test_short_panels_with_converted_keys_and_values(path, N, kv):
     """A single short panel (5 - 20 query rows: the AVX-512 path's 16-row

@@ -287,7 +287,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #undef AC_I8_PACK
 #undef AC_I8_SCORES
 #define AC_ISA avx512h
-#define AC_P AC_HALF_PANEL_ROWS
+#define AC_P (AC_PANEL_ROWS_AVX512 / 2)
 #define AC_NV 1
 #ifndef AC_KU512H
 #define AC_KU512H 8
@@ -358,13 +358,13 @@ static AC_TGT inline __m256 ac_gather_avx2(const float *p, ptrdiff_t stride, int
     return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, idx, live, 4);
 }
 
-/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < 16: 8 x 8 blocks
- * transposed in registers */
-static AC_TGT void ac_pack_avx2(const float *x, ptrdiff_t x_rs, int nr, int D,
-                                float scale, float *XT)
+/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < P (P = 8 or 16,
+ * XT's row length): 8 x 8 blocks transposed in registers */
+static AC_TGT inline void ac_pack_p_avx2(const float *x, ptrdiff_t x_rs, int nr, int D,
+                                         float scale, float *XT, const int P)
 {
     const __m256 sc = _mm256_set1_ps(scale);
-    for (int rb = 0; rb < 16; rb += 8) {
+    for (int rb = 0; rb < P; rb += 8) {
         for (int d0 = 0; d0 < D; d0 += 8) {
             const int nd = (D - d0 < 8) ? D - d0 : 8;
             const __m256i dm = _mm256_cmpgt_epi32(_mm256_set1_epi32(nd),
@@ -386,14 +386,26 @@ static AC_TGT void ac_pack_avx2(const float *x, ptrdiff_t x_rs, int nr, int D,
             }
             for (int k = 0; k < 4; k++) {
                 if (k < nd)
-                    _mm256_storeu_ps(XT + (ptrdiff_t)(d0 + k) * 16 + rb,
+                    _mm256_storeu_ps(XT + (ptrdiff_t)(d0 + k) * P + rb,
                                      _mm256_permute2f128_ps(u[k], u[4 + k], 0x20));
                 if (k + 4 < nd)
-                    _mm256_storeu_ps(XT + (ptrdiff_t)(d0 + k + 4) * 16 + rb,
+                    _mm256_storeu_ps(XT + (ptrdiff_t)(d0 + k + 4) * P + rb,
                                      _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
             }
         }
     }
+}
+
+static AC_TGT void ac_pack_avx2(const float *x, ptrdiff_t x_rs, int nr, int D, float scale,
+                                float *XT)
+{
+    ac_pack_p_avx2(x, x_rs, nr, D, scale, XT, 16);
+}
+
+static AC_TGT void ac_pack8_avx2(const float *x, ptrdiff_t x_rs, int nr, int D, float scale,
+                                 float *XT)
+{
+    ac_pack_p_avx2(x, x_rs, nr, D, scale, XT, 8);
 }
 
 static AC_TGT inline __m256 ac_exp2_avx2(__m256 x)
@@ -471,6 +483,31 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #define AC_I8_SCORES ac_i8_scores16
 #include "ac_fused_impl.inc"
 
+/* The 8-row AVX2 panel (ac_fused_panel_f32_avx2h), as the AVX-512 path's
+ * 16-row one: one vector of rows for a last panel of AC_SMALL_ROWS + 1 to
+ * 8 rows (40 = 2 x 16 + 8); 12 keys per score micro-tile (12
+ * accumulators). */
+#undef AC_ISA
+#undef AC_P
+#undef AC_NV
+#undef AC_KU
+#undef VPACK
+#undef AC_I8
+#undef AC_I8_PACK
+#undef AC_I8_SCORES
+#define AC_ISA avx2h
+#define AC_P (AC_PANEL_ROWS_AVX2 / 2)
+#define AC_NV 1
+#ifndef AC_KU256H
+#define AC_KU256H 12
+#endif
+#define AC_KU AC_KU256H
+#define VPACK ac_pack8_avx2
+#define AC_I8(c) 0
+#define AC_I8_PACK(...) ((void)0)
+#define AC_I8_SCORES(...) ((void)0)
+#include "ac_fused_impl.inc"
+
 #include "ac_fused_undef.inc"
 
 /* -------------------------------------------------------------- dispatch */
@@ -530,24 +567,26 @@ static AC_FUSED_RANGE_F32
            caller's direct loops, which read each key / value row once for
            all of them (32 x 50 x 50 x 256 float32 on AVX2: 1.20 -> 0.98 ms, Zen 5) */
         const int tail = nq % P;
-        /* a last AVX-512 panel of at most 16 rows: the 16-row panel (and
-           then 1 - AC_SMALL_ROWS rows after it to the direct loops: 50 =
-           32 + 16 + 2; 32 x 1 x N x 50 x 256 float32, one thread, Zen 5:
-           N 50 0.59 -> 0.53 ms, 40 0.51 -> 0.44, 16 0.23 -> 0.18) */
-        const int half = P == AC_PANEL_ROWS_AVX512 && !p->qk8 && !p->bf16dot;
+        /* a last panel of at most P / 2 rows: the one-vector panel of the
+           path (and then 1 - AC_SMALL_ROWS rows after it to the direct
+           loops: 50 = 32 + 16 + 2 on AVX-512; 32 x 1 x N x 50 x 256
+           float32, one thread, Zen 5: N 50 0.59 -> 0.53 ms, 40 0.51 ->
+           0.44, 16 0.23 -> 0.18) */
+        const int H = P / 2, half = !p->qk8 && !p->bf16dot;
         int direct = 0;
-        if (nq > P && tail > 0 && tail <= AC_SMALL_ROWS && !p->qk8 && !p->bf16dot)
+        if (nq > P && tail > 0 && tail <= AC_SMALL_ROWS && half)
             direct = tail;
-        else if (half && tail > AC_HALF_PANEL_ROWS && tail <= AC_HALF_PANEL_ROWS + AC_SMALL_ROWS)
-            direct = tail - AC_HALF_PANEL_ROWS;
+        else if (half && tail > H && tail <= H + AC_SMALL_ROWS)
+            direct = tail - H;
         if (direct) {
             nq -= direct;
             for (int r = 0; r < direct; r++) bad[nq + r] = -1;
         }
         for (int r0 = 0; r0 < nq; r0 += P) {
             const int nr = (nq - r0 < P) ? nq - r0 : P;
-            if (half && nr <= AC_HALF_PANEL_ROWS)
-                processed |= ac_fused_panel_f32_avx512h(
+            if (half && nr <= H)
+                processed |= (P == AC_PANEL_ROWS_AVX512 ? ac_fused_panel_f32_avx512h
+                                                        : ac_fused_panel_f32_avx2h)(
                     p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke, scratch,
                     acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, scratch, state,
                     AC_PH_INIT | AC_PH_FINISH, NULL, NULL, NULL);

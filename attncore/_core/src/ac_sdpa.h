@@ -177,8 +177,6 @@ static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
    (attncore.functional.plan reads them: _sdpa.PANEL_ROWS) */
 #define AC_PANEL_ROWS_AVX512 32
 #define AC_PANEL_ROWS_AVX2 16
-/* the AVX-512 path's panel of a short last panel (one vector of rows) */
-#define AC_HALF_PANEL_ROWS 16
 
 /* the fused float32 kernel's entry, declared here and defined in
    ac_fused_x86.h (which uses the float helpers instantiated below) */
