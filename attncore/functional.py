@@ -500,7 +500,9 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
     """What the operands' metadata decide of a prepared call (cached):
     (the call's description without its operands, the shape q is read in
     (a decoding step of grouped-query heads) or None, the output's shape),
-    or None where the call needs the general path."""
+    or None where the call needs the general path.  ``bf16``: the CPU's
+    bfloat16 products (bfloat16 operands take them, as the policy has it;
+    float16 ones never)."""
     if (len(qshape) != 4 or len(kshape) != 4 or len(vshape) != 4
             or not (dt == np.float32 or half_code(dt))):
         return None
@@ -520,6 +522,8 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
         if not (math.isfinite(sc) and sc > 0):
             return None
     fmt = half_code(dt)
+    if fmt != HALF_BF16:
+        bf16 = 0
     oshape = (B, H, N, Dv)
     qread = None
     if N == 1 and H > Hk and causal != 1 and window == (-1, -1):
@@ -567,7 +571,7 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
         return None
     prep = _prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, dt,
                           causal, scale, nthreads, window, softcap, _sdpa.kernel_path(),
-                          _sdpa.bf16_mode() if dt.itemsize == 2 else 0)
+                          _sdpa.bf16_mode())
     if prep is None or not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
         return None
     c, qread, oshape = prep

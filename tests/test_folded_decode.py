@@ -133,3 +133,24 @@ def test_prepared_layouts_share_no_verdict():
     out = attention_prepared(q, k, v, 0, 0.25, 1)           # the same call again
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
     assert attention_prepared(q, k.astype(np.float16), v, 0, 0.25, 1) is None  # mixed dtypes
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("N", [1, 7, 40])
+def test_prepared_equals_the_general_call(dtype, N):
+    """The prepared path runs the general call's kernel and products: for
+    16-bit operands the same output, bit for bit (float16 never takes the
+    bfloat16 products that bfloat16 operands take where the CPU has
+    them)."""
+    from attncore.functional import attention_prepared
+
+    if dtype == "bfloat16":
+        dt = pytest.importorskip("ml_dtypes").bfloat16
+    else:
+        dt = np.float16
+    q, k, v = (rand(s, i + 30).astype(dt) for i, s in
+               enumerate([(2, 8, N, 32), (2, 2, 45, 32), (2, 2, 45, 32)]))
+    out = attention_prepared(q, k, v, 2, 0.3, 1)
+    ref = sdpa(q, k, v, is_causal="lower_right", scale=0.3, enable_gqa=True, num_threads=1)
+    assert out.dtype == ref.dtype
+    np.testing.assert_array_equal(out.astype(np.float32), ref.astype(np.float32))
