@@ -337,6 +337,8 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
     decide from).  A small call's checks cost as much as its kernel, and
     more when the caches are cold.  None where the general path must run
     (it then raises any error, as it would have)."""
+    if not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
+        return None   # (the checks copy such an operand; nothing cached for its metadata)
     try:
         nt = resolve_num_threads(num_threads)
     except (TypeError, ValueError):
@@ -353,7 +355,7 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
         if len(_PLAIN) >= _PLAIN_MAX:
             _PLAIN.clear()
         _PLAIN[key_] = hit
-    if hit is False or not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
+    if hit is False:
         return None
     c, qread, oshape, rdt = hit
     q = query if qread is None else query.reshape(qread)
@@ -567,8 +569,9 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     the caller then uses :func:`scaled_dot_product_attention`.
     """
     dt = q.dtype
-    if k.dtype != dt or v.dtype != dt:
-        return None
+    if (k.dtype != dt or v.dtype != dt
+            or not (scale is None or type(scale) is float or type(scale) is int)):
+        return None  # (any other scale, as the general call takes or refuses it)
     prep = _prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, dt,
                           causal, scale, nthreads, window, softcap, _sdpa.kernel_path(),
                           _sdpa.bf16_mode())

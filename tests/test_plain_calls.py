@@ -93,6 +93,11 @@ def test_what_the_checks_convert_or_refuse(fresh):
     odd[...] = k
     close(sdpa(q, odd, v), ref)
     close(sdpa(q, k[:, :, ::-1][:, :, ::-1], v), ref)
+    fresh.clear()                              # a misaligned first call caches nothing
+    close(sdpa(q, odd, v), ref)
+    assert not fresh
+    close(sdpa(q, k, v), ref)
+    assert list(fresh.values()) and all(fresh.values())
     close(sdpa(q, k, v, is_causal=True), sdpa_ref(q, k, v, is_causal=True))
     for bad in (1, "causal", np.array(True)):
         with pytest.raises((ValueError, TypeError), match="is_causal"):

@@ -291,6 +291,25 @@ def test_forward_decode_step_layout_and_mixed_dtypes():
     torch.testing.assert_close(wide, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_forward_scaling_types_as_the_general_call():
+    """The lean path takes a Python float / int scaling (what transformers
+    passes); any other goes to the general call, which takes a NumPy
+    scalar and refuses a tensor, an array or a string -- never cached, so
+    a tensor changed in place is not read stale."""
+    q, k, v = _inputs(L=1, S=7, seed=4)
+    ref = _expected(q.double(), k.double(), v.double(), None, 0.25)
+    with torch.no_grad():
+        for s in (0.25, np.float64(0.25), np.float32(0.25)):
+            out, _ = attention_forward(_Module(), q, k, v, None, scaling=s)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        out, _ = attention_forward(_Module(), q, k, v, None, scaling=1)
+        torch.testing.assert_close(out.double(), _expected(q.double(), k.double(), v.double(),
+                                                           None, 1.0), rtol=1e-5, atol=1e-5)
+        for bad in (torch.tensor(0.25), np.array(0.25), "0.25", True):
+            with pytest.raises(TypeError, match="scale"):
+                attention_forward(_Module(), q, k, v, None, scaling=bad)
+
+
 def test_forward_sliding_window_and_position_bias():
     q, k, v = _inputs(L=4, S=12, seed=1)
     qpos = torch.arange(8, 12)[:, None]
