@@ -278,7 +278,11 @@ def scaled_dot_product_attention(
     * A row whose attended scores are *all* -inf because of -inf / inf in
       the query or keys (not the mask) also gives output 0 and weights 0,
       as PyTorch does; a +inf score (or NaN from inf - inf in ``q . k``)
-      gives NaN.
+      gives NaN.  Finite operands whose scores all overflow to -inf (a
+      float32-computed call with ``|q . k|`` beyond the float32 range) are
+      computed again in float64 (as is a float32 output that overflows
+      although its operands are finite: values near the float32 maximum); a
+      float64 call gives NaN for a row beyond the float64 range.
     * Scores, ``scale`` and float mask entries are used as they are over
       the whole float range, on every kernel path: a mask of
       ``numpy.finfo(numpy.float32).min`` on every key of a row (Hugging
@@ -478,8 +482,10 @@ def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
     if not all(all_finite(a) for a in ops):
         return None
     out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
-    return (out.astype(rdt), None if weights is None else weights.astype(rdt),
-            None if lse is None else lse.astype(np.float32))
+    if lse is not None:
+        with np.errstate(over="ignore"):  # an lse beyond float32 is -inf / inf there
+            lse = lse.astype(np.float32)
+    return (out.astype(rdt), None if weights is None else weights.astype(rdt), lse)
 
 
 # --------------------------------------------------------------------------

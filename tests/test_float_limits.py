@@ -229,6 +229,123 @@ def test_huge_scale_tiny_keys(path):
 
 
 
+# ----------------------------------- q.k beyond float32 with finite operands
+def _overflowing(N, M, D, seed, dt=np.float32, lead=(1, 2)):
+    """Finite q, k whose every score q.k / sqrt(D) lies at or below -2^128
+    (beyond -FLT_MAX), keys of three magnitudes so that the float64 softmax
+    averages the least negative third; powers of two times 1, 1.125, 1.25,
+    so that every product and sum is exact (ties stay ties in the float64
+    reference whatever its summation order); values N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    q = np.full(lead + (N, D), 2.0 ** 63)
+    k = np.full(lead + (M, D), -(2.0 ** 63)) * (1 + (np.arange(M) % 3) / 8)[:, None]
+    v = rng.standard_normal(lead + (M, D))
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+@pytest.mark.parametrize("N,M", [(1, 3), (3, 50), (40, 70), (1, 3000), (17, 600)])
+def test_scores_below_float32_range(path, dtype, N, M):
+    """Every score of a row overflows float32 to -inf although the row
+    attends keys: the float64 result, never 0 (a fully masked row's answer)
+    and never NaN.  Dense, causal, with padding, lse and weights; split
+    over keys at two threads."""
+    dt = _dtype(dtype)
+    q, k, v = _overflowing(N, M, 16, N * M, dt)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    pad = np.ones((1, 1, M), bool)
+    pad[..., M - M // 3:] = False
+    for kw in ({}, {"is_causal": "lower_right"}, {"attn_mask": pad}, {"return_lse": True},
+               {"return_weights": True}, {"num_threads": 2}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no overflow warnings either
+            res = attncore.scaled_dot_product_attention(q, k, v, **kw)
+        out = res[0] if isinstance(res, tuple) else res
+        assert out.dtype == dt
+        want = sdpa_ref(q64, k64, v64, kw.get("attn_mask"), kw.get("is_causal", False),
+                        return_weights=True, return_lse=True)
+        np.testing.assert_allclose(out.astype(np.float64), want[0],
+                                   **(TOL32 if dt == np.float32 else dict(rtol=1e-2, atol=1e-2)))
+        if kw.get("return_lse"):
+            with np.errstate(over="ignore"):   # -4e38 is -inf in float32
+                np.testing.assert_array_equal(res[1], want[2].astype(np.float32))
+        if kw.get("return_weights"):
+            np.testing.assert_allclose(res[1].astype(np.float64), want[1], atol=1e-2)
+
+
+@pytest.mark.parametrize("N,M", [(1, 3), (3, 50), (40, 70), (1, 3000)])
+def test_scores_below_float32_range_int8_keys(path, N, M):
+    """Keys as quantize_kv pairs (read in place by the few-row loops,
+    converted per tile otherwise): the float64 result of the dequantized
+    keys."""
+    q, k, v = _overflowing(N, M, 16, 7)
+    kq = quantize_kv(k)
+    kd = kq[0].astype(np.float64) * kq[1][..., None]
+    for kw in ({}, {"is_causal": "lower_right"}, {"num_threads": 2}):
+        out = sdpa(q, kq, v, **kw)
+        want = sdpa_ref(q.astype(np.float64), kd, v.astype(np.float64),
+                        is_causal=kw.get("is_causal", False))
+        np.testing.assert_allclose(out, want, **TOL32)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", np.float32])
+@pytest.mark.parametrize("N,M", [(1, 3), (3, 50), (40, 70)])
+def test_minus_inf_keys_still_give_zero(path, dtype, N, M):
+    """-inf in the keys (not an overflow: the inputs' own infinities) keeps
+    the documented rule: a row whose attended scores are all -inf gives 0,
+    16-bit keys read in place included; the rows with finite scores are
+    the reference's."""
+    dt = _dtype(dtype)
+    rng = np.random.default_rng(N + M)
+    q = np.abs(rng.standard_normal((2, N, 8))).astype(dt)
+    q[1] = rng.standard_normal((N, 8))
+    k = rng.standard_normal((2, M, 8)).astype(dt)
+    k[:, :, 0] = -np.inf
+    v = rng.standard_normal((2, M, 8)).astype(dt)
+    q[1, :, 0] = 0   # 0 * -inf: NaN scores in head 1
+    out = sdpa(q, k, v)
+    np.testing.assert_array_equal(out[0].astype(np.float64), 0)
+    assert np.isnan(out[1].astype(np.float64)).all()
+
+
+def test_scores_below_float32_range_varlen_and_paged(path):
+    """The same rows through varlen_attention and paged_attention."""
+    q, k, v = _overflowing(6, 40, 16, 5, lead=())
+    q, k, v = (np.repeat(a[:, None, :], 2, axis=1) for a in (q, k, v))   # (T, H, D)
+    cq, ck = np.array([0, 1, 6]), np.array([0, 15, 40])
+    out = attncore.varlen_attention(q, k, v, cq, ck, is_causal=True)
+    bs = 8
+    kc = np.zeros((10, bs, 2, 16), np.float32)
+    vc = np.zeros_like(kc)
+    table = np.array([[0, 1, -1, -1, -1], [2, 3, 4, 5, 6]])
+    for s in range(2):
+        ks_ = slice(ck[s], ck[s + 1])
+        n = ck[s + 1] - ck[s]
+        for j in range(n):
+            kc[table[s, j // bs], j % bs] = k[ks_][j]
+            vc[table[s, j // bs], j % bs] = v[ks_][j]
+    paged = attncore.paged_attention(q, kc, vc, block_table=table, seq_lens=np.diff(ck),
+                                     cu_seqlens_q=cq)
+    for s in range(2):
+        qs, ks_ = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        want = sdpa_ref(*(np.swapaxes(a[sl], 0, 1).astype(np.float64)
+                          for a, sl in ((q, qs), (k, ks_), (v, ks_))), is_causal="lower_right")
+        np.testing.assert_allclose(np.swapaxes(out[qs], 0, 1), want, **TOL32)
+        np.testing.assert_allclose(np.swapaxes(paged[qs], 0, 1), want, **TOL32)
+
+
+def test_scores_below_float64_range_are_nan(path):
+    """A float64 call whose scores all overflow float64 has no answer in
+    its own type (and none is computed in a wider one): NaN, not the 0 of
+    a fully masked row.  A fully masked row stays 0."""
+    q = np.full((2, 8), 2.0 ** 511)
+    k = np.full((3, 8), -(2.0 ** 511))
+    v = np.ones((3, 4))
+    assert np.isnan(sdpa(q, k, v)).all()
+    mask = np.zeros((2, 3), bool)
+    np.testing.assert_array_equal(sdpa(q, k, v, mask), 0)
+
+
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_all_finite_finds_every_nonfinite_element(path, dtype):

@@ -61,25 +61,6 @@
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
-/* Whether query row i attends a key of [ks, ke) by the band and the mask
- * (whatever the scores).  The fused kernel asks it for a row whose scores
- * all came out -inf: if the row attends a key, a score or a float mask
- * entry below -FLT_MAX / log2(e) overflowed in base-2 units. */
-static int ac_row_attends_f32(const ac_params *p, const uint8_t *mb, const float *mf,
-                              ptrdiff_t i, ptrdiff_t ks, ptrdiff_t ke)
-{
-    int c0, c1;
-    ac_band_cols(p, i, ks, (int)(ke - ks), &c0, &c1);
-    const ptrdiff_t cs = p->mask_cs;
-    for (int c = c0; c < c1; c++) {
-        const ptrdiff_t j = ks + c;
-        if (mb ? mb[i * p->mask_rs + j * cs] != 0
-               : (!mf || mf[i * p->mask_rs + j * cs] != -INFINITY))
-            return 1;
-    }
-    return 0;
-}
-
 /* the vector tanh of both instruction sets (ac_tanh_avx512): below
    AC_TANH_SMALL, tanh(x) = x + x z p(z), z = x^2, with p(z) = P0 + P1 z +
    ... + P4 z^4 fitted to the relative error (0.8 ulp in float32) */
