@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 from . import _call
 from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
-from ._quant import split_quantized
+from ._quant import dequantize, split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
 from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
                           packed_group, parse_bool, parse_scale, parse_softcap, parse_window,
@@ -370,17 +370,27 @@ def paged_attention(
     out, _, lse, finite = _call.launch(_paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group,
                                                    sc, causal, win, cap, slopes, snk, nthreads,
                                                    return_lse))
-    if not finite and cdt == np.float32 and ks is None:
-        # float32 sums overflowed (values near the float32 maximum) if the
-        # operands are finite: the call again in float64
-        f64 = [to_float(a, np.dtype(np.float64)) for a in (qa, ka, va)]
-        if all(np.isfinite(a).all() for a in f64):
-            res = paged_attention(*f64, block_table=bt, seq_lens=lens, cu_seqlens_q=cq,
-                                  is_causal=is_causal, scale=sc, window=window, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
-                                  return_lse=return_lse, num_threads=num_threads)
-            if return_lse:
+    f64 = None
+    if not finite and cdt == np.float32:
+        # float32 sums overflowed (values near the float32 maximum), or
+        # finite scores overflowed to -inf: the call again in float64 (the
+        # pool converted; an int8 pool dequantized).  Where the inputs' own
+        # inf / NaN made the output non-finite, float64 follows the same
+        # rules and gives the same answer -- except precision="int8", whose
+        # quantized rows carry an inf / NaN to the whole row (its own
+        # output stands then, as functional._float64_rerun has it).
+        f64 = [dequantize(a, s_, np.float64) if s_ is not None
+               else to_float(a, np.dtype(np.float64)) for a, s_ in ((qa, None), (ka, ks), (va, vs))]
+        if precision == "int8" and not all(np.isfinite(a).all() for a in f64):
+            f64 = None
+    if f64 is not None:
+        res = paged_attention(*f64, block_table=bt, seq_lens=lens, cu_seqlens_q=cq,
+                              is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+                              alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
+                              return_lse=return_lse, num_threads=num_threads)
+        if return_lse:
+            with np.errstate(over="ignore"):  # an lse beyond float32: -inf / inf there
                 return res[0].astype(rdt), res[1].astype(cdt)
-            return res.astype(rdt)
+        return res.astype(rdt)
     out = out if rdt == cdt else out.astype(rdt)
     return (out, lse) if return_lse else out

@@ -453,10 +453,12 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if rows is not None:  # (B Hk, group, Dv) is (B Hq, 1, Dv) in memory
         c = c._replace(N=1)
     if not finite and c.compute == _call.F32:
-        # float32 accumulation overflowed if the operands are finite (values
-        # near the float32 maximum: the unnormalized P.V sums exceed it
-        # before the division by the row sum): the call again in float64
-        again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
+        # float32 accumulation overflowed (values near the float32 maximum:
+        # the unnormalized P.V sums exceed it before the division by the row
+        # sum), or finite scores did, or the inputs hold inf / NaN: the call
+        # again in float64 (_float64_rerun)
+        again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1],
+                               int8=precision == "int8", **kw)
         if again is not None:
             return again
     return _finish(c, chk.bshape, rdt, out, weights, lse)
@@ -472,14 +474,18 @@ def _float64_operands(operands) -> list:
     return ops
 
 
-def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
+def _float64_rerun(operands, rdt, attn_mask, *args, int8=False, **kwargs):
     """A float32-computed call whose output is not finite, computed again in
     float64 (one float64 copy of the operands) and returned in the first
-    call's dtypes: output and weights in ``rdt``, the lse in float32.  None
-    where an operand is not finite (the output's inf / NaN are then the
-    inputs', not an overflow)."""
+    call's dtypes: output and weights in ``rdt``, the lse in float32.  The
+    output overflowed (values near the float32 maximum), or finite scores
+    did (rows flagged by the kernels), or the inputs hold inf / NaN: float64
+    follows the same rules for those, so every case has its answer there --
+    except ``precision="int8"`` (``int8``), whose quantized rows carry an
+    inf / NaN to the whole row: None there where an operand is not finite
+    (the int8 call's own output stands)."""
     ops = _float64_operands(operands)
-    if not all(all_finite(a) for a in ops):
+    if int8 and not all(all_finite(a) for a in ops):
         return None
     out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
     if lse is not None:

@@ -334,6 +334,82 @@ def test_scores_below_float32_range_varlen_and_paged(path):
         np.testing.assert_allclose(np.swapaxes(paged[qs], 0, 1), want, **TOL32)
 
 
+def test_overflowed_tiles_beside_finite_scores(path):
+    """Only some key tiles of a row overflow: the finite scores elsewhere
+    decide (float64 has the answer in its own range; float32 too, split
+    over keys at two threads)."""
+    rng = np.random.default_rng(3)
+    for dt, big, M in ((np.float64, 2.0 ** 511, 300), (np.float32, 2.0 ** 63, 600),
+                       (np.float32, 2.0 ** 63, 5000)):
+        q = np.full((1, 2, 16), big, dt)
+        k = np.full((1, M, 16), -big, dt)
+        v = rng.standard_normal((1, M, 4)).astype(dt)
+        for last in (True, False):
+            kk = k.copy()
+            kk[0, -1 if last else 0] = 1e-3
+            for thr in (1, 2):
+                out = sdpa(q, kk, v, num_threads=thr)
+                np.testing.assert_allclose(out[0], np.broadcast_to(v[0, -1 if last else 0], (2, 4)),
+                                           rtol=1e-6)
+
+
+def test_overflowed_rows_beside_infinite_inputs(path):
+    """An overflowed row is computed again although other elements of the
+    operands are inf (another head's query, a value row the row does not
+    attend); a row whose keys mix an inf-input key and overflowing finite
+    ones takes the finite ones (float64's answer), in one tile or two."""
+    rng = np.random.default_rng(4)
+    q = np.full((2, 1, 16), 2.0 ** 63, np.float32)
+    q[1, 0, 0] = np.inf
+    k = np.full((2, 600, 16), -(2.0 ** 63), np.float32)
+    k[:, -1] = 1e-3
+    v = rng.standard_normal((2, 600, 4)).astype(np.float32)
+    np.testing.assert_allclose(sdpa(q, k, v)[0, 0], v[0, -1], rtol=1e-6)
+    q1 = np.full((1, 16), 2.0 ** 63, np.float32)
+    k3 = np.full((3, 16), -(2.0 ** 63), np.float32)
+    v3 = np.array([[1.0], [2.0], [np.inf]], np.float32)
+    np.testing.assert_allclose(sdpa(q1, k3, v3, np.array([True, True, False])), [[1.5]],
+                               rtol=1e-6)
+    for M, inf_key in ((2, 0), (600, 0), (600, 590)):
+        kk = np.full((M, 16), -(2.0 ** 63), np.float32)
+        kk[inf_key, 0] = -np.inf
+        vv = np.arange(M, dtype=np.float32)[:, None]
+        want = np.delete(vv, inf_key, axis=0).mean()
+        np.testing.assert_allclose(sdpa(q1, kk, vv), [[want]], rtol=1e-6)
+
+
+def test_overflowed_row_with_a_sink(path):
+    """With an attention sink the overflowed scores' true weights are 0 next
+    to it: output 0 and lse the sink, in float64 and float32."""
+    for dt, big in ((np.float64, 2.0 ** 511), (np.float32, 2.0 ** 63)):
+        q = np.full((1, 2, 16), big, dt)
+        k = np.full((1, 3, 16), -big, dt)
+        out, lse = sdpa(q, k, np.ones((1, 3, 4), dt), sinks=np.array([0.5]), return_lse=True)
+        np.testing.assert_array_equal(out, 0)
+        np.testing.assert_allclose(lse, 0.5, rtol=1e-6)
+
+
+def test_paged_int8_pool_and_lse_of_overflowed_rows(path):
+    """paged_attention over an int8 pool: the float64 answer on the
+    dequantized pool; return_lse without an overflow warning (the lse
+    beyond float32 is -inf)."""
+    q = np.full((1, 1, 16), 2.0 ** 63, np.float32)
+    kc = np.full((2, 4, 1, 16), -(2.0 ** 63), np.float32)
+    kc[0, :, 0] *= (1 + np.arange(4) / 8)[:, None]
+    vc = np.random.default_rng(5).standard_normal((2, 4, 1, 16)).astype(np.float32)
+    for pair in (False, True):
+        kk, vv = (quantize_kv(kc), quantize_kv(vc)) if pair else (kc, vc)
+        kd = kk[0].astype(np.float64) * kk[1][..., None] if pair else kc.astype(np.float64)
+        vd = vv[0].astype(np.float64) * vv[1][..., None] if pair else vc.astype(np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, lse = attncore.paged_attention(q, kk, vv, block_table=[[0]], seq_lens=[3],
+                                                return_lse=True)
+        want = sdpa_ref(q[:, 0].astype(np.float64), kd[0, :3, 0], vd[0, :3, 0])
+        np.testing.assert_allclose(out[:, 0], want, **TOL32)
+        assert lse[0, 0] == -np.inf
+
+
 def test_scores_below_float64_range_are_nan(path):
     """A float64 call whose scores all overflow float64 has no answer in
     its own type (and none is computed in a wider one): NaN, not the 0 of

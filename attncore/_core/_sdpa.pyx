@@ -112,7 +112,7 @@ cdef extern from "ac_sdpa.h" nogil:
     void *ac_state_home()
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
-    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2
+    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2, AC_BAD_OVF
     int AC_PATH_AVX512, AC_PATH_AVX2, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
     int AC_I8_ROW_ALIGN
 
@@ -1160,6 +1160,10 @@ cdef inline void _absorb(int nq, int Dv, floating *acc, floating *m, floating *l
     cdef const floating *br
     for r in range(nq):
         bad[r] = bad[r] | bad2[r]
+        if l[r] != 0 or l2[r] != 0:
+            # a finite score in either range: an overflowed one's flag drops
+            # (ac_sdpa.h, AC_BAD_OVF)
+            bad[r] = bad[r] & ~AC_BAD_OVF
         if l2[r] == 0:
             continue
         ar = acc + r * Dv

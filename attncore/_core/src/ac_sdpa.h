@@ -167,6 +167,12 @@ static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
     *c1 = b;
 }
 
+/* a row's flag (bad) after a key range: 1 NaN (a NaN score, a +inf one);
+   AC_BAD_OVF: finite operands whose attended scores all overflowed to -inf
+   and no finite score in the range -- the row is NaN unless another key
+   range of it gives a finite score (merges drop the flag then) */
+#define AC_BAD_OVF 4
+
 /* query blocks of at most this many rows use direct loops, not BLAS
    (attncore.functional reads it: _sdpa.SMALL_ROWS) */
 #ifndef AC_SMALL_ROWS
