@@ -57,6 +57,42 @@ def test_every_head_size_exact(path, D):
     check(q, k, v)
 
 
+# ------------------------------------------------------------ few query rows
+@pytest.mark.parametrize("N", [1, 2, 3, 4])
+@pytest.mark.parametrize("Dv", [8, 24, 56, 64, 72, 96, 120, 128, 136, 200, 256, 264])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16", "int8"])
+def test_few_rows_value_chunks(path, N, Dv, fmt):
+    """The direct loops of 1-4 query rows (decoding): P.V in register
+    chunks of columns whose width depends on the rows and the path (whole
+    chunks, halves, quarters, a masked tail), each key / value format read
+    in place, over one key tile and several; float64 reference of the
+    rounded operands."""
+    rng = np.random.default_rng(N * 1000 + Dv)
+    q = rng.standard_normal((2, 1, N, 40)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 700, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 1, 700, Dv)).astype(np.float32)
+    if fmt == "int8":
+        kq, vq = attncore.quantize_kv(k), attncore.quantize_kv(v)
+        kd, vd = (a[0] * a[1][..., None].astype(np.float64) for a in (kq, vq))
+    elif fmt == "bfloat16":
+        bf = pytest.importorskip("ml_dtypes").bfloat16
+        kq, vq = k.astype(bf), v.astype(bf)
+        kd, vd = kq.astype(np.float64), vq.astype(np.float64)
+        q = q.astype(bf)
+    else:
+        kq, vq = k.astype(fmt), v.astype(fmt)
+        kd, vd = kq.astype(np.float64), vq.astype(np.float64)
+        q = q.astype(fmt)
+    def first(x, M):  # the first M keys (both halves of an int8 pair)
+        return (x[0][..., :M, :], x[1][..., :M]) if isinstance(x, tuple) else x[..., :M, :]
+
+    for M in (1, 13, 700):
+        out = sdpa(q, first(kq, M), first(vq, M))
+        want = ref(q.astype(np.float64), kd[..., :M, :], vd[..., :M, :])[0]
+        tol = TOL32 if fmt in ("float32", "int8") else dict(rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(out.astype(np.float64), want, **tol)
+
+
 # ------------------------------------------------------------ masks and causal
 MASKS = ["none", "bool_full", "bool_keypad", "bool_rows", "float_full", "float_keypad",
          "float_row_broadcast", "neg_inf_stretches"]
