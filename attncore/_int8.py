@@ -235,7 +235,10 @@ def dequantized(ops: Int8Operands, bshape: tuple, D: int) -> tuple[np.ndarray, n
     nb = ops.q8.shape[0]
     qt = np.empty((nb, N, D + 1), _F32)
     qt[..., :D] = ops.q8[..., :D] * ops.q_scales[..., None]
-    qt[..., D] = 0.0 if ops.q_mu is None else ops.q_mu
+    # q . mu beyond float32 (finite rows, huge keys' means): NaN, so that
+    # the row is NaN and the call is computed again in float64 (an inf
+    # here would read as the inputs' own -inf scores: a row of 0)
+    qt[..., D] = 0.0 if ops.q_mu is None else np.where(np.isinf(ops.q_mu), np.nan, ops.q_mu)
     kt = np.empty(ops.k8.shape[:-1] + (D + 1,), _F32)
     kt[..., :D] = ops.k8[..., :D] * ops.k_pairs[..., :1]
     kt[..., D] = 1.0

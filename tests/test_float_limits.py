@@ -379,14 +379,38 @@ def test_overflowed_rows_beside_infinite_inputs(path):
 
 
 def test_overflowed_row_with_a_sink(path):
-    """With an attention sink the overflowed scores' true weights are 0 next
-    to it: output 0 and lse the sink, in float64 and float32."""
-    for dt, big in ((np.float64, 2.0 ** 511), (np.float32, 2.0 ** 63)):
-        q = np.full((1, 2, 16), big, dt)
-        k = np.full((1, 3, 16), -big, dt)
-        out, lse = sdpa(q, k, np.ones((1, 3, 4), dt), sinks=np.array([0.5]), return_lse=True)
-        np.testing.assert_array_equal(out, 0)
-        np.testing.assert_allclose(lse, 0.5, rtol=1e-6)
+    """With an attention sink: float32 rows take float64's answer -- 0 and
+    the sink's lse where the true scores lie far below the sink, the keys'
+    average where a small scale brings q.k (beyond float32) far above it;
+    float64 rows beyond the float64 range are NaN."""
+    q = np.full((1, 2, 16), 2.0 ** 63, np.float32)
+    k = np.full((1, 3, 16), -(2.0 ** 63), np.float32)
+    v = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
+    out, lse = sdpa(q, k, v, sinks=np.array([0.5]), return_lse=True)
+    np.testing.assert_array_equal(out, 0)
+    np.testing.assert_allclose(lse, 0.5, rtol=1e-6)
+    for prec in (None, "int8"):
+        out = sdpa(q, k, v, scale=1e-10, sinks=np.array([-3e38]), precision=prec)
+        np.testing.assert_allclose(out[0], np.broadcast_to(v[0].mean(0), (2, 4)), rtol=1e-5)
+    out = sdpa(q.astype(np.float64) * 2.0 ** 448, k.astype(np.float64) * 2.0 ** 448,
+               v.astype(np.float64), sinks=np.array([0.5]))
+    assert np.isnan(out).all()
+
+
+def test_int8_precision_overflowed_rows(path):
+    """precision="int8" where q . k (and the smoothing's q . mu) overflow
+    float32: the output of float64's softmax, with weights, a soft cap and
+    without."""
+    q = np.full((1, 1, 16), 2.0 ** 63, np.float32)
+    k = np.full((1, 3, 16), -(2.0 ** 63), np.float32) * np.array([1, 1.125, 1.25],
+                                                                  np.float32)[:, None]
+    v = np.array([7.0, 1.0, 2.0], np.float32)[None, :, None]
+    np.testing.assert_allclose(sdpa(q, k, v, precision="int8"), [[[7.0]]], rtol=1e-6)
+    out, w = sdpa(q, k, v, precision="int8", return_weights=True)
+    np.testing.assert_allclose(out, [[[7.0]]], rtol=1e-6)
+    np.testing.assert_allclose(w, [[[1.0, 0.0, 0.0]]], atol=1e-6)
+    np.testing.assert_allclose(sdpa(q, k, v, precision="int8", softcap=30.0), [[[10 / 3]]],
+                               rtol=1e-5)
 
 
 def test_paged_int8_pool_and_lse_of_overflowed_rows(path):
