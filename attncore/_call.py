@@ -44,8 +44,8 @@ from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
 from ._quant import split_quantized
 from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
                        blas_parallel_threads, blas_small_products_ok, resolve_num_threads)
-from ._validation import (aliasing_rows, as_float_array, batch_shape, blas_rows, check_mask,
-                          check_operands, head_values, parse_causal, parse_scale)
+from ._validation import (aliasing_rows, all_finite, as_float_array, batch_shape, blas_rows,
+                          check_mask, check_operands, head_values, parse_causal, parse_scale)
 
 __all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe", "launch",
            "modes", "per_batch"]
@@ -501,10 +501,13 @@ def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
         # +128 for the sign trick; the AVX-VNNI layout in AVX2 takes any
         # int8 key
         qk8 = 6
-    if chk.need_weights or chk.softcap > 0 or chk.sinks is not None:
+    if (chk.need_weights or chk.softcap > 0 or chk.sinks is not None
+            or (i8.q_mu is not None and not all_finite(i8.q_mu))):
         # the scores' level matters (the weights' path, a soft cap, a
         # sink): float rows whose products are the int8 ones, q . mu
-        # included as one more channel (a copy of Q and K)
+        # included as one more channel (a copy of Q and K); and where q . mu
+        # overflowed float32 (the lse's shift: that channel turns the rows
+        # NaN, and a call of finite operands is computed again in float64)
         q, k = _int8.dequantized(i8, bshape, D)
         return q, k, None, (0, 0, vf), 0, None, None, D + 1
     return (i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs, (0, 0, vf), qk8,

@@ -21,7 +21,7 @@ from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
-from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
+from ._validation import (INT32_MAX, aligned, all_finite, as_float_array, check_offsets, head_values,
                           packed_group, parse_bool, parse_scale, parse_softcap, parse_window,
                           to_array)
 
@@ -371,18 +371,14 @@ def paged_attention(
                                                    sc, causal, win, cap, slopes, snk, nthreads,
                                                    return_lse))
     f64 = None
-    if not finite and cdt == np.float32:
+    if not finite and cdt == np.float32 and all(
+            all_finite(a) for a in (qa, ka if ks is None else ks, va if vs is None else vs)):
         # float32 sums overflowed (values near the float32 maximum), or
-        # finite scores overflowed to -inf: the call again in float64 (the
-        # pool converted; an int8 pool dequantized).  Where the inputs' own
-        # inf / NaN made the output non-finite, float64 follows the same
-        # rules and gives the same answer -- except precision="int8", whose
-        # quantized rows carry an inf / NaN to the whole row (its own
-        # output stands then, as functional._float64_rerun has it).
+        # finite scores overflowed to -inf, if the operands -- the whole
+        # pool -- are finite: the call again in float64 (the pool
+        # converted; an int8 pool dequantized)
         f64 = [dequantize(a, s_, np.float64) if s_ is not None
                else to_float(a, np.dtype(np.float64)) for a, s_ in ((qa, None), (ka, ks), (va, vs))]
-        if precision == "int8" and not all(np.isfinite(a).all() for a in f64):
-            f64 = None
     if f64 is not None:
         res = paged_attention(*f64, block_table=bt, seq_lens=lens, cu_seqlens_q=cq,
                               is_causal=is_causal, scale=sc, window=window, softcap=softcap,

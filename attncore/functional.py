@@ -281,8 +281,9 @@ def scaled_dot_product_attention(
       gives NaN.  Finite operands whose scores all overflow to -inf (a
       float32-computed call with ``|q . k|`` beyond the float32 range) are
       computed again in float64 (as is a float32 output that overflows
-      although its operands are finite: values near the float32 maximum); a
-      float64 call gives NaN for a row beyond the float64 range.
+      although its operands are finite: values near the float32 maximum);
+      such a row is NaN where some operand holds inf / NaN (no second
+      computation then) and in a float64 call beyond the float64 range.
     * Scores, ``scale`` and float mask entries are used as they are over
       the whole float range, on every kernel path: a mask of
       ``numpy.finfo(numpy.float32).min`` on every key of a row (Hugging
@@ -457,8 +458,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
         # the unnormalized P.V sums exceed it before the division by the row
         # sum), or finite scores did, or the inputs hold inf / NaN: the call
         # again in float64 (_float64_rerun)
-        again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1],
-                               int8=precision == "int8", **kw)
+        again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
         if again is not None:
             return again
     return _finish(c, chk.bshape, rdt, out, weights, lse)
@@ -474,19 +474,29 @@ def _float64_operands(operands) -> list:
     return ops
 
 
-def _float64_rerun(operands, rdt, attn_mask, *args, int8=False, **kwargs):
+def _operands_finite(operands) -> bool:
+    """Whether query, key and value (int8 pairs: their scales) hold only
+    finite numbers, read as they are (no float64 copy)."""
+    for x, name in zip(operands, ("query", "key", "value")):
+        x, sc = split_quantized(x, name) if name != "query" else (x, None)
+        if not all_finite(np.asarray(sc) if sc is not None
+                          else as_float_array(x, name, allow_bf16=True)):
+            return False
+    return True
+
+
+def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
     """A float32-computed call whose output is not finite, computed again in
     float64 (one float64 copy of the operands) and returned in the first
     call's dtypes: output and weights in ``rdt``, the lse in float32.  The
     output overflowed (values near the float32 maximum), or finite scores
-    did (rows flagged by the kernels), or the inputs hold inf / NaN: float64
-    follows the same rules for those, so every case has its answer there --
-    except ``precision="int8"`` (``int8``), whose quantized rows carry an
-    inf / NaN to the whole row: None there where an operand is not finite
-    (the int8 call's own output stands)."""
-    ops = _float64_operands(operands)
-    if int8 and not all(all_finite(a) for a in ops):
+    did (rows the kernels flag NaN).  None where an operand is not finite:
+    the output's inf / NaN are then the inputs' (a second computation of a
+    call with NaN inputs would cost a float64 copy of everything for the
+    same NaN), and rows whose scores overflowed stay NaN."""
+    if not _operands_finite(operands):
         return None
+    ops = _float64_operands(operands)
     out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
     if lse is not None:
         with np.errstate(over="ignore"):  # an lse beyond float32 is -inf / inf there

@@ -354,28 +354,28 @@ def test_overflowed_tiles_beside_finite_scores(path):
 
 
 def test_overflowed_rows_beside_infinite_inputs(path):
-    """An overflowed row is computed again although other elements of the
-    operands are inf (another head's query, a value row the row does not
-    attend); a row whose keys mix an inf-input key and overflowing finite
-    ones takes the finite ones (float64's answer), in one tile or two."""
+    """Where an operand holds inf or NaN the call is not computed again
+    (the non-finite output is the inputs'): a row whose finite scores
+    overflowed stays NaN -- never the 0 of an empty row -- in the same head
+    as the inf, in another head, or beside an inf value the row does not
+    attend; a row of inf-input keys alone keeps its documented 0."""
     rng = np.random.default_rng(4)
     q = np.full((2, 1, 16), 2.0 ** 63, np.float32)
     q[1, 0, 0] = np.inf
     k = np.full((2, 600, 16), -(2.0 ** 63), np.float32)
-    k[:, -1] = 1e-3
     v = rng.standard_normal((2, 600, 4)).astype(np.float32)
-    np.testing.assert_allclose(sdpa(q, k, v)[0, 0], v[0, -1], rtol=1e-6)
+    assert np.isnan(sdpa(q, k, v)[0, 0]).all()
     q1 = np.full((1, 16), 2.0 ** 63, np.float32)
     k3 = np.full((3, 16), -(2.0 ** 63), np.float32)
     v3 = np.array([[1.0], [2.0], [np.inf]], np.float32)
-    np.testing.assert_allclose(sdpa(q1, k3, v3, np.array([True, True, False])), [[1.5]],
-                               rtol=1e-6)
+    assert np.isnan(sdpa(q1, k3, v3, np.array([True, True, False]))).all()
     for M, inf_key in ((2, 0), (600, 0), (600, 590)):
         kk = np.full((M, 16), -(2.0 ** 63), np.float32)
         kk[inf_key, 0] = -np.inf
-        vv = np.arange(M, dtype=np.float32)[:, None]
-        want = np.delete(vv, inf_key, axis=0).mean()
-        np.testing.assert_allclose(sdpa(q1, kk, vv), [[want]], rtol=1e-6)
+        assert np.isnan(sdpa(q1, kk, np.ones((M, 1), np.float32))).all()
+    kk = np.full((3, 16), 1.0, np.float32)
+    kk[:, 0] = -np.inf     # every attended score -inf from the keys' own inf
+    np.testing.assert_array_equal(sdpa(q1, kk, np.ones((3, 1), np.float32)), 0)
 
 
 def test_overflowed_row_with_a_sink(path):
@@ -411,6 +411,11 @@ def test_int8_precision_overflowed_rows(path):
     np.testing.assert_allclose(w, [[[1.0, 0.0, 0.0]]], atol=1e-6)
     np.testing.assert_allclose(sdpa(q, k, v, precision="int8", softcap=30.0), [[[10 / 3]]],
                                rtol=1e-5)
+    # the lse too (the smoothing's q . mu shift overflowed float32)
+    out, lse = sdpa(q, k, v, precision="int8", scale=1e-10, return_lse=True)
+    want = lse_ref(q.astype(np.float64), k.astype(np.float64), scale=1e-10)
+    np.testing.assert_allclose(out, [[[7.0]]], rtol=1e-6)
+    np.testing.assert_allclose(lse, want, rtol=1e-6)
 
 
 def test_paged_int8_pool_and_lse_of_overflowed_rows(path):
