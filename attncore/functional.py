@@ -647,7 +647,11 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     A row that attends no key in a part (``lse_i = -inf``) takes nothing
     from it; a row empty in every part gives output 0 and ``lse = -inf``,
     as a single call does.  NaN in a part's lse or in the output of a part
-    the row attends propagates to the merged row.  Attention weights of a
+    the row attends propagates to the merged row.  A part with ``lse_i =
+    -inf`` but a nonzero output row has an lse beyond the float range (a
+    float32 call computed again in float64 whose scores lie below -3.4e38):
+    the merged row is NaN unless another part has a finite lse (whose keys
+    then take all the weight).  Attention weights of a
     part (``return_weights=True``) are normalized within that part: the
     weights over all keys are ``weights_i * exp(lse_i - lse)``.
     """
@@ -698,6 +702,12 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
         out = np.where(empty[..., None], 0, acc / np.where(empty, 1, total)[..., None])
         lse = np.where(empty, -np.inf, safe + np.log(np.where(empty, 1, total)))
         nan = np.isnan(mx) | np.isnan(total)
+        # a part whose lse is -inf but whose output is not 0 is no empty
+        # part: its lse lies beyond the float range (a float32 result of a
+        # float64 re-run).  With no finite lse beside it, the row has no
+        # answer in this dtype: NaN, not the 0 of an empty row.
+        for o, x in zip(outs, L):
+            nan |= (mx == -np.inf) & (x == -np.inf) & np.any(o != 0, axis=-1)
         lse = np.where(nan, np.nan, lse)
         out = np.where(nan[..., None], np.nan, out)
     return out.astype(odt, copy=False), lse.astype(wdt, copy=False)

@@ -439,6 +439,25 @@ def test_paged_int8_pool_and_lse_of_overflowed_rows(path):
         assert lse[0, 0] == -np.inf
 
 
+def test_merging_parts_whose_lse_is_beyond_float32(path):
+    """Halves of a row whose scores all lie below -FLT_MAX: each half's
+    float64 answer comes back with lse -inf.  merge_attention cannot weigh
+    them (NaN, not the 0 of an empty row); beside a half with a finite lse
+    that half takes all the weight, as in float64."""
+    q, k, v = _overflowing(2, 8, 16, 9, lead=())
+    parts = [sdpa(q, k[s], v[s], return_lse=True) for s in (slice(0, 4), slice(4, 8))]
+    assert np.all(parts[0][1] == -np.inf) and np.any(parts[0][0] != 0)
+    out, lse = attncore.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    assert np.isnan(out).all() and np.isnan(lse).all()
+    kf = k.copy()
+    kf[5] = 0.5
+    parts[1] = sdpa(q, kf[4:], v[4:], return_lse=True)
+    out, lse = attncore.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    np.testing.assert_allclose(out, np.broadcast_to(v[5], (2, 16)), rtol=1e-6)
+    empty = attncore.merge_attention([np.zeros((2, 3))], [np.full(2, -np.inf)])
+    np.testing.assert_array_equal(empty[0], 0)
+
+
 def test_scores_below_float64_range_are_nan(path):
     """A float64 call whose scores all overflow float64 has no answer in
     its own type (and none is computed in a wider one): NaN, not the 0 of
