@@ -456,8 +456,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if not finite and c.compute == _call.F32:
         # float32 accumulation overflowed (values near the float32 maximum:
         # the unnormalized P.V sums exceed it before the division by the row
-        # sum), or finite scores did, or the inputs hold inf / NaN: the call
-        # again in float64 (_float64_rerun)
+        # sum), or finite scores did: the call again in float64 where the
+        # operands are finite (_float64_rerun)
         again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
         if again is not None:
             return again
