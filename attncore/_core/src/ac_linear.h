@@ -58,8 +58,15 @@ static TGT void ac_linear_panel_f32_##ISA(const float *x, ptrdiff_t x_rs, int nr
         const int nc = (c1 - c < KU) ? c1 - c : KU;                                \
         if (nc == KU) {                                                            \
             ac_qkmain_f32_##ISA(XT, K, w + c * w_rs, w_rs, T, &t0, &t1, NULL);     \
-        } else {                                                                   \
-            for (int u = 0; u < nc; u++)                                           \
+        } else { /* the last nc < KU columns: 4, 2, then 1 at a time */          \
+            int u = 0;                                                             \
+            for (; u + 4 <= nc; u += 4)                                            \
+                ac_qk4_f32_##ISA(XT, K, w + (c + u) * w_rs, w_rs, T + u * P, &t0,  \
+                                 &t1, NULL);                                       \
+            for (; u + 2 <= nc; u += 2)                                            \
+                ac_qk2_f32_##ISA(XT, K, w + (c + u) * w_rs, w_rs, T + u * P, &t0,  \
+                                 &t1, NULL);                                       \
+            for (; u < nc; u++)                                                    \
                 ac_qk1_f32_##ISA(XT, K, w + (c + u) * w_rs, w_rs, T + u * P, &t0,  \
                                  &t1, NULL);                                       \
         }                                                                          \
