@@ -51,6 +51,18 @@ def test_remainders(path, N, M, D, Dv):
     check(q, k, v)
 
 
+@pytest.mark.parametrize("Dv", [8, 16, 20, 64])
+def test_micro_tile_sequences(path, Dv):
+    """Every split of a panel's rows into P.V micro-tiles (AVX2: 6 + 6 + 4,
+    6 + 4, 6 + 2 + 1, ...; the 8-row panel 4 + 4) and of a key tile into
+    score micro-tiles (6 + 2 keys run as 4 + 4, remainders 4 / 2 / 1), in
+    one key tile and over several."""
+    for N in (4, 6, 7, 10, 11, 12, 13, 14, 15, 16, 22, 24, 28, 30, 40, 48):
+        for M in list(range(1, 15)) + [20, 50, 128, 134, 260]:
+            q, k, v = rand((1, N, 24), N), rand((1, M, 24), M + 1), rand((1, M, Dv), M + 2)
+            check(q, k, v)
+
+
 @pytest.mark.parametrize("D", [1, 2, 7, 8, 15, 31, 63, 127, 200, 255, 256, 257, 383, 511, 512])
 def test_every_head_size_exact(path, D):
     q, k, v = rand((1, 2, 37, D), 4), rand((1, 2, 45, D), 5), rand((1, 2, 45, 512 + 1 - D), 6)
@@ -295,6 +307,17 @@ def test_kernel_entry_odd_tiles(path, Bq, Bk, nsplit, causal):
 
 
 # ------------------------------------------------------------ dense layer kernel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_last_columns(path, with_bias):
+    """The last columns after the full score micro-tiles: 4, 2, 1 at a time."""
+    for C in range(1, 26):
+        x, w = rand((40, 33), C), rand((C, 33), C + 1)
+        b = rand((C,), C + 2) if with_bias else None
+        expected = x.astype(np.float64) @ w.astype(np.float64).T + (0 if b is None else b)
+        np.testing.assert_allclose(linear(x, w, b, num_threads=1), expected, rtol=3e-5,
+                                   atol=3e-5)
+
+
 @pytest.mark.parametrize("R", [1, 2, 5, 8, 9, 31, 33, 100])
 @pytest.mark.parametrize("C,K", [(1, 1), (7, 13), (16, 64), (17, 100), (130, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
