@@ -59,6 +59,14 @@ SMALL_ROWS = _sdpa.SMALL_ROWS
 # pairs (bfloat16 / int8 products): 1024 rows of 128 (1 MiB of packed
 # queries per thread)
 PACKED_QUERY_ELEMS = 131072
+# float32 values in place whose rows share L1 sets (aliasing_rows), for
+# calls of more than ALIASED_V_ROWS query rows: the fused kernel copies
+# each query block's value rows once for its panels (Plan.vcopy; blocks of
+# COPIED_V_PANELS panels) while M x Dv x 4 stays within COPIED_V_BYTES of
+# each thread's scratch; other kernels and longer values get a copy of the
+# whole operand (_dense_rows) before the call
+COPIED_V_PANELS = 32
+COPIED_V_BYTES = 2 << 20
 
 
 # --------------------------------------------------------------------------
@@ -110,6 +118,7 @@ class Plan(NamedTuple):
     chunk: int
     nthreads: int
     fused: bool
+    vcopy: bool = False       #: the fused kernel copies each block's value rows
 
 
 def _blas_tiles(Bq: int, Bk: int, M: int, width: int, return_weights: bool,
@@ -126,7 +135,8 @@ def _blas_tiles(Bq: int, Bk: int, M: int, width: int, return_weights: bool,
 
 def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
          return_weights: bool = False, kernel_path: str | None = None,
-         blas_mnk: int | None = None, converted_kv: int = 0) -> Plan:
+         blas_mnk: int | None = None, converted_kv: int = 0,
+         copied_v: bool = False) -> Plan:
     """Blocking, key splits and thread count of one attention call (pure).
 
     The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
@@ -142,7 +152,12 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     keys or values, converted a tile at a time for all the panels of a
     query block): query blocks of four panels, so that each conversion
     serves more rows; 2 (tiles packed as pairs for bfloat16 or int8 dot
-    products): blocks of up to 32 panels.
+    products): blocks of up to 32 panels.  ``copied_v`` (float32 values
+    whose rows share L1 sets, read in place by every panel): blocks of
+    ``COPIED_V_PANELS`` panels, each copying its value rows once
+    (``Plan.vcopy``; 4 x 8 x 512^2 x 64 on the head views of 4 x 512 x 1536
+    projections, Zen 5, one thread, avx2 path: 21.1 ms read in place,
+    19.3 ms copied per 32-panel block, 19.4 ms on contiguous values).
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
@@ -159,6 +174,8 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
             # prefill against 4 panels), their packed queries kept near
             # PACKED_QUERY_ELEMS elements per thread
             Bq = max(4, min(32, PACKED_QUERY_ELEMS // max(D, 1) // panel)) * panel
+        elif copied_v:
+            Bq = COPIED_V_PANELS * panel
         else:
             Bq = (4 if converted_kv else 2) * panel
         while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
@@ -178,12 +195,13 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         chunk = -(-chunk // Bk) * Bk
         nsplit = -(-M // chunk)
     nthreads = max(1, min(nthreads, work * nsplit))
-    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused)
+    vcopy = bool(fused and copied_v and Bq > _sdpa.PANEL_ROWS[kernel_path])
+    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused, vcopy)
 
 
 def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
               return_weights: bool = False, kernel_path: str | None = None,
-              converted_kv: int = 0) -> Plan:
+              converted_kv: int = 0, copied_v: bool = False) -> Plan:
     """:func:`plan` and the BLAS thread policy of one call, decided together.
 
     The one place where a call's tiles meet the BLAS it loads, so that
@@ -203,11 +221,11 @@ def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthr
     """
     args = (np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads, bool(return_weights),
             kernel_path or _sdpa.kernel_path())
-    pl = _plan_cached(*args, None, int(converted_kv))
+    pl = _plan_cached(*args, None, int(converted_kv), bool(copied_v))
     uses_blas = not pl.fused and (return_weights or N > SMALL_ROWS)
     if uses_blas and not blas_hold_supported():
         if blas_small_products_ok():
-            pl = _plan_cached(*args, OPENBLAS_SERIAL_MNK, int(converted_kv))
+            pl = _plan_cached(*args, OPENBLAS_SERIAL_MNK, int(converted_kv), bool(copied_v))
         elif pl.nthreads > 1:
             pl = pl._replace(nthreads=blas_parallel_threads(pl.nthreads))
     return pl
@@ -429,11 +447,13 @@ def _float_operand(a: np.ndarray, cdt) -> tuple[np.ndarray, int]:
 
 
 # query rows above which float32 values whose rows alias in L1
-# (attncore._validation.aliasing_rows) are copied once for the call: the
-# fused kernel reads each value row once per panel of queries, and at
-# 4 KiB apart a 4 x 8 x 512^2 x 64 call ran 1.5x (AVX2) / 1.2x (AVX-512)
-# slower than on contiguous values (Zen 5, one thread), against 0.1 ms for
-# the copy
+# (attncore._validation.aliasing_rows) are copied: the fused kernel reads
+# each value row once per panel of queries, and at 4 KiB apart a 4 x 8 x
+# 512^2 x 64 call ran 1.5x (AVX2) / 1.2x (AVX-512) slower than on
+# contiguous values (Zen 5, one thread).  Copied by the fused kernel, a
+# query block at a time (Plan.vcopy), or else here, the whole operand
+# before the call (_dense_rows: a fresh array, 1 ms of the 22 ms call
+# above with its page faults)
 ALIASED_V_ROWS = 32
 
 
@@ -445,27 +465,29 @@ def _dense_rows(a: np.ndarray) -> np.ndarray:
 
 
 def _layout(chk: Checked):
-    """(q, k, v, k_scales, v_scales, mask, fmts): the operands laid out."""
+    """(q, k, v, k_scales, v_scales, mask, fmts, aliased): the operands
+    laid out; aliased: float32 values to be copied (ALIASED_V_ROWS), by the
+    kernel or by :func:`_dense_rows`."""
     cdt = chk.pol.compute
     q, qf = _float_operand(chk.q, cdt)
     if chk.k8 is not None:
         (k, ks), kf = _quantized_operand(chk.k8[0], chk.k8[1], cdt), 0
     else:
         (k, kf), ks = _float_operand(chk.k, cdt), None
+    aliased = False
     if chk.v8 is not None:
         (v, vs), vf = _quantized_operand(chk.v8[0], chk.v8[1], cdt), 0
     else:
         (v, vf), vs = _float_operand(chk.v, cdt), None
-        if (not vf and cdt == F32 and not chk.need_weights and chk.q.shape[-2] > ALIASED_V_ROWS
-                and aliasing_rows(v)):
-            v = _dense_rows(v)
+        aliased = (not vf and cdt == F32 and not chk.need_weights
+                   and chk.q.shape[-2] > ALIASED_V_ROWS and aliasing_rows(v))
     m = chk.mask
     if m is not None:
         if chk.mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
             m = m.astype(cdt)
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
-    return q, k, v, ks, vs, m, (qf, kf, vf)
+    return q, k, v, ks, vs, m, (qf, kf, vf), aliased
 
 
 # elements of Q and K from which precision="int8" quantizes them on several
@@ -607,15 +629,21 @@ def describe(chk: Checked) -> Call:
     M, Dv = chk.k.shape[-2], chk.v.shape[-1]
     if max(N, M, D, Dv) > INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
-    q, k, v, ks, vs, m, fmts = _layout(chk)
+    q, k, v, ks, vs, m, fmts, aliased = _layout(chk)
     md = modes(pol, D)
     q_scales = q_mu = None
     qk8 = md.qk8
     if qk8:
         q, k, ks, fmts, qk8, q_scales, q_mu, D = _int8_stage(chk, q, k, ks, fmts, md)
     conv = conversion(md, qk8, fmts, ks, vs)
+    # aliased values: copied a block at a time by the fused kernel (plain
+    # float32 operands, the copy within COPIED_V_BYTES), else here
+    copied_v = aliased and not conv and not qk8 and M * Dv * 4 <= COPIED_V_BYTES
     pl = plan_call(cdt, N, M, D, Dv, causal, math.prod(bshape), nthreads, need_w,
-                   kernel_path="portable" if qk8 == 3 else None, converted_kv=conv)
+                   kernel_path="portable" if qk8 == 3 else None, converted_kv=conv,
+                   copied_v=copied_v)
+    if aliased and not pl.vcopy:
+        v = _dense_rows(v)
     if HALF_BF16 in fmts:
         q, k, v = bits(q, fmts[0]), bits(k, fmts[1]), bits(v, fmts[2])
     return Call(q, k, v, m, mask_kind, bshape, group, N, M, D, Dv, causal, scale, window,

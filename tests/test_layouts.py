@@ -186,30 +186,70 @@ def test_broadcast_query_rows_with_causal_or_row_mask(causal):
 
 # ------------------------------------------------- heads viewed from projections
 @pytest.mark.parametrize("N", [5, 32, 33, 100])
-@pytest.mark.parametrize("width", [2, 3])
-def test_head_views_with_aliasing_rows(path, N, width):
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("copy_bytes", [None, 0])
+def test_head_views_with_aliasing_rows(path, N, width, copy_bytes, monkeypatch):
     """q / k / v as the heads of (B, L, width * H * hd) projections,
-    rows a multiple of 1 KiB apart (2 KiB, 3 KiB): the values are copied
-    for calls of many query rows (attncore._call.ALIASED_V_ROWS), read in
-    place otherwise; the same results either way, the inputs untouched."""
+    rows a multiple of 1 KiB apart (2, 3, 4 KiB): for calls of many query
+    rows (attncore._call.ALIASED_V_ROWS) the values are copied -- by the
+    fused kernel a query block at a time (plan.vcopy), or before the call
+    where it does not (other paths, values beyond COPIED_V_BYTES) --, read
+    in place otherwise; the same results every way (causal, a boolean
+    mask, key splits, two threads), the inputs untouched."""
     from attncore import _call
     from attncore._validation import aliasing_rows
+    if copy_bytes is not None:
+        monkeypatch.setattr(_call, "COPIED_V_BYTES", copy_bytes)
     B, H, hd, M = 2, 4, 64, 70
     qb, kvb = rand((B, N, width * H * hd), 1), rand((B, M, width * H * hd), 2)
     heads = lambda x, i: x[..., i * H * hd:(i + 1) * H * hd].reshape(  # noqa: E731
         x.shape[0], x.shape[1], H, hd).transpose(0, 2, 1, 3)
     q, k, v = heads(qb, 0), heads(kvb, 0), heads(kvb, 1)
     assert aliasing_rows(v) and not aliasing_rows(np.ascontiguousarray(v))
-    before = kvb.copy()
+    before, qbefore = kvb.copy(), qb.copy()
     c = _call.describe(_call.check(q, k, v))
-    assert c.v.flags.c_contiguous == (N > _call.ALIASED_V_ROWS)
-    out = sdpa(q, k, v, is_causal="lower_right")
-    r, _ = ref(*(x.astype(np.float64) for x in (q, k, v)), causal=2)
-    np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
+    fused = path != "portable"
+    assert c.plan.vcopy == (N > _call.ALIASED_V_ROWS and fused and copy_bytes is None)
+    assert c.v.flags.c_contiguous == (N > _call.ALIASED_V_ROWS and not c.plan.vcopy)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    r, _ = ref(q64, k64, v64, causal=2)
+    for nt in (1, 2):
+        out = sdpa(q, k, v, is_causal="lower_right", num_threads=nt)
+        np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
+    m = rand((N, M), 5) > -0.5
+    np.testing.assert_allclose(sdpa(q, k, v, m), ref(q64, k64, v64, m)[0], rtol=3e-5, atol=3e-6)
     np.testing.assert_array_equal(kvb, before)
+    np.testing.assert_array_equal(qb, qbefore)
 
 
-def test_aliasing_values_broadcast_batch_not_expanded():
+def test_aliasing_values_copied_by_blocks_long_keys(path):
+    """Head views of aliasing values over many keys (several query blocks,
+    key tiles and, on two threads, blocks on both threads): the fused
+    kernel's per-block copies against the float64 reference."""
+    from attncore import _call
+    B, H, hd, N, M = 1, 2, 64, 700, 1300
+    kvb = rand((B, M, 4 * H * hd), 7)
+    heads = lambda x, i: x[..., i * H * hd:(i + 1) * H * hd].reshape(  # noqa: E731
+        x.shape[0], x.shape[1], H, hd).transpose(0, 2, 1, 3)
+    q, k, v = rand((B, H, N, hd), 8), heads(kvb, 0), heads(kvb, 3)
+    v = v[..., :40]  # Dv 40: rows of 160 bytes, 2 KiB apart
+    c = _call.describe(_call.check(q, k, v))
+    assert c.plan.vcopy == (path != "portable")
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    for causal, code in ((False, 0), ("upper_left", 1)):
+        r, _ = ref(q64, k64, v64, causal=code)
+        for nt in (1, 2):
+            out = sdpa(q, k, v, is_causal=causal, num_threads=nt)
+            np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
+    # a sliding window: each block copies only the keys its rows may see
+    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
+    r, _ = ref(q64, k64, v64, (j >= i - 300) & (j <= i + 20))
+    for nt in (1, 2):
+        out = sdpa(q, k, v, window=(300, 20), num_threads=nt)
+        np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
+
+
+def test_aliasing_values_broadcast_batch_not_expanded(monkeypatch):
     """Values with aliasing rows broadcast over a batch axis (stride 0)
     are copied once per distinct row, not once per batch element."""
     from attncore import _call
@@ -218,6 +258,7 @@ def test_aliasing_values_broadcast_batch_not_expanded():
     v = kvb[..., H * hd:].reshape(1, M, H, hd).transpose(0, 2, 1, 3)
     vb = np.broadcast_to(v, (B, H, M, hd))
     q, k = rand((B, H, N, hd), 1), rand((B, H, M, hd), 3)
+    monkeypatch.setattr(_call, "COPIED_V_BYTES", 0)  # the copy before the call
     c = _call.describe(_call.check(q, k, vb))
     assert c.v.strides[0] == 0 and c.v.strides[-2] == hd * c.v.itemsize  # dense rows, once
     np.testing.assert_array_equal(np.asarray(c.v), vb)

@@ -102,6 +102,10 @@ typedef struct {
                                  kernel's per-panel state when a block's
                                  panels share converted key / value tiles:
                                  ceil(Bq / 16) x (32 D + 64) floats        */
+    int vcopy;                /* the fused kernel copies the float32 value
+                                 rows of each query block once for all its
+                                 panels (rows in place that share a few L1
+                                 sets: attncore._call.plan; ac_size_vcopy) */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
@@ -283,6 +287,7 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
         p->bf_off = p->s_len;
         p->s_len += AC_ROUND16(AC_BF16_CHUNK(D, Dv));
     }
+    p->vcopy = 0;
     p->mp_off = 0;
     if (!is64 && (conv || bf16dot)) {
         /* the fused kernel's panels sharing converted key / value tiles:
@@ -292,6 +297,19 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
         p->s_len += (ptrdiff_t)((Bq + AC_PANEL_ROWS_AVX2 - 1) / AC_PANEL_ROWS_AVX2) *
                     AC_FUSED_PANEL_STATE(D);
     }
+}
+
+/* The scratch of a call whose fused kernel copies its float32 value rows
+ * (p->vcopy, set by the planner -- attncore._call.plan --, after
+ * ac_size_scratch): each query block copies the value rows of its key
+ * range, at most M rows, once for all its panels (ac_fused_range_f32), at
+ * dq_off. */
+static AC_UNUSED void ac_size_vcopy(ac_params *p)
+{
+    if (p->dq_off || p->mp_off) p->vcopy = 0; /* converted operands: not copied */
+    if (!p->vcopy) return;
+    p->dq_off = p->s_len;
+    p->s_len += AC_ROUND16((ptrdiff_t)p->M * p->Dv);
 }
 
 #endif /* AC_SDPA_H */
