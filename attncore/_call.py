@@ -59,14 +59,15 @@ SMALL_ROWS = _sdpa.SMALL_ROWS
 # pairs (bfloat16 / int8 products): 1024 rows of 128 (1 MiB of packed
 # queries per thread)
 PACKED_QUERY_ELEMS = 131072
-# float32 values in place whose rows share L1 sets (aliasing_rows), for
-# calls of more than ALIASED_V_ROWS query rows: the fused kernel copies
-# each query block's value rows once for its panels (Plan.vcopy; blocks of
-# COPIED_V_PANELS panels) while M x Dv x 4 stays within COPIED_V_BYTES of
-# each thread's scratch; other kernels and longer values get a copy of the
-# whole operand (_dense_rows) before the call
-COPIED_V_PANELS = 32
-COPIED_V_BYTES = 2 << 20
+# float32 keys / values in place whose rows are not contiguous (head views
+# of a (B, L, H * hd) projection), for calls of more than ALIASED_V_ROWS
+# query rows: the fused kernel copies each query block's key / value rows
+# once for its panels (Plan.kvcopy; blocks of COPIED_KV_PANELS panels)
+# while M x (D + Dv) x 4 stays within COPIED_KV_BYTES of each thread's
+# scratch.  Otherwise values whose rows alias in L1 (aliasing_rows) get a
+# copy of the whole operand before the call (_dense_rows)
+COPIED_KV_PANELS = 32
+COPIED_KV_BYTES = 2 << 20
 
 
 # --------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class Plan(NamedTuple):
     chunk: int
     nthreads: int
     fused: bool
-    vcopy: bool = False       #: the fused kernel copies each block's value rows
+    kvcopy: bool = False      #: the fused kernel copies each block's strided K / V rows
 
 
 def _blas_tiles(Bq: int, Bk: int, M: int, width: int, return_weights: bool,
@@ -136,7 +137,7 @@ def _blas_tiles(Bq: int, Bk: int, M: int, width: int, return_weights: bool,
 def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
          return_weights: bool = False, kernel_path: str | None = None,
          blas_mnk: int | None = None, converted_kv: int = 0,
-         copied_v: bool = False) -> Plan:
+         copied_kv: bool = False) -> Plan:
     """Blocking, key splits and thread count of one attention call (pure).
 
     The fused float32 kernel (``kernel_path`` 'avx512' / 'avx2', queries
@@ -152,12 +153,14 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     keys or values, converted a tile at a time for all the panels of a
     query block): query blocks of four panels, so that each conversion
     serves more rows; 2 (tiles packed as pairs for bfloat16 or int8 dot
-    products): blocks of up to 32 panels.  ``copied_v`` (float32 values
-    whose rows share L1 sets, read in place by every panel): blocks of
-    ``COPIED_V_PANELS`` panels, each copying its value rows once
-    (``Plan.vcopy``; 4 x 8 x 512^2 x 64 on the head views of 4 x 512 x 1536
-    projections, Zen 5, one thread, avx2 path: 21.1 ms read in place,
-    19.3 ms copied per 32-panel block, 19.4 ms on contiguous values).
+    products): blocks of up to 32 panels.  ``copied_kv`` (float32 keys /
+    values with rows not contiguous, read in place by every panel of a
+    block): blocks of ``COPIED_KV_PANELS`` panels, each copying its key /
+    value rows once (``Plan.kvcopy``).  Zen 5, one thread, 4 x 8 x 512^2 x
+    64 on the head views of 4 x 512 x 1536 projections, avx2 path: 21.1
+    ms read in place, 19.3 ms copied per 32-panel block, 19.4 ms on
+    contiguous operands; on 4 x 512 x (1536 + 16) (rows padded off the
+    1 KiB multiples) 20.1 ms in place, 19.0 contiguous.
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
@@ -174,8 +177,8 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
             # prefill against 4 panels), their packed queries kept near
             # PACKED_QUERY_ELEMS elements per thread
             Bq = max(4, min(32, PACKED_QUERY_ELEMS // max(D, 1) // panel)) * panel
-        elif copied_v:
-            Bq = COPIED_V_PANELS * panel
+        elif copied_kv:
+            Bq = COPIED_KV_PANELS * panel
         else:
             Bq = (4 if converted_kv else 2) * panel
         while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
@@ -195,13 +198,13 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         chunk = -(-chunk // Bk) * Bk
         nsplit = -(-M // chunk)
     nthreads = max(1, min(nthreads, work * nsplit))
-    vcopy = bool(fused and copied_v and Bq > _sdpa.PANEL_ROWS[kernel_path])
-    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused, vcopy)
+    kvcopy = bool(fused and copied_kv and Bq > _sdpa.PANEL_ROWS[kernel_path])
+    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused, kvcopy)
 
 
 def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,
               return_weights: bool = False, kernel_path: str | None = None,
-              converted_kv: int = 0, copied_v: bool = False) -> Plan:
+              converted_kv: int = 0, copied_kv: bool = False) -> Plan:
     """:func:`plan` and the BLAS thread policy of one call, decided together.
 
     The one place where a call's tiles meet the BLAS it loads, so that
@@ -221,11 +224,11 @@ def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthr
     """
     args = (np.dtype(dtype), N, M, D, Dv, causal, nb, nthreads, bool(return_weights),
             kernel_path or _sdpa.kernel_path())
-    pl = _plan_cached(*args, None, int(converted_kv), bool(copied_v))
+    pl = _plan_cached(*args, None, int(converted_kv), bool(copied_kv))
     uses_blas = not pl.fused and (return_weights or N > SMALL_ROWS)
     if uses_blas and not blas_hold_supported():
         if blas_small_products_ok():
-            pl = _plan_cached(*args, OPENBLAS_SERIAL_MNK, int(converted_kv), bool(copied_v))
+            pl = _plan_cached(*args, OPENBLAS_SERIAL_MNK, int(converted_kv), bool(copied_kv))
         elif pl.nthreads > 1:
             pl = pl._replace(nthreads=blas_parallel_threads(pl.nthreads))
     return pl
@@ -451,10 +454,16 @@ def _float_operand(a: np.ndarray, cdt) -> tuple[np.ndarray, int]:
 # each value row once per panel of queries, and at 4 KiB apart a 4 x 8 x
 # 512^2 x 64 call ran 1.5x (AVX2) / 1.2x (AVX-512) slower than on
 # contiguous values (Zen 5, one thread).  Copied by the fused kernel, a
-# query block at a time (Plan.vcopy), or else here, the whole operand
+# query block at a time (Plan.kvcopy), or else here, the whole operand
 # before the call (_dense_rows: a fresh array, 1 ms of the 22 ms call
 # above with its page faults)
 ALIASED_V_ROWS = 32
+
+
+def _strided_rows(a: np.ndarray) -> bool:
+    """Whether the rows of ``a`` (its last two axes) are apart by more
+    than a row."""
+    return a.shape[-2] > 1 and a.strides[-2] != a.shape[-1] * a.itemsize
 
 
 def _dense_rows(a: np.ndarray) -> np.ndarray:
@@ -466,8 +475,9 @@ def _dense_rows(a: np.ndarray) -> np.ndarray:
 
 def _layout(chk: Checked):
     """(q, k, v, k_scales, v_scales, mask, fmts, aliased): the operands
-    laid out; aliased: float32 values to be copied (ALIASED_V_ROWS), by the
-    kernel or by :func:`_dense_rows`."""
+    laid out; aliased: float32 values whose rows alias in L1, for a call
+    of many query rows (ALIASED_V_ROWS): copied by the kernel or by
+    :func:`_dense_rows`."""
     cdt = chk.pol.compute
     q, qf = _float_operand(chk.q, cdt)
     if chk.k8 is not None:
@@ -636,13 +646,16 @@ def describe(chk: Checked) -> Call:
     if qk8:
         q, k, ks, fmts, qk8, q_scales, q_mu, D = _int8_stage(chk, q, k, ks, fmts, md)
     conv = conversion(md, qk8, fmts, ks, vs)
-    # aliased values: copied a block at a time by the fused kernel (plain
-    # float32 operands, the copy within COPIED_V_BYTES), else here
-    copied_v = aliased and not conv and not qk8 and M * Dv * 4 <= COPIED_V_BYTES
+    # strided float32 keys / values: copied a block at a time by the fused
+    # kernel (plain float32 operands, the copy within COPIED_KV_BYTES);
+    # aliasing values otherwise here
+    copied_kv = (not conv and not qk8 and cdt == F32 and not need_w and N > ALIASED_V_ROWS
+                 and M * (D + Dv) * 4 <= COPIED_KV_BYTES
+                 and (_strided_rows(k) or _strided_rows(v)))
     pl = plan_call(cdt, N, M, D, Dv, causal, math.prod(bshape), nthreads, need_w,
                    kernel_path="portable" if qk8 == 3 else None, converted_kv=conv,
-                   copied_v=copied_v)
-    if aliased and not pl.vcopy:
+                   copied_kv=copied_kv)
+    if aliased and not pl.kvcopy:
         v = _dense_rows(v)
     if HALF_BF16 in fmts:
         q, k, v = bits(q, fmts[0]), bits(k, fmts[1]), bits(v, fmts[2])

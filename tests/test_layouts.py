@@ -192,14 +192,14 @@ def test_head_views_with_aliasing_rows(path, N, width, copy_bytes, monkeypatch):
     """q / k / v as the heads of (B, L, width * H * hd) projections,
     rows a multiple of 1 KiB apart (2, 3, 4 KiB): for calls of many query
     rows (attncore._call.ALIASED_V_ROWS) the values are copied -- by the
-    fused kernel a query block at a time (plan.vcopy), or before the call
-    where it does not (other paths, values beyond COPIED_V_BYTES) --, read
+    fused kernel a query block at a time (plan.kvcopy), or before the call
+    where it does not (other paths, values beyond COPIED_KV_BYTES) --, read
     in place otherwise; the same results every way (causal, a boolean
     mask, key splits, two threads), the inputs untouched."""
     from attncore import _call
     from attncore._validation import aliasing_rows
     if copy_bytes is not None:
-        monkeypatch.setattr(_call, "COPIED_V_BYTES", copy_bytes)
+        monkeypatch.setattr(_call, "COPIED_KV_BYTES", copy_bytes)
     B, H, hd, M = 2, 4, 64, 70
     qb, kvb = rand((B, N, width * H * hd), 1), rand((B, M, width * H * hd), 2)
     heads = lambda x, i: x[..., i * H * hd:(i + 1) * H * hd].reshape(  # noqa: E731
@@ -209,8 +209,8 @@ def test_head_views_with_aliasing_rows(path, N, width, copy_bytes, monkeypatch):
     before, qbefore = kvb.copy(), qb.copy()
     c = _call.describe(_call.check(q, k, v))
     fused = path != "portable"
-    assert c.plan.vcopy == (N > _call.ALIASED_V_ROWS and fused and copy_bytes is None)
-    assert c.v.flags.c_contiguous == (N > _call.ALIASED_V_ROWS and not c.plan.vcopy)
+    assert c.plan.kvcopy == (N > _call.ALIASED_V_ROWS and fused and copy_bytes is None)
+    assert c.v.flags.c_contiguous == (N > _call.ALIASED_V_ROWS and not c.plan.kvcopy)
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     r, _ = ref(q64, k64, v64, causal=2)
     for nt in (1, 2):
@@ -234,7 +234,7 @@ def test_aliasing_values_copied_by_blocks_long_keys(path):
     q, k, v = rand((B, H, N, hd), 8), heads(kvb, 0), heads(kvb, 3)
     v = v[..., :40]  # Dv 40: rows of 160 bytes, 2 KiB apart
     c = _call.describe(_call.check(q, k, v))
-    assert c.plan.vcopy == (path != "portable")
+    assert c.plan.kvcopy == (path != "portable")
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     for causal, code in ((False, 0), ("upper_left", 1)):
         r, _ = ref(q64, k64, v64, causal=code)
@@ -249,6 +249,41 @@ def test_aliasing_values_copied_by_blocks_long_keys(path):
         np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
 
 
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+def test_strided_key_value_rows_copied_by_blocks(path, which):
+    """Keys and / or values whose rows are not contiguous but do not alias
+    in L1 (heads of a projection padded off the 1 KiB multiples, as
+    MultiHeadAttention lays them out): read in place before the call, the
+    fused kernel copies each block's strided rows; against the float64
+    reference, with a mask and on two threads; contiguous operands are
+    never copied."""
+    from attncore import _call
+    from attncore._validation import aliasing_rows
+    B, H, hd, N, M = 2, 3, 64, 90, 77
+    buf = rand((B, M, 2 * H * hd + 16), 4)  # rows 1600 floats apart
+    heads = lambda x, i: x[..., i * H * hd:(i + 1) * H * hd].reshape(  # noqa: E731
+        x.shape[0], x.shape[1], H, hd).transpose(0, 2, 1, 3)
+    q = rand((B, H, N, hd), 5)
+    k = heads(buf, 0) if "k" in which else rand((B, H, M, hd), 6)
+    v = heads(buf, 1) if "v" in which else rand((B, H, M, hd), 7)
+    assert not aliasing_rows(k) and not aliasing_rows(v)
+    before = buf.copy()
+    c = _call.describe(_call.check(q, k, v))
+    assert c.plan.kvcopy == (path != "portable")
+    assert np.shares_memory(c.k, buf) == ("k" in which)
+    assert np.shares_memory(c.v, buf) == ("v" in which)
+    c2 = _call.describe(_call.check(q, np.ascontiguousarray(k), np.ascontiguousarray(v)))
+    assert not c2.plan.kvcopy
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    m = rand((N, M), 8) > -0.7
+    r, _ = ref(q64, k64, v64, m)
+    for nt in (1, 2):
+        np.testing.assert_allclose(sdpa(q, k, v, m, num_threads=nt), r, rtol=3e-5, atol=3e-6)
+    r, _ = ref(q64, k64, v64, causal=2)
+    np.testing.assert_allclose(sdpa(q, k, v, is_causal="lower_right"), r, rtol=3e-5, atol=3e-6)
+    np.testing.assert_array_equal(buf, before)
+
+
 def test_aliasing_values_broadcast_batch_not_expanded(monkeypatch):
     """Values with aliasing rows broadcast over a batch axis (stride 0)
     are copied once per distinct row, not once per batch element."""
@@ -258,7 +293,7 @@ def test_aliasing_values_broadcast_batch_not_expanded(monkeypatch):
     v = kvb[..., H * hd:].reshape(1, M, H, hd).transpose(0, 2, 1, 3)
     vb = np.broadcast_to(v, (B, H, M, hd))
     q, k = rand((B, H, N, hd), 1), rand((B, H, M, hd), 3)
-    monkeypatch.setattr(_call, "COPIED_V_BYTES", 0)  # the copy before the call
+    monkeypatch.setattr(_call, "COPIED_KV_BYTES", 0)  # the copy before the call
     c = _call.describe(_call.check(q, k, vb))
     assert c.v.strides[0] == 0 and c.v.strides[-2] == hd * c.v.itemsize  # dense rows, once
     np.testing.assert_array_equal(np.asarray(c.v), vb)

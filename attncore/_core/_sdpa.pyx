@@ -54,7 +54,7 @@ cdef extern from "ac_sdpa.h" nogil:
         Py_ssize_t bf_off
         int qk8
         const float *qsc
-        int vcopy
+        int kvcopy
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -106,7 +106,7 @@ cdef extern from "ac_sdpa.h" nogil:
                          float *mean, float *mabs, float *amax, float *ybuf, double *acc)
     void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int Bk, int is64, int have_ks,
                          int have_vs, int q_fmt, int k_fmt, int v_fmt, int bf16dot, int qk8)
-    void ac_size_vcopy(ac_params *p)
+    void ac_size_kvcopy(ac_params *p)
     void ac_exp_array_f32(const float *x, float *y, Py_ssize_t n)
     int ac_all_finite_f32(const float *x, Py_ssize_t n)
     int ac_all_finite_f64(const double *x, Py_ssize_t n)
@@ -1042,10 +1042,16 @@ def sdpa(call, out, weights=None, lse=None):
         p.q_rs = _row_stride(bq)
         p.k_rs = _row_stride(bk)
         p.v_rs = _row_stride(bv)
-        # float32 values in place whose rows share L1 sets: each query block
-        # of the fused kernel copies them once for its panels (plan.vcopy)
-        p.vcopy = 1 if (pl.vcopy and pl.fused and not is64 and not have_vs and not v_fmt) else 0
-        ac_size_vcopy(&p)
+        # float32 keys / values whose rows are not contiguous: each query
+        # block of the fused kernel copies them once for its panels
+        # (plan.kvcopy; 1 values, 2 keys)
+        p.kvcopy = 0
+        if pl.kvcopy and pl.fused and not is64 and not qk8 and not bf16dot:
+            if not have_vs and not v_fmt and p.v_rs != Dv:
+                p.kvcopy |= 1
+            if not have_ks and not k_fmt and p.k_rs != D:
+                p.kvcopy |= 2
+        ac_size_kvcopy(&p)
         # (the fused kernel's int8 products read per key (scale, 128 sum k8);
         # the direct loops of a few rows only the scale)
         if qk8 and ((N > AC_SMALL_ROWS and qk8 != 3

@@ -578,13 +578,13 @@ static AC_FUSED_RANGE_F32
             nq -= direct;
             for (int r = 0; r < direct; r++) bad[nq + r] = -1;
         }
-        /* float32 value rows in place whose lines share a few L1 sets
-           (a head view of a projection, rows 2 KiB apart for 8 heads of
-           64): each panel would read them from L2 again; the block's
-           copy (p->vcopy, at most M rows at dq_off) keeps them dense for
-           all its panels */
-        const float *vcp = NULL;
-        if (p->vcopy && nq > P) {
+        /* float32 key / value rows in place, not contiguous (a head view
+           of a projection: rows 2 KiB apart for 8 heads of 64 share a few
+           L1 sets): every panel would read them from L2 again; the
+           block's copy (p->kvcopy, at most M rows of each at dq_off) keeps
+           them dense for all its panels */
+        const float *kcp = NULL, *vcp = NULL;
+        if (p->kvcopy && nq > P) {
             /* the keys some row of the block may see (their slots: c - ks) */
             ptrdiff_t c0 = ks, c1 = ke;
             if (p->band) {
@@ -593,10 +593,18 @@ static AC_FUSED_RANGE_F32
                 const ptrdiff_t lo = ac_band_lo(p, i0);
                 if (lo > c0) c0 = lo;
             }
-            float *VC = scratch + p->dq_off;
-            for (ptrdiff_t c = c0; c < c1; c++)
-                memcpy(VC + (c - ks) * Dv, v + c * p->v_rs, sizeof(float) * (size_t)Dv);
-            vcp = VC;
+            float *KC = scratch + p->dq_off;
+            float *VC = KC + ((ptrdiff_t)p->M * D + 15) / 16 * 16; /* ac_size_kvcopy */
+            if (p->kvcopy & 2) {
+                for (ptrdiff_t c = c0; c < c1; c++)
+                    memcpy(KC + (c - ks) * D, k + c * p->k_rs, sizeof(float) * (size_t)D);
+                kcp = KC;
+            }
+            if (p->kvcopy & 1) {
+                for (ptrdiff_t c = c0; c < c1; c++)
+                    memcpy(VC + (c - ks) * Dv, v + c * p->v_rs, sizeof(float) * (size_t)Dv);
+                vcp = VC;
+            }
         }
         /* bytes per query element: int8 / half / float32 rows */
         const int qes = p->qk8 ? 1 : p->qh ? 2 : 4;
@@ -619,12 +627,12 @@ static AC_FUSED_RANGE_F32
                                                         : ac_fused_panel_f32_avx2h)(
                     p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke, scratch,
                     acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, scratch, state,
-                    AC_PH_INIT | AC_PH_FINISH, NULL, vcp, NULL);
+                    AC_PH_INIT | AC_PH_FINISH, kcp, vcp, NULL);
             else
                 processed |= ac_fused_panel_call(
                     p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke, scratch,
                     acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, scratch, state,
-                    AC_PH_INIT | AC_PH_FINISH, NULL, vcp, NULL);
+                    AC_PH_INIT | AC_PH_FINISH, kcp, vcp, NULL);
         }
         return processed;
     }

@@ -102,10 +102,12 @@ typedef struct {
                                  kernel's per-panel state when a block's
                                  panels share converted key / value tiles:
                                  ceil(Bq / 16) x (32 D + 64) floats        */
-    int vcopy;                /* the fused kernel copies the float32 value
-                                 rows of each query block once for all its
-                                 panels (rows in place that share a few L1
-                                 sets: attncore._call.plan; ac_size_vcopy) */
+    int kvcopy;               /* the fused kernel copies the float32 rows
+                                 of each query block once for all its
+                                 panels, rows in place not contiguous (a
+                                 head view of a projection): 1 the values,
+                                 2 the keys (attncore._call.plan;
+                                 ac_size_kvcopy)                          */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
@@ -287,7 +289,7 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
         p->bf_off = p->s_len;
         p->s_len += AC_ROUND16(AC_BF16_CHUNK(D, Dv));
     }
-    p->vcopy = 0;
+    p->kvcopy = 0;
     p->mp_off = 0;
     if (!is64 && (conv || bf16dot)) {
         /* the fused kernel's panels sharing converted key / value tiles:
@@ -299,17 +301,17 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
     }
 }
 
-/* The scratch of a call whose fused kernel copies its float32 value rows
- * (p->vcopy, set by the planner -- attncore._call.plan --, after
- * ac_size_scratch): each query block copies the value rows of its key
- * range, at most M rows, once for all its panels (ac_fused_range_f32), at
- * dq_off. */
-static AC_UNUSED void ac_size_vcopy(ac_params *p)
+/* The scratch of a call whose fused kernel copies its float32 key / value
+ * rows (p->kvcopy, set after ac_size_scratch from the plan --
+ * attncore._call.plan): each query block copies the rows of the keys it
+ * may see, at most M, once for all its panels (ac_fused_range_f32): keys
+ * (M x D) at dq_off, values (M x Dv) after them. */
+static AC_UNUSED void ac_size_kvcopy(ac_params *p)
 {
-    if (p->dq_off || p->mp_off) p->vcopy = 0; /* converted operands: not copied */
-    if (!p->vcopy) return;
+    if (p->dq_off || p->mp_off) p->kvcopy = 0; /* converted operands: not copied */
+    if (!p->kvcopy) return;
     p->dq_off = p->s_len;
-    p->s_len += AC_ROUND16((ptrdiff_t)p->M * p->Dv);
+    p->s_len += AC_ROUND16((ptrdiff_t)p->M * p->D) + AC_ROUND16((ptrdiff_t)p->M * p->Dv);
 }
 
 #endif /* AC_SDPA_H */
