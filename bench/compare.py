@@ -13,7 +13,9 @@
 
 Each case runs attncore, torch SDPA, ONNX Runtime's contrib
 ``com.microsoft.MultiHeadAttention`` ("ort mha") and standard ``Attention``
-operator ("ort attn", opset 23) -- see ``bench/peers.py`` -- and NumPy,
+operator ("ort attn", opset 23) -- see ``bench/peers.py`` -- and NumPy
+(the ``heads`` case: Q, K, V the head views of one (B, N, 3 H D)
+projection, read in place; ONNX Runtime gets that layout itself),
 interleaved in one process, with the same thread count for all
 (``intra_op_num_threads`` for ONNX Runtime), and reports medians over the
 repeats, the ratio best-peer/attncore (> 1 means attncore is faster than
@@ -93,11 +95,19 @@ CASES = [
     ("decode 1x8x1x32768x64", "decode", 1, 8, 1, 32768, 64, "none"),
     ("seq2seq 32x1x1x50x256", "seq2seq", 32, 1, 1, 50, 256, "none"),
     ("seq2seq 32x1x50x50x256", "seq2seq", 32, 1, 50, 50, 256, "none"),
+    ("heads 4x8x512x64", "heads", 4, 8, 512, 512, 64, "heads"),
 ]
 
 
 def make_inputs(B, H, N, M, D, variant, dtype=np.float32, seed=0):
     rng = np.random.default_rng(seed)
+    if variant == "heads":
+        # the heads of a (B, N, 3 H D) Q/K/V projection viewed as (B, H, N,
+        # D), read in place by every side (ONNX Runtime's MultiHeadAttention
+        # takes the (B, N, H D) layout itself)
+        x = rng.standard_normal((B, N, 3, H, D), dtype=np.float32).astype(dtype)
+        q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        return q, k, v, None
     q = rng.standard_normal((B, H, N, D), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((B, H, M, D), dtype=np.float32).astype(dtype)
     v = rng.standard_normal((B, H, M, D), dtype=np.float32).astype(dtype)
