@@ -560,9 +560,17 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
                         isz):
             return None
         N, H, causal = H // Hk, Hk, 0
+    # float32 keys / values of a head view (rows apart by more than a row,
+    # as a model's (B, S, H, D) projections viewed as (B, H, S, D)): the
+    # fused kernel copies them a query block at a time (the general call's
+    # rule, attncore._call.describe)
+    copied_kv = (not fmt and N > _call.ALIASED_V_ROWS
+                 and M * (D + Dv) * 4 <= _call.COPIED_KV_BYTES
+                 and (kstrides[2] != D * isz or vstrides[2] != Dv * isz))
     pl = _call.plan_call(np.dtype(np.float32 if fmt else dt), N, M, D, Dv, causal, B * H,
                          nthreads, kernel_path=kernel_path,
-                         converted_kv=2 if bf16 and kernel_path == "avx512" else int(bool(fmt)))
+                         converted_kv=2 if bf16 and kernel_path == "avx512" else int(bool(fmt)),
+                         copied_kv=copied_kv)
     if not pl.fused and N > _SMALL_ROWS:
         return None  # the BLAS path: the general call decides its threads
     c = _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, sc,
