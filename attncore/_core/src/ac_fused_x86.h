@@ -587,12 +587,7 @@ static AC_FUSED_RANGE_F32
         if (p->kvcopy && nq > P) {
             /* the keys some row of the block may see (their slots: c - ks) */
             ptrdiff_t c0 = ks, c1 = ke;
-            if (p->band) {
-                const ptrdiff_t lim = ac_causal_limit(p, i0 + nq - 1);
-                if (lim < c1) c1 = lim;
-                const ptrdiff_t lo = ac_band_lo(p, i0);
-                if (lo > c0) c0 = lo;
-            }
+            ac_band_keys(p, i0, nq, &c0, &c1);
             float *KC = scratch + p->dq_off;
             float *VC = KC + ((ptrdiff_t)p->M * D + 15) / 16 * 16; /* ac_size_kvcopy */
             if (p->kvcopy & 2) {
@@ -638,12 +633,7 @@ static AC_FUSED_RANGE_F32
     }
     /* the keys some row of the block may see */
     ptrdiff_t kst = ks, ken = ke;
-    if (p->band) {
-        const ptrdiff_t lim = ac_causal_limit(p, i0 + nq - 1);
-        if (lim < ken) ken = lim;
-        const ptrdiff_t lo = ac_band_lo(p, i0);
-        if (lo > kst) kst = lo;
-    }
+    ac_band_keys(p, i0, nq, &kst, &ken);
     if (ken < kst) ken = kst;
     float *KC = scratch + p->dq_off, *VC = KC + (ptrdiff_t)AC_BK * D;
     /* bfloat16 chunk: K16 (AC_BK x (D+1)/2), VI (AC_BK/2 x Dv), PT2 */

@@ -157,6 +157,18 @@ static inline ptrdiff_t ac_band_lo(const ac_params *p, ptrdiff_t i)
     return lo > 0 ? lo : 0;
 }
 
+/* keys [*ks, *ke) narrowed to those some row of [i0, i0 + n) may see under
+   the causal / window band (unchanged without one; *ke may end below *ks) */
+static inline void ac_band_keys(const ac_params *p, ptrdiff_t i0, ptrdiff_t n,
+                                ptrdiff_t *ks, ptrdiff_t *ke)
+{
+    if (!p->band) return;
+    const ptrdiff_t lim = ac_causal_limit(p, i0 + n - 1);
+    if (lim < *ke) *ke = lim;
+    const ptrdiff_t lo = ac_band_lo(p, i0);
+    if (lo > *ks) *ks = lo;
+}
+
 /* the columns [*c0, *c1) of a tile of nk keys from key j0 that row i may
    see under the causal / window band (all of them without one) */
 static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
