@@ -466,6 +466,15 @@ def _strided_rows(a: np.ndarray) -> bool:
     return a.shape[-2] > 1 and a.strides[-2] != a.shape[-1] * a.itemsize
 
 
+def copies_kv(N: int, M: int, D: int, Dv: int, strided: bool) -> bool:
+    """Whether the fused kernel copies a call's plain float32 keys / values
+    a query block at a time (``plan(copied_kv=...)``): rows not contiguous
+    (``strided``), more than ALIASED_V_ROWS query rows, M x (D + Dv)
+    floats within COPIED_KV_BYTES.  The rule of :func:`describe` and of
+    the integrations' prepared call alike."""
+    return bool(strided and N > ALIASED_V_ROWS and M * (D + Dv) * 4 <= COPIED_KV_BYTES)
+
+
 def _dense_rows(a: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of ``a``'s rows whose broadcast (stride-0) batch
     axes stay broadcast: each distinct row is copied once."""
@@ -649,9 +658,8 @@ def describe(chk: Checked) -> Call:
     # strided float32 keys / values: copied a block at a time by the fused
     # kernel (plain float32 operands, the copy within COPIED_KV_BYTES);
     # aliasing values otherwise here
-    copied_kv = (not conv and not qk8 and cdt == F32 and not need_w and N > ALIASED_V_ROWS
-                 and M * (D + Dv) * 4 <= COPIED_KV_BYTES
-                 and (_strided_rows(k) or _strided_rows(v)))
+    copied_kv = (not conv and not qk8 and cdt == F32 and not need_w
+                 and copies_kv(N, M, D, Dv, _strided_rows(k) or _strided_rows(v)))
     pl = plan_call(cdt, N, M, D, Dv, causal, math.prod(bshape), nthreads, need_w,
                    kernel_path="portable" if qk8 == 3 else None, converted_kv=conv,
                    copied_kv=copied_kv)

@@ -564,9 +564,8 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
     # as a model's (B, S, H, D) projections viewed as (B, H, S, D)): the
     # fused kernel copies them a query block at a time (the general call's
     # rule, attncore._call.describe)
-    copied_kv = (not fmt and N > _call.ALIASED_V_ROWS
-                 and M * (D + Dv) * 4 <= _call.COPIED_KV_BYTES
-                 and (kstrides[2] != D * isz or vstrides[2] != Dv * isz))
+    copied_kv = not fmt and _call.copies_kv(
+        N, M, D, Dv, kstrides[2] != D * isz or vstrides[2] != Dv * isz)
     pl = _call.plan_call(np.dtype(np.float32 if fmt else dt), N, M, D, Dv, causal, B * H,
                          nthreads, kernel_path=kernel_path,
                          converted_kv=2 if bf16 and kernel_path == "avx512" else int(bool(fmt)),
