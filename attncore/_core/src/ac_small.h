@@ -48,17 +48,19 @@ static inline size_t ac_se_size(int fmt)
 
 #define AC_SINLINE inline __attribute__((always_inline))
 
-/* software prefetch distances in bytes of float32 rows ahead: keys
- * (scores) and values (P.V); rows of 16-bit and int8 elements go twice as
- * far.  Tuned on Zen 5 (float32 4 / 2 KiB against 8 / 4 KiB: 1.05-1.3x at
- * 2 threads; 16-bit and int8 8 / 4 KiB against 4 / 2 KiB: 1.05x) */
+/* software prefetch distances in bytes of rows ahead, whatever the
+ * element format: keys (scores) and values (P.V).  Tuned on Zen 5 (float32
+ * 4 / 2 KiB against 8 / 4 KiB: 1.05-1.3x at 2 threads).  Rows of 16-bit
+ * and int8 elements went twice as far (8 / 4 KiB: 1.05x on Zen 5) until a
+ * Xeon with AMX (family 6 model 167) ran bf16 / f16 decode at D 128 1.2-1.4x
+ * slower with them than with 4 / 2 KiB, on both paths and at 1 and 2
+ * threads (bench/compare_decode.py), and no faster anywhere else */
 #ifndef AC_SMALL_PF_K
 #define AC_SMALL_PF_K 4096
 #endif
 #ifndef AC_SMALL_PF_V
 #define AC_SMALL_PF_V 2048
 #endif
-#define AC_SMALL_PF(bytes, fmt) ((fmt) == AC_SE_F32 ? (bytes) : 2 * (bytes))
 
 /* the line at p, of a row `stride` bytes after the one before: into L1,
  * or only into L2 where rows a multiple of 2 KiB apart share the L1 sets
