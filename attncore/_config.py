@@ -55,6 +55,8 @@ def config_dict() -> dict:
     from ._core import _sdpa
 
     info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
+    info["bf16_dot_fast"] = _sdpa.cpu_features()["bf16_dot_fast"]
+    info["bf16_products"] = ("float32", "bfloat16", "bfloat16-emulated")[_sdpa.bf16_mode()]
     info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
     info["avx_vnni"] = _sdpa.cpu_features()["avx_vnni"]
     mode, path = _sdpa.int8_mode(), info["kernel_path"]
@@ -80,6 +82,18 @@ _INT8_LINES = {
 }
 
 
+# what bfloat16 inputs and precision="bfloat16" multiply with
+_BF16_LINES = {
+    "bfloat16": "bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and "
+                "precision='bfloat16'",
+    "bfloat16-emulated": "bfloat16 dot products spelled in AVX-512F (forced)",
+    "float32": "float32 products (no AVX512_BF16 on this CPU)",
+    "float32-slow": "float32 products: this CPU's vdpbf16ps runs at half the rate of its "
+                    "float32 FMAs (Intel), so bfloat16 dot products would be slower than "
+                    "float32 (0.6-0.65x measured)",
+}
+
+
 def show_config() -> None:
     """Print versions, OpenMP on/off and thread counts, and scipy's BLAS."""
     info = config_dict()
@@ -93,8 +107,8 @@ def show_config() -> None:
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
-          + ("bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and precision='bfloat16'"
-             if info["bf16_dot"] else "float32 products (no AVX512_BF16 on this CPU)"))
+          + _BF16_LINES[info["bf16_products"] if info["bf16_products"] != "float32"
+                        else "float32-slow" if info["bf16_dot"] else "float32"])
     print(f"{'precision=int8':>16}: "
           + _INT8_LINES[info["int8_products"]])
     blas = info["blas"]

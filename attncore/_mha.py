@@ -467,7 +467,8 @@ class MultiHeadAttention:
     precision : {None, 'float32', 'bfloat16', 'int8'}, optional
         The dot products' precision of the attention
         (:attr:`precision`; as in the core).  With bfloat16 weights on a
-        CPU with AVX512_BF16 the projections use bfloat16 products unless
+        CPU with fast AVX512_BF16 (AMD's; see :func:`attncore.show_config`)
+        the projections use bfloat16 products unless
         it is ``'float32'``, and ``None`` gives the attention bfloat16
         products too (float32 where the CPU lacks them).
 

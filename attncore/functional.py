@@ -217,10 +217,11 @@ def scaled_dot_product_attention(
     precision : {None, 'float32', 'bfloat16', 'int8'}, optional
         The dot products' precision.  ``None``: the inputs' own (float64
         for float64; bfloat16 products with float32 accumulation for
-        all-bfloat16 inputs on a CPU with AVX512_BF16; float32
-        otherwise).  ``'float32'``: float32 products for any
-        float32 / float16 / bfloat16 input.  ``'bfloat16'``: bfloat16
-        products where the CPU has AVX512_BF16 (float32 elsewhere).
+        all-bfloat16 inputs on a CPU whose AVX512_BF16 outpaces its
+        float32 FMAs -- AMD's, not Intel's; float32 otherwise).
+        ``'float32'``: float32 products for any float32 / float16 /
+        bfloat16 input.  ``'bfloat16'``: bfloat16 products on such a CPU
+        (float32 elsewhere: :func:`attncore.show_config` says which).
         ``'int8'``: Q.K^T of int8 rows with exact int32 sums (vpdpbusd on
         AVX512_VNNI; the dequantized rows' float products elsewhere): the
         keys minus their mean over the keys, channels balanced between

@@ -70,10 +70,14 @@ def _flags():
 
 def header():
     feats = attncore._core._sdpa.cpu_features()
+    mode = attncore._core._sdpa.bf16_mode()
+    bf = ("no" if not feats.get("bf16_dot") else
+          "off (the CPU has them, slower than its float32 FMAs)" if mode == 0 else
+          "yes" if mode == 1 else "emulated")
     return (f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, flags {' '.join(_flags())}, "
             f"python {platform.python_version()}\n"
             f"attncore {attncore.__version__} (kernel path {attncore._kernels.kernel_path()}, "
-            f"bf16 dot products: {'yes' if feats.get('bf16_dot') else 'no'}), numpy {np.__version__}"
+            f"bf16 dot products: {bf}), numpy {np.__version__}"
             + (f", torch {torch.__version__}" if torch is not None else ""))
 
 

@@ -328,3 +328,54 @@ def test_tall_query_blocks_of_packed_tiles(path, causal):
     o8 = sd(q, k, v, is_causal=causal, precision="int8", num_threads=2).astype(np.float64)
     r32 = sdpa_ref(q, k, v, is_causal=causal)
     assert 1 - (o8 * r32).sum() / np.linalg.norm(o8) / np.linalg.norm(r32) < 1e-4
+
+
+def _cpuinfo_vendor_and_flags():
+    """(vendor_id, flags) of the first CPU in /proc/cpuinfo, or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return None
+    vendor = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                   if ln.startswith("vendor_id")), None)
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), None)
+    return None if vendor is None or flags is None else (vendor, set(flags))
+
+
+def test_bf16_products_default_follows_the_cpu():
+    """bfloat16 dot products are the default only where the CPU has
+    AVX512_BF16 and is not an Intel core (whose vdpbf16ps issues at half
+    the rate of its float32 FMAs), read from /proc/cpuinfo; show_config
+    says which products bfloat16 inputs get, and a forced mode is undone by
+    set_bf16_mode(None)."""
+    from attncore import _config
+
+    info = _cpuinfo_vendor_and_flags()
+    if info is None:
+        pytest.skip("no /proc/cpuinfo")
+    vendor, flags = info
+    has = "avx512_bf16" in flags
+    assert _sdpa.cpu_features()["bf16_dot"] == has
+    fast = has and vendor != "GenuineIntel"
+    assert _sdpa.cpu_features()["bf16_dot_fast"] == fast
+    prev = _sdpa.set_bf16_mode(None)
+    try:
+        assert _sdpa.bf16_mode() == (1 if fast else 0)
+        line = _config._BF16_LINES[
+            "bfloat16" if fast else ("float32-slow" if has else "float32")]
+        assert _config.config_dict()["bf16_products"] == ("bfloat16" if fast else "float32")
+        import io
+        import contextlib
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            attncore.show_config()
+        assert line in buf.getvalue()
+        if has:  # forcing the instruction on such a CPU, and back
+            _sdpa.set_bf16_mode("native")
+            assert _config.config_dict()["bf16_products"] == "bfloat16"
+            _sdpa.set_bf16_mode(None)
+            assert _sdpa.bf16_mode() == (1 if fast else 0)
+    finally:
+        _sdpa.set_bf16_mode(prev)

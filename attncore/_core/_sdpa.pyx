@@ -96,6 +96,7 @@ cdef extern from "ac_sdpa.h" nogil:
     int ac_set_kernel_path(int path)
     int ac_fused_panel_rows()
     int ac_cpu_bf16_dot()
+    int ac_cpu_bf16_dot_fast()
     int ac_cpu_vnni()
     int ac_cpu_avxvnni()
     void ac_i8_quantize_rows(const void *x, int fmt, Py_ssize_t x_rs, Py_ssize_t n, int D,
@@ -136,16 +137,21 @@ def cpu_features():
     return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
+            "bf16_dot_fast": bool(ac_cpu_bf16_dot_fast()),
             "int8_dot": bool(ac_cpu_vnni()),
             "avx_vnni": bool(ac_cpu_avxvnni()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
             "small_rows": AC_SMALL_ROWS}
 
 
-# bfloat16 dot products: 1 vdpbf16ps where the CPU has AVX512_BF16, else 0;
+# bfloat16 dot products: 1 vdpbf16ps where the CPU has AVX512_BF16 and the
+# instruction outpaces its float32 FMAs (ac_cpu_bf16_dot_fast: AMD, not
+# Intel), else 0 (bfloat16 rows converted and multiplied in float32);
+# set_bf16_mode("native") forces the instruction on any CPU that has it,
 # set_bf16_mode("emulate") runs the same kernels with the instruction
 # spelled in AVX-512F (tests of the path on any AVX-512 CPU)
-_bf16_mode = 1 if ac_cpu_bf16_dot() else 0
+_BF16_DEFAULT = 1 if ac_cpu_bf16_dot() and ac_cpu_bf16_dot_fast() else 0
+_bf16_mode = _BF16_DEFAULT
 
 
 def bf16_mode():
@@ -169,13 +175,14 @@ def _mode_code(mode, what, choices, default):
 def set_bf16_mode(mode):
     """Private, process-wide (tests and benchmarks): 'native' (needs
     AVX512_BF16), 'emulate' (needs AVX-512), 'off', or None (the default
-    of this CPU).  Returns the previous mode's name."""
+    of this CPU: 'native' where vdpbf16ps outpaces its float32 FMAs, else
+    'off').  Returns the previous mode's name."""
     global _bf16_mode
     prev = ("off", "native", "emulate")[_bf16_mode]
     _bf16_mode = _mode_code(
         mode, "bf16", {"native": 1 if ac_cpu_bf16_dot() else None,
                        "emulate": 2 if ac_best_path == AC_PATH_AVX512 else None, "off": 0},
-        1 if ac_cpu_bf16_dot() else 0)
+        _BF16_DEFAULT)
     return prev
 
 
