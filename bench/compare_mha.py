@@ -16,6 +16,11 @@ Cases:
   ``F.scaled_dot_product_attention`` over the prefix and ``F.linear`` for
   the output.  Each timed call decodes ``--steps`` tokens; both caches are
   rewound to 2048 tokens before every sample.
+* ``mha self bf16`` / ``mha self f16``: the ``mha self`` layer loaded with
+  ``dtype="bfloat16"`` / ``"float16"`` (weights and activations in that
+  dtype) against attncore's own float32 layer (the ``torch`` column holds
+  the float32 layer's time, ``f32/ac`` the ratio; the bar: never slower than
+  the float32 layer on a CPU without fast bfloat16 products).
 
 Same timing method as ``bench/compare.py``: both sides interleaved in one
 process, the same thread count for both (``threadpoolctl`` for OpenMP and
@@ -54,8 +59,10 @@ CASES = [
     ("mha cross E512 H8 B4 L512 S512", "cross", 512, 8, 4, 512, 512),
     ("decode E512 H8 B1 2048 cached", "decode", 512, 8, 1, 1, 2048),
     ("decode E512 H8 B8 2048 cached", "decode", 512, 8, 8, 1, 2048),
+    ("mha self bf16 E512 H8 B4 L512", "self-bfloat16", 512, 8, 4, 512, 512),
+    ("mha self f16 E512 H8 B4 L512", "self-float16", 512, 8, 4, 512, 512),
 ]
-BARS = {"self": 1.3, "cross": 1.1, "decode": 1.2}
+BARS = {"self": 1.3, "cross": 1.1, "decode": 1.2, "self-bfloat16": 1.0, "self-float16": 1.0}
 
 
 def _setup_layer(kind, E, H, B, L, S, steps):
@@ -66,6 +73,17 @@ def _setup_layer(kind, E, H, B, L, S, steps):
         tm.out_proj.bias.normal_()
     mha = attncore.MultiHeadAttention.from_torch(tm)
     fns = {}
+    if kind.startswith("self-"):  # a 16-bit layer against the float32 one
+        import ml_dtypes
+
+        dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[kind[5:]]
+        mh = attncore.MultiHeadAttention.from_torch(tm, dtype=dt)
+        x = rng.standard_normal((B, L, E), dtype=np.float32)
+        xh = x.astype(dt)
+        fns["attncore"] = lambda: mh(xh)
+        fns["torch"] = lambda: mha(x)  # the float32 layer, in the torch column
+        err = float(np.abs(fns["attncore"]()[0].astype(np.float32) - fns["torch"]()[0]).max())
+        return fns, err
     if kind in ("self", "cross"):
         x = rng.standard_normal((B, L, E), dtype=np.float32)
         mem = rng.standard_normal((B, S, E), dtype=np.float32)

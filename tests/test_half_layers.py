@@ -27,7 +27,10 @@ def path(request):
 
 
 @pytest.mark.parametrize("dt", HALF)
-@pytest.mark.parametrize("R,C,K", [(1, 100, 37), (5, 130, 64), (70, 200, 96), (300, 257, 512)])
+@pytest.mark.parametrize("R,C,K", [(1, 100, 37), (5, 130, 64), (70, 200, 96), (300, 257, 512),
+                                   # columns converted 64 at a time (wide K) and a
+                                   # thread's whole block at once (narrow K)
+                                   (40, 300, 2100), (600, 1000, 64)])
 def test_linear_with_half_weights(path, dt, R, C, K):
     rng = np.random.default_rng(R + C + K)
     x = rng.standard_normal((R, K)).astype(np.float32)
