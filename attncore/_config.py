@@ -56,7 +56,9 @@ def config_dict() -> dict:
 
     info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
     info["bf16_dot_fast"] = _sdpa.cpu_features()["bf16_dot_fast"]
-    info["bf16_products"] = ("float32", "bfloat16", "bfloat16-emulated")[_sdpa.bf16_mode()]
+    # bfloat16 products run on the avx512 path only
+    info["bf16_products"] = ("float32", "bfloat16", "bfloat16-emulated")[
+        _sdpa.bf16_mode() if info["kernel_path"] == "avx512" else 0]
     info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
     info["avx_vnni"] = _sdpa.cpu_features()["avx_vnni"]
     mode, path = _sdpa.int8_mode(), info["kernel_path"]
@@ -88,10 +90,23 @@ _BF16_LINES = {
                 "precision='bfloat16'",
     "bfloat16-emulated": "bfloat16 dot products spelled in AVX-512F (forced)",
     "float32": "float32 products (no AVX512_BF16 on this CPU)",
-    "float32-slow": "float32 products: this CPU's vdpbf16ps runs at half the rate of its "
-                    "float32 FMAs (Intel), so bfloat16 dot products would be slower than "
-                    "float32 (0.6-0.65x measured)",
+    "float32-path": "float32 products (bfloat16 products run on the avx512 path only)",
+    "float32-forced": "float32 products (bfloat16 products turned off)",
+    "float32-slow": "float32 products: bfloat16 dot products (AVX512_BF16) are taken on AMD "
+                    "only; Intel's vdpbf16ps runs at half the rate of its float32 FMAs "
+                    "(0.6-0.65x of float32 measured)",
 }
+
+
+def _bf16_line(info: dict) -> str:
+    """The key of _BF16_LINES that says what bfloat16 inputs multiply with."""
+    if info["bf16_products"] != "float32":
+        return info["bf16_products"]
+    if not info["bf16_dot"]:
+        return "float32"
+    if info["kernel_path"] != "avx512":
+        return "float32-path"
+    return "float32-forced" if info["bf16_dot_fast"] else "float32-slow"
 
 
 def show_config() -> None:
@@ -107,8 +122,7 @@ def show_config() -> None:
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
-          + _BF16_LINES[info["bf16_products"] if info["bf16_products"] != "float32"
-                        else "float32-slow" if info["bf16_dot"] else "float32"])
+          + _BF16_LINES[_bf16_line(info)])
     print(f"{'precision=int8':>16}: "
           + _INT8_LINES[info["int8_products"]])
     blas = info["blas"]

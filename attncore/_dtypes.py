@@ -26,11 +26,11 @@ Promotion (the result dtype of mixed inputs)
 
 Products (``precision=``)
     ``None``: the inputs' own: float64 products for float64, bfloat16
-    products (float32 accumulation) for all-bfloat16 inputs on a CPU with
-    AVX512_BF16, float32 products otherwise.  ``"float32"``: float32
-    products.  ``"bfloat16"``: bfloat16 products where the CPU has
-    AVX512_BF16, float32 products elsewhere (the accuracy is then that of
-    float32).  ``"int8"``: Q.K^T of int8 rows (smoothed keys, per-token
+    products (float32 accumulation) for all-bfloat16 inputs on a CPU that
+    takes bfloat16 dot products (AVX512_BF16 on AMD: ``_sdpa.bf16_mode()``),
+    float32 products otherwise.  ``"float32"``: float32 products.
+    ``"bfloat16"``: bfloat16 products on such a CPU, float32 products
+    elsewhere (the accuracy is then that of float32).  ``"int8"``: Q.K^T of int8 rows (smoothed keys, per-token
     scales; attncore._int8), P.V as without it.  float64 inputs take no
     reduced precision.
 """
@@ -125,8 +125,9 @@ def resolve(dtypes: Sequence[np.dtype], names: Sequence[str] = (),
             precision: Any = None, *, bf16_products: bool = False) -> Policy:
     """The :class:`Policy` of a call whose float operands have ``dtypes``.
 
-    ``names`` name the operands in errors.  ``bf16_products``: whether this
-    CPU has bfloat16 dot products (AVX512_BF16).
+    ``names`` name the operands in errors.  ``bf16_products``: whether
+    bfloat16 dot products are on (``_sdpa.bf16_mode()``: AMD's AVX512_BF16
+    by default).
     """
     prec = parse_precision(precision)
     d0 = dtypes[0]

@@ -1175,7 +1175,8 @@ class MultiHeadAttention:
 
     def _attn_precision(self):
         """The attention's precision: the layer's, and for a bfloat16 layer
-        without one, bfloat16 products (float32 where the CPU lacks them),
+        without one, bfloat16 products (float32 where the CPU does not take
+        them: show_config),
         as a bfloat16 model computes."""
         if self._precision is None and is_bf16(np.dtype(self.dtype)):
             return "bfloat16"
@@ -1241,7 +1242,7 @@ class MultiHeadAttention:
 
     def _project(self, x2d, w, b, nt, *, heads: bool = True):
         # on attncore's threads with single-threaded BLAS blocks (see _linear);
-        # bfloat16 weights: bfloat16 products where the CPU has them, unless
+        # bfloat16 weights: bfloat16 products where the CPU takes them, unless
         # precision="float32".  heads: the result is viewed as heads (rows
         # padded where their stride would alias in L1, _linear.head_rows)
         out = head_rows(x2d.shape[0], w.shape[0], x2d.dtype) if heads else None

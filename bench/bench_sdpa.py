@@ -101,7 +101,7 @@ def _half_inputs(case, dtype):
 
 class SDPAHalf:
     """time_ / peakmem_ of bfloat16 / float16 calls (bfloat16 dot products
-    where the CPU has AVX512_BF16), and their speedup over the float32 call
+    where the CPU takes them: AMD's AVX512_BF16), and their speedup over the float32 call
     of the same values in the same run."""
 
     params = (list(HALF_CASES), ["bfloat16", "float16"], THREADS)

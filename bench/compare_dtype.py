@@ -14,8 +14,9 @@ medians of interleaved repeats, the same thread count on every side):
 
 then the ratios ``f32/ac`` (> 1: the 16-bit call is faster than attncore's
 float32 call) and ``torch/ac``, and the issue's bar for that row.  The
-header names the CPU model and whether it has bfloat16 dot products
-(AVX512_BF16).  ``--path avx2`` forces a kernel path for every attncore
+header names the CPU model and whether bfloat16 dot products run
+(AVX512_BF16, taken by default on AMD only: ``--bf16-mode native`` forces
+them where the CPU has them, ``off`` turns them off).  ``--path avx2`` forces a kernel path for every attncore
 call of the table (the fallbacks; the float32 reference too).  The peak
 memory row measures a bf16 decode over a 1x8x262144x64 cache in a fresh
 process.  A benchmark, never a test.
@@ -69,11 +70,11 @@ def _flags():
 
 
 def header():
-    feats = attncore._core._sdpa.cpu_features()
-    mode = attncore._core._sdpa.bf16_mode()
-    bf = ("no" if not feats.get("bf16_dot") else
-          "off (the CPU has them, slower than its float32 FMAs)" if mode == 0 else
-          "yes" if mode == 1 else "emulated")
+    from attncore import _config
+
+    info = _config.config_dict()
+    bf = {"bfloat16": "yes", "bfloat16-emulated": "emulated"}.get(
+        info["bf16_products"], "no, " + _config._BF16_LINES[_config._bf16_line(info)])
     return (f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, flags {' '.join(_flags())}, "
             f"python {platform.python_version()}\n"
             f"attncore {attncore.__version__} (kernel path {attncore._kernels.kernel_path()}, "
@@ -172,7 +173,13 @@ def main(argv=None):
     ap.add_argument("--path", default=None, choices=["portable", "avx2", "avx512"],
                     help="force this kernel path for every attncore call")
     ap.add_argument("--no-peak", action="store_true")
+    ap.add_argument("--bf16-mode", default=None, choices=["native", "emulate", "off"],
+                    help="force bfloat16 dot products on ('native': the CPU's vdpbf16ps, "
+                         "'emulate': spelled in AVX-512F) or off (the default: on where they "
+                         "outpace float32, AMD's AVX512_BF16)")
     args = ap.parse_args(argv)
+    if args.bf16_mode:
+        attncore._core._sdpa.set_bf16_mode(args.bf16_mode)
     print(header())
     rows = []
     for d in args.dtype:

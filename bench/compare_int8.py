@@ -11,8 +11,8 @@ medians of interleaved repeats, the same thread count on every side):
 * ``int8``: ``precision="int8"`` (quantizing Q and K included),
 * ``f32``: the same call with float32 products (``precision=None`` for
   float32 inputs; for ``--dtype bfloat16``, ``precision="float32"``),
-* ``bf16``: ``precision="bfloat16"`` (bfloat16 products where the CPU has
-  AVX512_BF16; float32 products elsewhere),
+* ``bf16``: ``precision="bfloat16"`` (bfloat16 products where the CPU
+  takes them, AMD's AVX512_BF16; float32 products elsewhere),
 * ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on the
   same tensors,
 

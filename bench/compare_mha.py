@@ -18,9 +18,10 @@ Cases:
   rewound to 2048 tokens before every sample.
 * ``mha self bf16`` / ``mha self f16``: the ``mha self`` layer loaded with
   ``dtype="bfloat16"`` / ``"float16"`` (weights and activations in that
-  dtype) against attncore's own float32 layer (the ``torch`` column holds
-  the float32 layer's time, ``f32/ac`` the ratio; the bar: never slower than
-  the float32 layer on a CPU without fast bfloat16 products).
+  dtype) against attncore's own float32 layer: in these rows the ``torch``
+  column holds the float32 layer's time and ``torch/ac`` is float32 layer /
+  16-bit layer (the bar: never slower than the float32 layer on a CPU
+  without fast bfloat16 products).
 
 Same timing method as ``bench/compare.py``: both sides interleaved in one
 process, the same thread count for both (``threadpoolctl`` for OpenMP and

@@ -346,19 +346,21 @@ def _cpuinfo_vendor_and_flags():
 
 def test_bf16_products_default_follows_the_cpu():
     """bfloat16 dot products are the default only where the CPU has
-    AVX512_BF16 and is not an Intel core (whose vdpbf16ps issues at half
-    the rate of its float32 FMAs), read from /proc/cpuinfo; show_config
-    says which products bfloat16 inputs get, and a forced mode is undone by
-    set_bf16_mode(None)."""
+    AVX512_BF16 and is an AMD core (Intel's vdpbf16ps issues at half the
+    rate of its float32 FMAs), read from /proc/cpuinfo; show_config says
+    which products bfloat16 inputs get (on the avx512 path only), and a
+    forced mode is undone by set_bf16_mode(None)."""
     from attncore import _config
 
     info = _cpuinfo_vendor_and_flags()
     if info is None:
         pytest.skip("no /proc/cpuinfo")
     vendor, flags = info
+    if _sdpa.cpu_features()["best_path"] == "portable" and "avx2" in flags:
+        pytest.skip("built without the x86 kernels (AC_NO_X86_KERNELS)")
     has = "avx512_bf16" in flags
     assert _sdpa.cpu_features()["bf16_dot"] == has
-    fast = has and vendor != "GenuineIntel"
+    fast = has and vendor == "AuthenticAMD"
     assert _sdpa.cpu_features()["bf16_dot_fast"] == fast
     prev = _sdpa.set_bf16_mode(None)
     try:
@@ -372,9 +374,18 @@ def test_bf16_products_default_follows_the_cpu():
         with contextlib.redirect_stdout(buf):
             attncore.show_config()
         assert line in buf.getvalue()
-        if has:  # forcing the instruction on such a CPU, and back
+        if has:  # forcing the instruction on such a CPU, off, and back
             _sdpa.set_bf16_mode("native")
             assert _config.config_dict()["bf16_products"] == "bfloat16"
+            prev_path = _sdpa.set_kernel_path("avx2")  # bf16 products: avx512 only
+            try:
+                assert _config.config_dict()["bf16_products"] == "float32"
+                assert _config._bf16_line(_config.config_dict()) == "float32-path"
+            finally:
+                _sdpa.set_kernel_path(prev_path)
+            _sdpa.set_bf16_mode("off")
+            assert _config._bf16_line(_config.config_dict()) == (
+                "float32-forced" if fast else "float32-slow")
             _sdpa.set_bf16_mode(None)
             assert _sdpa.bf16_mode() == (1 if fast else 0)
     finally:

@@ -39,8 +39,8 @@ def test_linear_with_half_weights(path, dt, R, C, K):
     w0 = w.copy()
     r = x.astype(np.float64) @ w.astype(np.float64).T + b
     for nt in (1, 2):
-        # float32 products (a CPU with AVX512_BF16 takes bf16 products by
-        # default: test_linear_bf16_products)
+        # float32 products (a CPU that takes bf16 products by default, AMD's
+        # AVX512_BF16: test_linear_bf16_products)
         out = linear(x, w, b, num_threads=nt, precision="float32")
         assert out.dtype == np.float32
         np.testing.assert_allclose(out, r, rtol=0, atol=2e-5 * np.abs(r).max())
@@ -59,7 +59,7 @@ def _layers(dt, E=64, H=4, Hkv=2, seed=0):
     ws = {k: v.astype(np.float32).astype(dt) if k.endswith("weight") else v.astype(np.float32)
           for k, v in ws.items()}
     half = attncore.MultiHeadAttention.from_arrays(**ws, num_heads=H, num_kv_heads=Hkv)
-    # float32 products (bf16 ones, the default on AVX512_BF16, are held to
+    # float32 products (bf16 ones, the default on AMD's AVX512_BF16, are held to
     # torch's bf16 error in test_bf16_from_torch_matches_torch_bf16)
     half.precision = "float32"
     ref = attncore.MultiHeadAttention.from_arrays(

@@ -37,7 +37,7 @@ I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
 @pytest.fixture(params=I8_MODES)
 def i8mode(request):
     """An int8 Q.K^T mode, P.V in float32 (the method model's; bfloat16 P.V,
-    the default where the CPU has AVX512_BF16, is tested on its own)."""
+    the default where the CPU takes bf16 products, is tested on its own)."""
     if request.param in AVX2_MODES and FORCED_PATH not in (None, "avx2"):
         pytest.skip(f"an avx2-path int8 mode; ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
     prev = _sdpa.set_int8_mode(request.param)

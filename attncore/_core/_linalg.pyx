@@ -231,7 +231,10 @@ cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_
     step = (C + 2 * nthreads - 1) // (2 * nthreads) if nthreads > 1 else C
     step = max(_HCHUNK, (step + _HCHUNK - 1) // _HCHUNK * _HCHUNK)
     nblk = (C + step - 1) // step
+    # (a few rows -- decoding -- pack no panel: 64 columns at a time)
     hc = min(step, max(<int>_HCHUNK, _HCHUNK_FLOATS // max(K, 1) // 16 * 16))
+    if R <= AC_LINEAR_SMALL:
+        hc = min(step, <int>_HCHUNK)
     nbuf = max(<Py_ssize_t>hc * K + AC_LINEAR_SCRATCH(K), AC_BF16_LINEAR_SCRATCH(K)) + 16
     if nthreads <= 1 or nblk <= 1:
         buf = <float *>malloc(nbuf * sizeof(float))

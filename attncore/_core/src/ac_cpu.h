@@ -100,7 +100,7 @@ static AC_UNUSED int ac_cpu_bf16_dot(void)
 
 /* whether vdpbf16ps outpaces the CPU's float32 FMAs, so that bfloat16
    dot products are the faster way to multiply bfloat16 rows: true on AMD
-   (Zen 4 / Zen 5: bf16 prefill 1.5-1.7x float32), false on Intel, whose
+   (Zen 4 / Zen 5: bf16 prefill 1.5-1.7x float32), false elsewhere: Intel's
    cores with AVX512_BF16 (Cooper Lake, Sapphire / Emerald / Granite Rapids)
    issue one zmm vdpbf16ps per two zmm FMAs -- 0.73x their float32 products
    a cycle, measured on a Xeon with AMX (family 6 model 167), where the
@@ -108,7 +108,7 @@ static AC_UNUSED int ac_cpu_bf16_dot(void)
 static AC_UNUSED int ac_cpu_bf16_dot_fast(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
 }
 
 /* whether the CPU has vpdpbusd on 512-bit vectors (AVX512_VNNI) */
