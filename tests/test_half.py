@@ -365,9 +365,12 @@ def test_bf16_products_default_follows_the_cpu():
     prev = _sdpa.set_bf16_mode(None)
     try:
         assert _sdpa.bf16_mode() == (1 if fast else 0)
+        on512 = _sdpa.kernel_path() == "avx512"  # (a forced avx2 / portable session)
         line = _config._BF16_LINES[
-            "bfloat16" if fast else ("float32-slow" if has else "float32")]
-        assert _config.config_dict()["bf16_products"] == ("bfloat16" if fast else "float32")
+            "float32" if not has else "float32-path" if not on512
+            else "bfloat16" if fast else "float32-slow"]
+        assert _config.config_dict()["bf16_products"] == (
+            "bfloat16" if fast and on512 else "float32")
         import io
         import contextlib
         buf = io.StringIO()
@@ -376,7 +379,7 @@ def test_bf16_products_default_follows_the_cpu():
         assert line in buf.getvalue()
         if has:  # forcing the instruction on such a CPU, off, and back
             _sdpa.set_bf16_mode("native")
-            assert _config.config_dict()["bf16_products"] == "bfloat16"
+            assert _config.config_dict()["bf16_products"] == ("bfloat16" if on512 else "float32")
             prev_path = _sdpa.set_kernel_path("avx2")  # bf16 products: avx512 only
             try:
                 assert _config.config_dict()["bf16_products"] == "float32"
@@ -385,7 +388,7 @@ def test_bf16_products_default_follows_the_cpu():
                 _sdpa.set_kernel_path(prev_path)
             _sdpa.set_bf16_mode("off")
             assert _config._bf16_line(_config.config_dict()) == (
-                "float32-forced" if fast else "float32-slow")
+                "float32-path" if not on512 else "float32-forced" if fast else "float32-slow")
             _sdpa.set_bf16_mode(None)
             assert _sdpa.bf16_mode() == (1 if fast else 0)
     finally:
