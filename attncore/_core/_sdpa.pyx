@@ -145,8 +145,8 @@ def cpu_features():
 
 
 # bfloat16 dot products: 1 vdpbf16ps where the CPU has AVX512_BF16 and the
-# instruction outpaces its float32 FMAs (ac_cpu_bf16_dot_fast: AMD, not
-# Intel), else 0 (bfloat16 rows converted and multiplied in float32);
+# instruction outpaces its float32 FMAs (ac_cpu_bf16_dot_fast: AMD's; not
+# Intel's), else 0 (bfloat16 rows converted and multiplied in float32);
 # set_bf16_mode("native") forces the instruction on any CPU that has it,
 # set_bf16_mode("emulate") runs the same kernels with the instruction
 # spelled in AVX-512F (tests of the path on any AVX-512 CPU)

@@ -102,9 +102,9 @@ static AC_UNUSED int ac_cpu_bf16_dot(void)
    dot products are the faster way to multiply bfloat16 rows: true on AMD
    (Zen 4 / Zen 5: bf16 prefill 1.5-1.7x float32), false elsewhere: Intel's
    cores with AVX512_BF16 (Cooper Lake, Sapphire / Emerald / Granite Rapids)
-   issue one zmm vdpbf16ps per two zmm FMAs -- 0.73x their float32 products
+   issue one zmm vdpbf16ps per 2.7 zmm FMAs -- 0.73x their float32 products
    a cycle, measured on a Xeon with AMX (family 6 model 167), where the
-   bf16 prefill kernels ran at 0.6-0.65x of float32 */
+   bf16 prefill kernels ran at 0.60-0.68x of float32 */
 static AC_UNUSED int ac_cpu_bf16_dot_fast(void)
 {
     __builtin_cpu_init();
