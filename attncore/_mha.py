@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._convert import keras_arrays, to_numpy, torch_arrays
-from ._dtypes import bfloat16_dtype, half_code, is_bf16, parse_precision
+from ._dtypes import bfloat16_dtype, cast, half_code, is_bf16, parse_precision
 from ._interop import foreign_arrays
 from ._linear import head_rows, linear
 from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
@@ -904,7 +904,7 @@ class MultiHeadAttention:
                        self.v_head_dim, self.dtype, quantized=quantized)
 
     # ------------------------------------------------------------ call
-    def _input(self, x, name, width, ndim):
+    def _input(self, x, name, width, ndim, nthreads=1):
         a = as_float_array(x, name, "key_mask or attn_mask", allow_bf16=True)
         if a.ndim != ndim:
             if name == "query":
@@ -917,7 +917,7 @@ class MultiHeadAttention:
             raise ValueError(f"{name} last dimension must be {attr}={width}, got shape {a.shape}")
         if ndim == 2:
             a = a[None]
-        return a if a.dtype == self._cdt else a.astype(self._cdt)
+        return a if a.dtype == self._cdt else cast(a, self._cdt, nthreads)
 
     def _check_attn_mask(self, attn_mask, B, L, S, batched):
         am, _ = parse_mask(attn_mask, "attn_mask")
@@ -1015,13 +1015,14 @@ class MultiHeadAttention:
         need_weights = parse_bool(need_weights, "need_weights")
         average_attn_weights = parse_bool(average_attn_weights, "average_attn_weights")
         nt = self.num_threads if num_threads is None else num_threads
-        resolve_num_threads(nt)
+        nthr = resolve_num_threads(nt)
         if key is None and value is not None:
             raise ValueError("value given without key; pass key as well (value defaults to key)")
         q_arr = to_array(query, "query", "key_mask or attn_mask")
         batched = q_arr.ndim == 3
         ndim = 3 if batched else 2
-        q = self._input(q_arr, "query", self.embed_dim, ndim if q_arr.ndim in (2, 3) else 3)
+        q = self._input(q_arr, "query", self.embed_dim, ndim if q_arr.ndim in (2, 3) else 3,
+                        nthr)
         B, L, _ = q.shape
         causal = parse_causal(is_causal)
         x_q = q.reshape(B * L, self.embed_dim)
@@ -1206,7 +1207,7 @@ class MultiHeadAttention:
         if not batched:
             out = out[0]
         if self._cdt != self.dtype:  # a 16-bit layer returns its dtype
-            out = out.astype(self.dtype)
+            out = cast(out, self.dtype, resolve_num_threads(nt))
             w = None if w is None else w.astype(self.dtype)
         return out, w
 

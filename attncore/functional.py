@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 
 from . import _call
 from ._core import _sdpa
-from ._dtypes import HALF_BF16, half_code
+from ._dtypes import HALF_BF16, cast, half_code
 from ._interop import foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
@@ -370,7 +370,7 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
     if not finite:
         return None  # an overflow or non-finite inputs: the general path decides
     out = out.reshape(oshape)
-    return out if rdt == c.compute else out.astype(rdt)
+    return out if rdt == c.compute else cast(out, rdt, c.plan.nthreads)
 
 
 def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads):
@@ -415,11 +415,11 @@ def _finish(c: _call.Call, bshape: tuple, rdt, out, weights, lse):
     """The kernel's results in the call's shapes and result dtype."""
     out = out.reshape(bshape + (c.N, c.Dv))
     if rdt != c.compute:
-        out = out.astype(rdt)
+        out = cast(out, rdt, c.plan.nthreads)
     if weights is not None:
         weights = weights.reshape(bshape + (c.N, c.M))
         if rdt != c.compute:
-            weights = weights.astype(rdt)
+            weights = cast(weights, rdt, c.plan.nthreads)
     if lse is not None:
         lse = lse.reshape(bshape + (c.N,))
     return out, weights, lse
@@ -618,7 +618,7 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     if not finite:
         return None  # an overflow or non-finite inputs: the general call decides
     out = out.reshape(oshape)
-    return out.astype(dt) if fmt else out
+    return cast(out, dt, c.plan.nthreads) if fmt else out
 
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ offsets (one per flattened batch element).  Offsets carry broadcasting
 (stride 0), grouped-query head mapping and arbitrary batch strides, so no
 operand is ever expanded or copied here.
 """
-from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_RECORDS, PyBUF_C_CONTIGUOUS,
+from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_RECORDS, PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE,
                              PyBuffer_IsContiguous, PyObject_GetBuffer, PyBuffer_Release)
 from cpython.pycapsule cimport PyCapsule_New
 from cython.parallel cimport prange, parallel, threadid
@@ -33,6 +33,9 @@ ctypedef fused floating:
     double
 
 cdef extern from "ac_sdpa.h" nogil:
+    void ac_f32_half(int fmt, const float *x, uint16_t *y, Py_ssize_t n)
+    void ac_half_rows_f32(int fmt, const uint16_t *x, Py_ssize_t rs, int n, int D, float *out,
+                          Py_ssize_t ldo)
     ctypedef struct ac_params:
         int N, M, D, Dv
         Py_ssize_t s_len
@@ -1950,6 +1953,53 @@ def all_finite(a):
         return ok
     finally:
         PyBuffer_Release(&view)
+
+
+# elements converted per work item of cast_half
+DEF _CAST_CHUNK = 65536
+
+
+def cast_half(src, dst, int fmt, int nthreads):
+    """``dst`` = ``src`` converted between float32 and a 16-bit format
+    (``fmt`` 1 bfloat16, 2 float16, held as uint16 bits): float32 ``src``
+    rounded into uint16 ``dst`` (to nearest, ties to even), or uint16
+    ``src`` widened into float32 ``dst`` (exact).  Both C-contiguous with
+    the same number of elements; on ``nthreads`` threads, the GIL released."""
+    cdef Py_buffer bs, bd
+    cdef Py_ssize_t n, nchunks, c, lo, cnt
+    cdef int widen
+    if fmt not in (1, 2):
+        raise ValueError(f"cast_half: fmt must be 1 (bfloat16) or 2 (float16), got {fmt}")
+    PyObject_GetBuffer(src, &bs, PyBUF_C_CONTIGUOUS)
+    try:
+        PyObject_GetBuffer(dst, &bd, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        try:
+            if bs.itemsize == 4 and bd.itemsize == 2:
+                widen = 0
+            elif bs.itemsize == 2 and bd.itemsize == 4:
+                widen = 1
+            else:
+                raise TypeError("cast_half: float32 -> uint16 or uint16 -> float32")
+            n = bs.len // bs.itemsize
+            if bd.len // bd.itemsize != n:
+                raise ValueError("cast_half: src and dst sizes differ")
+            nchunks = (n + _CAST_CHUNK - 1) // _CAST_CHUNK
+            if nthreads > nchunks:
+                nthreads = <int>nchunks
+            with nogil:
+                for c in prange(nchunks, num_threads=max(nthreads, 1), schedule='static'):
+                    lo = c * _CAST_CHUNK
+                    cnt = min(<Py_ssize_t>_CAST_CHUNK, n - lo)
+                    if widen:
+                        ac_half_rows_f32(fmt, (<const uint16_t *>bs.buf) + lo, cnt, 1, <int>cnt,
+                                         (<float *>bd.buf) + lo, cnt)
+                    else:
+                        ac_f32_half(fmt, (<const float *>bs.buf) + lo, (<uint16_t *>bd.buf) + lo,
+                                    cnt)
+        finally:
+            PyBuffer_Release(&bd)
+    finally:
+        PyBuffer_Release(&bs)
 
 
 def exp_array(x):

@@ -112,4 +112,85 @@ static void ac_half_rows_f32(int fmt, const uint16_t *x, ptrdiff_t rs, int n, in
     ac_half_rows_f32_portable(fmt, x, rs, n, D, out, ldo);
 }
 
+/* float32 -> bfloat16 / float16, rounded to nearest (ties to even); NaN
+ * stays a quiet NaN of the same sign, float16 overflow gives infinity and
+ * its subnormals are kept (the roundings of NumPy's and ml_dtypes' casts;
+ * NaN payloads may differ) */
+static inline uint16_t ac_f32_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t ac_f32_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) /* NaN: quiet, the payload's top bits kept */
+        return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+    if (a >= 0x477FF000u) /* 65520 and beyond (and inf): infinity */
+        return (uint16_t)(sign | 0x7C00u);
+    if (a >= 0x38800000u) { /* a normal float16: rebias, round the 13 bits off */
+        const uint32_t r = a - 0x38000000u;
+        return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+    }
+    /* a float16 subnormal (or 0, or the smallest normal by rounding): 0.5 +
+       |f| rounds |f| to a multiple of 2^-24, ties to even, in the FPU */
+    float t;
+    memcpy(&t, &a, sizeof t);
+    t += 0.5f;
+    uint32_t v;
+    memcpy(&v, &t, sizeof v);
+    return (uint16_t)(sign | (v - 0x3F000000u));
+}
+
+#if AC_HAVE_X86
+/* the same for 8 floats at a time (F16C; integers for bfloat16) */
+static AC_TGT_AVX2 void ac_f32_half_avx2(int fmt, const float *x, uint16_t *y, ptrdiff_t n)
+{
+    ptrdiff_t i = 0;
+    if (fmt == AC_H_F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(void *)(y + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + i),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (; i < n; i++) y[i] = ac_f32_f16(x[i]);
+        return;
+    }
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+    const __m256i absm = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+        const __m256i hi = _mm256_srli_epi32(u, 16);
+        const __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(hi, one)), 16);
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absm), inf);
+        const __m256i h = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet), nan);
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
+        _mm_storeu_si128((__m128i *)(void *)(y + i), _mm256_castsi256_si128(p));
+    }
+    for (; i < n; i++) y[i] = ac_f32_bf16(x[i]);
+}
+#endif
+
+/* y[i] = x[i] rounded to bfloat16 / float16 (fmt) for i < n, on the kernel
+ * path in use (the AVX2 loop on both x86 paths) */
+static void ac_f32_half(int fmt, const float *x, uint16_t *y, ptrdiff_t n)
+{
+#if AC_HAVE_X86
+    if (ac_kernel_path != AC_PATH_PORTABLE) {
+        ac_f32_half_avx2(fmt, x, y, n);
+        return;
+    }
+#endif
+    if (fmt == AC_H_BF16)
+        for (ptrdiff_t i = 0; i < n; i++) y[i] = ac_f32_bf16(x[i]);
+    else
+        for (ptrdiff_t i = 0; i < n; i++) y[i] = ac_f32_f16(x[i]);
+}
+
 #endif /* AC_HALF_H */
