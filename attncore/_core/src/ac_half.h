@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "ac_cpu.h"
+#include "ac_math.h"  /* ac_float_to_half */
 #include "ac_small.h"  /* ac_half_rows_f32_avx512 / _avx2 */
 
 /* storage formats of a query / key / value operand */
@@ -124,29 +125,6 @@ static inline uint16_t ac_f32_bf16(float f)
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline uint16_t ac_f32_f16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) /* NaN: quiet, the payload's top bits kept */
-        return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-    if (a >= 0x477FF000u) /* 65520 and beyond (and inf): infinity */
-        return (uint16_t)(sign | 0x7C00u);
-    if (a >= 0x38800000u) { /* a normal float16: rebias, round the 13 bits off */
-        const uint32_t r = a - 0x38000000u;
-        return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
-    }
-    /* a float16 subnormal (or 0, or the smallest normal by rounding): 0.5 +
-       |f| rounds |f| to a multiple of 2^-24, ties to even, in the FPU */
-    float t;
-    memcpy(&t, &a, sizeof t);
-    t += 0.5f;
-    uint32_t v;
-    memcpy(&v, &t, sizeof v);
-    return (uint16_t)(sign | (v - 0x3F000000u));
-}
-
 #if AC_HAVE_X86
 /* the same for 8 floats at a time (F16C; integers for bfloat16) */
 static AC_TGT_AVX2 void ac_f32_half_avx2(int fmt, const float *x, uint16_t *y, ptrdiff_t n)
@@ -157,7 +135,7 @@ static AC_TGT_AVX2 void ac_f32_half_avx2(int fmt, const float *x, uint16_t *y, p
             _mm_storeu_si128((__m128i *)(void *)(y + i),
                              _mm256_cvtps_ph(_mm256_loadu_ps(x + i),
                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        for (; i < n; i++) y[i] = ac_f32_f16(x[i]);
+        for (; i < n; i++) y[i] = ac_float_to_half(x[i]);
         return;
     }
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
@@ -190,7 +168,7 @@ static void ac_f32_half(int fmt, const float *x, uint16_t *y, ptrdiff_t n)
     if (fmt == AC_H_BF16)
         for (ptrdiff_t i = 0; i < n; i++) y[i] = ac_f32_bf16(x[i]);
     else
-        for (ptrdiff_t i = 0; i < n; i++) y[i] = ac_f32_f16(x[i]);
+        for (ptrdiff_t i = 0; i < n; i++) y[i] = ac_float_to_half(x[i]);
 }
 
 #endif /* AC_HALF_H */

@@ -99,4 +99,30 @@ AC_INLINE double ac_exp(double x)
     return res;
 }
 
+/* IEEE binary32 -> binary16, rounded to nearest (ties to even): NaN stays
+ * a quiet NaN (payload's top bits kept), 65520 and beyond give infinity,
+ * subnormals kept (rotary's float16 rows, ac_half.h's portable cast) */
+AC_INLINE uint16_t ac_float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u)                             /* NaN: quiet, keep payload bits */
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    if (ax >= 0x477ff000u)                            /* >= 65520: rounds to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {                           /* below 2^-14: subnormal or zero */
+        float af;
+        memcpy(&af, &ax, sizeof af);
+        /* m = round-to-even(|f| 2^24) <= 1024 (1024 is the smallest normal) */
+        float t = af * 0x1p24f + 0x1p23f;     /* no -ffast-math: not reassociated */
+        float mf = t - 0x1p23f;
+        return (uint16_t)(sign | (uint16_t)mf);
+    }
+    uint32_t b = ax - (112u << 23);
+    b = (b + 0xfffu + ((b >> 13) & 1u)) >> 13;
+    return (uint16_t)(sign | b);
+}
+
 #endif /* AC_MATH_H */

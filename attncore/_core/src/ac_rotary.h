@@ -78,9 +78,10 @@ AC_INLINE void ac_rope_sincos(double a, double *sp, double *cp)
 }
 
 /* ------------------------------------------------------------ float16 */
-/* Portable IEEE binary16 <-> float conversions (round to nearest even);
- * used where the compiler has no _Float16, and checked by the tests
- * against NumPy over every half value. */
+/* Portable IEEE binary16 <-> float conversions (round to nearest even;
+ * float -> half: ac_float_to_half, ac_math.h); used where the compiler has
+ * no _Float16, and checked by the tests against NumPy over every half
+ * value. */
 AC_INLINE float ac_half_to_float(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -98,29 +99,6 @@ AC_INLINE float ac_half_to_float(uint16_t h)
     }
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-AC_INLINE uint16_t ac_float_to_half(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u)                             /* NaN: quiet, keep payload bits */
-        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
-    if (ax >= 0x477ff000u)                            /* >= 65520: rounds to inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (ax < 0x38800000u) {                           /* below 2^-14: subnormal or zero */
-        float af;
-        memcpy(&af, &ax, sizeof af);
-        /* m = round-to-even(|f| 2^24) <= 1024 (1024 is the smallest normal) */
-        float t = af * 0x1p24f + 0x1p23f;     /* no -ffast-math: not reassociated */
-        float mf = t - 0x1p23f;
-        return (uint16_t)(sign | (uint16_t)mf);
-    }
-    uint32_t b = ax - (112u << 23);
-    b = (b + 0xfffu + ((b >> 13) & 1u)) >> 13;
-    return (uint16_t)(sign | b);
 }
 
 #if defined(__FLT16_MAX__) && !defined(AC_NO_FLOAT16)
