@@ -646,3 +646,55 @@ def test_avx2_mode_choice_and_config(capsys):
             _sdpa.set_int8_mode("avx3")
     finally:
         _sdpa.set_int8_mode(prev)
+
+
+def _col_stats_ref(x, centered):
+    """Per head and column, over the finite entries only, in float64: the
+    mean (centered) and the mean and largest |x - mean| (else of |x|)."""
+    nh, _, D = x.shape
+    mean, mabs, amax = (np.zeros((nh, D)) for _ in range(3))
+    for h in range(nh):
+        for d in range(D):
+            col = x[h, :, d].astype(np.float64)
+            col = col[np.isfinite(col)]
+            if col.size == 0:
+                continue
+            mu = float(np.float32(col.mean())) if centered else 0.0
+            t = np.abs(col - mu)
+            mean[h, d], mabs[h, d], amax[h, d] = mu, t.mean(), t.max()
+    return mean, mabs, amax
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2])
+@pytest.mark.parametrize("D", [1, 7, 8, 16, 37, 128])
+@pytest.mark.parametrize("centered", [True, False])
+def test_int8_column_statistics(path, fmt, D, centered):
+    """The column statistics that steer precision="int8"'s smoothing
+    (_sdpa.int8_col_stats) against a float64 NumPy reference: float32 and
+    16-bit rows (strided: every other row of a larger array), a column
+    tail shorter than a vector, inf / NaN entries left out of their
+    column, a column without a finite entry, 1-3 threads."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(D * 10 + fmt)
+    nh, R = 3, 41
+    x = (rng.standard_normal((nh, 2 * R, D)) * 3 + rng.standard_normal(D) * 2).astype(np.float32)
+    x = x[:, ::2]
+    x[0, 5, 0] = np.inf
+    x[1, 7, D - 1] = np.nan
+    x[2, :, D // 2] = -np.inf          # no finite entry at all
+    if fmt:
+        dt = ml_dtypes.bfloat16 if fmt == 1 else np.float16
+        xr = x.astype(dt)
+        xin, x = xr.view(np.uint16), xr.astype(np.float32)
+    else:
+        xin = x
+    mean, mabs, amax = _col_stats_ref(x, centered)
+    for nt in (1, 2, 3):
+        got_mean = np.full((nh, D), -1.0, np.float32) if centered else None
+        got_mabs, got_amax = (np.full((nh, D), -1.0, np.float32) for _ in range(2))
+        _sdpa.int8_col_stats(xin, fmt, got_mean, got_mabs, got_amax, nt)
+        if centered:
+            np.testing.assert_allclose(got_mean, mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_mabs, mabs, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got_amax, amax, rtol=1e-5, atol=1e-6)
