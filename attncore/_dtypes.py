@@ -78,9 +78,11 @@ def cast(a: np.ndarray, dt: Any, nthreads: int = 1) -> np.ndarray:
     """``a.astype(dt)`` (a new array): between float32 and bfloat16 /
     float16, a C-contiguous ``a`` of at least ``_CAST_MIN`` elements is
     converted by the kernels on ``nthreads`` threads (F16C / integer
-    rounding to nearest, ties to even: NumPy's and ml_dtypes' results;
-    NumPy's and ml_dtypes' casts run single-threaded, float32 -> float16
-    at 0.5 G elements/s on an Intel Xeon); anything else by NumPy."""
+    rounding to nearest, ties to even: NumPy's and ml_dtypes' results bit
+    for bit, except that a NaN's payload bits may differ -- a NaN stays a
+    NaN of its sign; NumPy's and ml_dtypes' casts run single-threaded,
+    float32 -> float16 at 0.5 G elements/s on an Intel Xeon); anything
+    else by NumPy."""
     dt = np.dtype(dt)
     if a.size >= _CAST_MIN and a.flags.c_contiguous and a.dtype != dt:
         to, frm = half_code(dt), half_code(a.dtype)

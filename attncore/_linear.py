@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._core import _linalg, _sdpa
-from ._dtypes import HALF_BF16, half_code
+from ._dtypes import HALF_BF16, PRECISIONS, half_code
 from ._threads import blas_parallel_threads, threads_for
 from ._validation import ALIASING_STRIDE, aligned, blas_rows
 
@@ -59,14 +59,24 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
     "float32"), multiplied as bfloat16 pairs against the rows of x2d
     rounded to bfloat16 (float32 accumulation).
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     x2d = _rows(x2d)
     w = _rows(w)
     R, K = x2d.shape
     C = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"linear: w must be (C, K) with K = x2d.shape[1] = {K}, got w of "
+                         f"shape {w.shape}")
     if out is None:
         out = np.empty((R, C), dtype=x2d.dtype)
+    elif out.shape != (R, C):
+        raise ValueError(f"linear: out must have shape {(R, C)}, got {out.shape}")
     if b is not None:
         b = aligned(np.ascontiguousarray(b))
+        if b.shape != (C,):
+            raise ValueError(f"linear: b must have shape ({C},) (one entry per row of w), got "
+                             f"shape {b.shape}")
     fmt = half_code(w.dtype)
     if fmt and (x2d.dtype != np.float32 or K == 0):
         w, fmt = w.astype(x2d.dtype), 0

@@ -99,3 +99,13 @@ def test_cast_half_errors():
         _sdpa.cast_half(x, np.zeros(9, np.uint16), 1, 1)
     with pytest.raises(TypeError, match="float32"):
         _sdpa.cast_half(x, np.zeros(8, np.float32), 1, 1)
+    with pytest.raises(TypeError, match="src must be in native byte order"):
+        _sdpa.cast_half(np.arange(8, dtype=">f4"), np.zeros(8, np.uint16), 1, 1)
+    with pytest.raises(TypeError, match="dst must be in native byte order"):
+        _sdpa.cast_half(np.zeros(8, np.uint16), np.zeros(8, ">f4"), 2, 1)
+
+
+def test_cast_big_endian_input_goes_through_numpy():
+    """A big-endian float32 array of any size converts to the right values."""
+    x = np.linspace(-3, 3, 70000).astype(">f4")
+    np.testing.assert_array_equal(cast(x, np.float16, 2), x.astype(np.float16))

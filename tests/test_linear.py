@@ -32,3 +32,33 @@ def test_linear_strided_operands():
     x = rng.standard_normal((40, 96))[:, ::2]   # non-contiguous columns
     w = rng.standard_normal((64, 48)).T.copy().T  # Fortran order
     np.testing.assert_allclose(linear(x, w, num_threads=2), x @ w.T, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_rejects_mismatched_operands():
+    """Bad operands get a ValueError naming the operand, the expected and
+    the actual shape -- never a read past the end of a short bias."""
+    x = np.ones((2, 5), np.float32)
+    w = np.ones((4, 5), np.float32)
+    buf = np.full(1000, 7.0, np.float32)
+    with pytest.raises(ValueError, match=r"b must have shape \(4,\).*\(3,\)"):
+        linear(x, w, buf[:3])
+    with pytest.raises(ValueError, match=r"b must have shape \(4,\).*\(5,\)"):
+        linear(x, w, buf[:5])
+    with pytest.raises(ValueError, match=r"w must be \(C, K\) with K = x2d.shape\[1\] = 5.*"
+                                         r"\(4, 6\)"):
+        linear(x, np.ones((4, 6), np.float32))
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 4\), got \(2, 3\)"):
+        linear(x, w, out=np.empty((2, 3), np.float32))
+    with pytest.raises(ValueError, match="precision must be one of .* got 'fp8'"):
+        linear(x, w, precision="fp8")
+    np.testing.assert_array_equal(linear(x, w, buf[:4]), np.full((2, 4), 12.0, np.float32))
+
+
+def test_private_linear_checks_the_bias_length():
+    """The kernel entry itself never reads past a bias of the wrong length."""
+    from attncore._core import _linalg
+
+    x, w, o = np.ones((2, 5), np.float32), np.ones((4, 5), np.float32), np.empty((2, 4), np.float32)
+    for b, got in ((np.ones(3, np.float32), r"\(3,\)"), (np.ones((4, 1), np.float32), r"\(4, 1\)")):
+        with pytest.raises(ValueError, match=r"bias must have shape \(4,\), got " + got):
+            _linalg.linear(x, w, b, o, 1)

@@ -314,7 +314,12 @@ def linear(x, w, bias, out, int nthreads, int w_fmt=0, int bf16dot=0):
         K = <int>bx.shape[1]
         C = <int>bw.shape[0]
         if bw.shape[1] != K or bo.shape[0] != R or bo.shape[1] != C:
-            raise ValueError("linear: shapes do not match")
+            raise ValueError(f"linear: x (R, K), w (C, K) and out (R, C) do not match: x "
+                             f"{(bx.shape[0], bx.shape[1])}, w {(bw.shape[0], bw.shape[1])}, "
+                             f"out {(bo.shape[0], bo.shape[1])}")
+        if have_b and (bb.ndim != 1 or bb.shape[0] != C):
+            raise ValueError(f"linear: bias must have shape ({C},), got "
+                             f"{tuple([bb.shape[i] for i in range(bb.ndim)])}")
         if (bw.itemsize != (2 if w_fmt else bx.itemsize) or bx.itemsize != bo.itemsize
                 or (w_fmt and bx.itemsize != 4) or w_fmt not in (0, 1, 2)
                 or (have_b and bb.itemsize != bx.itemsize)):

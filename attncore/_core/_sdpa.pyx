@@ -1964,12 +1964,19 @@ def cast_half(src, dst, int fmt, int nthreads):
     (``fmt`` 1 bfloat16, 2 float16, held as uint16 bits): float32 ``src``
     rounded into uint16 ``dst`` (to nearest, ties to even), or uint16
     ``src`` widened into float32 ``dst`` (exact).  Both C-contiguous with
-    the same number of elements; on ``nthreads`` threads, the GIL released."""
+    the same number of elements, in native byte order (TypeError
+    otherwise); on ``nthreads`` threads, the GIL released.  A NaN stays a
+    NaN of its sign; its payload bits may differ from NumPy's cast (the
+    F16C instructions return quiet NaNs)."""
     cdef Py_buffer bs, bd
     cdef Py_ssize_t n, nchunks, c, lo, cnt
     cdef int widen
     if fmt not in (1, 2):
         raise ValueError(f"cast_half: fmt must be 1 (bfloat16) or 2 (float16), got {fmt}")
+    for a, name in ((src, "src"), (dst, "dst")):
+        dt = getattr(a, "dtype", None)
+        if dt is not None and not dt.isnative:
+            raise TypeError(f"cast_half: {name} must be in native byte order, got dtype {dt}")
     PyObject_GetBuffer(src, &bs, PyBUF_C_CONTIGUOUS)
     try:
         PyObject_GetBuffer(dst, &bd, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
