@@ -548,7 +548,7 @@ def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
         # sink): float rows whose products are the int8 ones, q . mu
         # included as one more channel (a copy of Q and K); and where q . mu
         # overflowed float32 (the lse's shift: that channel turns the rows
-        # NaN, and a call of finite operands is computed again in float64)
+        # NaN, and the call is computed again in float64)
         q, k = _int8.dequantized(i8, bshape, D)
         return q, k, None, (0, 0, vf), 0, None, None, D + 1
     return (i8.q8.reshape(bshape + i8.q8.shape[1:]), i8.k8, i8.k_pairs, (0, 0, vf), qk8,

@@ -21,7 +21,7 @@ from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
-from ._validation import (INT32_MAX, aligned, all_finite, as_float_array, check_offsets, head_values,
+from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
                           packed_group, parse_bool, parse_scale, parse_softcap, parse_window,
                           to_array)
 
@@ -371,12 +371,11 @@ def paged_attention(
                                                    sc, causal, win, cap, slopes, snk, nthreads,
                                                    return_lse))
     f64 = None
-    if not finite and cdt == np.float32 and all(
-            all_finite(a) for a in (qa, ka if ks is None else ks, va if vs is None else vs)):
+    if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum), or
-        # finite scores overflowed to -inf, if the operands -- the whole
-        # pool -- are finite: the call again in float64 (the pool
-        # converted; an int8 pool dequantized)
+        # finite scores overflowed, or inf / NaN inputs reached the output:
+        # the call again in float64 (the pool converted; an int8 pool
+        # dequantized; functional._float64_rerun)
         f64 = [dequantize(a, s_, np.float64) if s_ is not None
                else to_float(a, np.dtype(np.float64)) for a, s_ in ((qa, None), (ka, ks), (va, vs))]
     if f64 is not None:

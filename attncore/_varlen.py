@@ -20,7 +20,7 @@ from . import _call, _paged
 from ._dtypes import to_float
 from ._interop import foreign_arrays
 from ._threads import resolve_num_threads
-from ._validation import (INT32_MAX, all_finite, as_float_array, check_offsets, head_values,
+from ._validation import (INT32_MAX, as_float_array, check_offsets, head_values,
                           packed_group, parse_bool, parse_scale, parse_softcap, parse_window)
 
 __all__ = ["varlen_attention"]
@@ -226,12 +226,11 @@ def varlen_attention(
                                                   cap, slopes, nthreads))
     if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum), or
-        # finite scores overflowed to -inf, if the operands are finite: the
-        # call again in float64
-        if all(all_finite(a) for a in operands):
-            f64 = [to_float(a, np.dtype(np.float64)) for a in operands]
-            return varlen_attention(
-                *f64, cq, ck, is_causal=is_causal, scale=sc, window=window, softcap=softcap,
-                alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
-                num_threads=num_threads).astype(rdt)
+        # finite scores overflowed, or inf / NaN inputs reached the output:
+        # the call again in float64 (functional._float64_rerun)
+        f64 = [to_float(a, np.dtype(np.float64)) for a in operands]
+        return varlen_attention(
+            *f64, cq, ck, is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
+            num_threads=num_threads).astype(rdt)
     return out if rdt == cdt else out.astype(rdt)

@@ -23,7 +23,7 @@ from ._dtypes import HALF_BF16, cast, half_code
 from ._interop import foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
-from ._validation import all_finite, as_float_array, parse_bool, parse_softcap, parse_window
+from ._validation import as_float_array, parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
@@ -279,12 +279,13 @@ def scaled_dot_product_attention(
     * A row whose attended scores are *all* -inf because of -inf / inf in
       the query or keys (not the mask) also gives output 0 and weights 0,
       as PyTorch does; a +inf score (or NaN from inf - inf in ``q . k``)
-      gives NaN.  Finite operands whose scores all overflow to -inf (a
-      float32-computed call with ``|q . k|`` beyond the float32 range) are
-      computed again in float64 (as is a float32 output that overflows
-      although its operands are finite: values near the float32 maximum);
-      such a row is NaN where some operand holds inf / NaN (no second
-      computation then) and in a float64 call beyond the float64 range.
+      gives NaN.  A float32-computed call whose output is not all finite
+      is computed again in float64: scores that overflow (``|q . k|``
+      beyond the float32 range) or an output that does (values near the
+      float32 maximum) then come out right, also where operands hold inf /
+      NaN that the affected rows do not attend; inf / NaN that take part
+      give the same result in float64.  Such a row is NaN in a float64
+      call beyond the float64 range.
     * Scores, ``scale`` and float mask entries are used as they are over
       the whole float range, on every kernel path: a mask of
       ``numpy.finfo(numpy.float32).min`` on every key of a row (Hugging
@@ -457,11 +458,9 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if not finite and c.compute == _call.F32:
         # float32 accumulation overflowed (values near the float32 maximum:
         # the unnormalized P.V sums exceed it before the division by the row
-        # sum), or finite scores did: the call again in float64 where the
-        # operands are finite (_float64_rerun)
-        again = _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
-        if again is not None:
-            return again
+        # sum), or finite scores did, or inf / NaN inputs reached the output:
+        # the call again in float64 (_float64_rerun)
+        return _float64_rerun((query, key, value), rdt, attn_mask, *opts[:-1], **kw)
     return _finish(c, chk.bshape, rdt, out, weights, lse)
 
 
@@ -475,28 +474,16 @@ def _float64_operands(operands) -> list:
     return ops
 
 
-def _operands_finite(operands) -> bool:
-    """Whether query, key and value (int8 pairs: their scales) hold only
-    finite numbers, read as they are (no float64 copy)."""
-    for x, name in zip(operands, ("query", "key", "value")):
-        x, sc = split_quantized(x, name) if name != "query" else (x, None)
-        if not all_finite(np.asarray(sc) if sc is not None
-                          else as_float_array(x, name, allow_bf16=True)):
-            return False
-    return True
-
-
 def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
     """A float32-computed call whose output is not finite, computed again in
     float64 (one float64 copy of the operands) and returned in the first
     call's dtypes: output and weights in ``rdt``, the lse in float32.  The
     output overflowed (values near the float32 maximum), or finite scores
-    did (rows the kernels flag NaN).  None where an operand is not finite:
-    the output's inf / NaN are then the inputs' (a second computation of a
-    call with NaN inputs would cost a float64 copy of everything for the
-    same NaN), and rows whose scores overflowed stay NaN."""
-    if not _operands_finite(operands):
-        return None
+    did (rows the kernels flag NaN), or inf / NaN inputs reached it.  Also
+    where some operand is not finite: an inf / NaN the rows do not attend
+    (a masked-out key's value, another sequence's rows) must not keep an
+    overflowed row NaN; inf / NaN that take part come out the same in
+    float64."""
     ops = _float64_operands(operands)
     out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
     if lse is not None:

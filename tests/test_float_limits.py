@@ -354,28 +354,70 @@ def test_overflowed_tiles_beside_finite_scores(path):
 
 
 def test_overflowed_rows_beside_infinite_inputs(path):
-    """Where an operand holds inf or NaN the call is not computed again
-    (the non-finite output is the inputs'): a row whose finite scores
-    overflowed stays NaN -- never the 0 of an empty row -- in the same head
-    as the inf, in another head, or beside an inf value the row does not
-    attend; a row of inf-input keys alone keeps its documented 0."""
+    """A float32 call whose output is not finite is computed again in
+    float64 also where an operand holds inf or NaN: a row whose finite
+    scores overflowed gets the float64 answer -- never NaN, never the 0 of
+    an empty row -- in the same head as an inf, in another head, beside an
+    inf / NaN value the row does not attend, or beside a -inf key element
+    that only removes its own key; a row of inf-input keys alone keeps its
+    documented 0 (float64 reference: the same call on float64 operands,
+    and the plain averages these rows reduce to)."""
     rng = np.random.default_rng(4)
+
+    def both(q, k, v, *mask):
+        got = sdpa(q, k, v, *mask)
+        ref = sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), *mask)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, equal_nan=True)
+        return got
+
     q = np.full((2, 1, 16), 2.0 ** 63, np.float32)
     q[1, 0, 0] = np.inf
     k = np.full((2, 600, 16), -(2.0 ** 63), np.float32)
     v = rng.standard_normal((2, 600, 4)).astype(np.float32)
-    assert np.isnan(sdpa(q, k, v)[0, 0]).all()
+    o = both(q, k, v)
+    np.testing.assert_allclose(o[0, 0], v[0].astype(np.float64).mean(0), rtol=1e-5)
+    np.testing.assert_array_equal(o[1], 0)   # every score -inf from the query's inf
     q1 = np.full((1, 16), 2.0 ** 63, np.float32)
     k3 = np.full((3, 16), -(2.0 ** 63), np.float32)
-    v3 = np.array([[1.0], [2.0], [np.inf]], np.float32)
-    assert np.isnan(sdpa(q1, k3, v3, np.array([True, True, False]))).all()
+    for bad in (np.inf, np.nan):
+        v3 = np.array([[1.0], [2.0], [bad]], np.float32)
+        np.testing.assert_allclose(both(q1, k3, v3, np.array([True, True, False])), [[1.5]],
+                                   rtol=1e-6)
     for M, inf_key in ((2, 0), (600, 0), (600, 590)):
         kk = np.full((M, 16), -(2.0 ** 63), np.float32)
         kk[inf_key, 0] = -np.inf
-        assert np.isnan(sdpa(q1, kk, np.ones((M, 1), np.float32))).all()
+        vv = np.arange(M, dtype=np.float32)[:, None]
+        expected = np.delete(vv, inf_key, 0).astype(np.float64).mean(0)
+        np.testing.assert_allclose(both(q1, kk, vv)[0], expected, rtol=1e-5)
     kk = np.full((3, 16), 1.0, np.float32)
     kk[:, 0] = -np.inf     # every attended score -inf from the keys' own inf
-    np.testing.assert_array_equal(sdpa(q1, kk, np.ones((3, 1), np.float32)), 0)
+    np.testing.assert_array_equal(both(q1, kk, np.ones((3, 1), np.float32)), 0)
+
+
+def test_overflowed_scores_beside_a_masked_nan_value(path):
+    """A key whose score overflows float32's dot product (q . k = 4e38,
+    scaled 2e38) beside a NaN value of a masked-out key: the float64
+    answer (the dominant key's value, lse 2e38), not NaN; and with many
+    rows, no NaN row and every row within float32 rounding of float64."""
+    q = np.ones((1, 4), np.float32)
+    k = np.array([[1e38] * 4, [0.0] * 4], np.float32)
+    v = np.array([[1.0] * 4, [np.nan] * 4], np.float32)
+    out, lse = sdpa(q, k, v, np.array([[True, False]]), return_lse=True)
+    np.testing.assert_array_equal(out, np.ones((1, 4), np.float32))
+    np.testing.assert_allclose(lse, [2e38], rtol=1e-6)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((64, 64)).astype(np.float32)
+    k = rng.standard_normal((128, 64)).astype(np.float32)
+    k[-1] = 1e38
+    v = rng.standard_normal((128, 64)).astype(np.float32)
+    v[1, 0] = np.nan
+    mask = np.ones((64, 128), bool)
+    mask[:, 1] = False
+    ref = sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
+    for nt in (1, 2):
+        got = sdpa(q, k, v, mask, num_threads=nt)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_overflowed_row_with_a_sink(path):
