@@ -460,6 +460,42 @@ def test_int8_precision_overflowed_rows(path):
     np.testing.assert_allclose(lse, want, rtol=1e-6)
 
 
+def test_overflowed_rows_beside_nan_elsewhere_varlen_and_paged(path):
+    """Rows whose scores leave the float32 range get the float64 answer
+    also where NaN sits in rows they never read: another sequence's values
+    (varlen: that sequence's row is NaN in the value's column, the other
+    sequence exact) and blocks of
+    the paged pool no sequence uses."""
+    q, k, v = _overflowing(6, 40, 16, 5, lead=())
+    q, k, v = (np.repeat(a[:, None, :], 2, axis=1) for a in (q, k, v))   # (T, H, D)
+    cq, ck = np.array([0, 1, 6]), np.array([0, 15, 40])
+    v_nan = v.copy()
+    v_nan[3, 1, 0] = np.nan        # a value of sequence 0, which its one row attends
+    out = attncore.varlen_attention(q, k, v_nan, cq, ck, is_causal=True)
+    assert np.isnan(out[0, 1, 0]) and np.isfinite(out[0, 1, 1:]).all()   # its column only
+    assert np.isfinite(out[0, 0]).all()
+    bs = 8
+    kc = np.full((10, bs, 2, 16), np.nan, np.float32)   # blocks 7 - 9: NaN, never read
+    vc = np.full_like(kc, np.nan)
+    table = np.array([[0, 1, -1, -1, -1], [2, 3, 4, 5, 6]])
+    for s in range(2):
+        ks_ = slice(ck[s], ck[s + 1])
+        n = ck[s + 1] - ck[s]
+        for j in range(n):
+            kc[table[s, j // bs], j % bs] = k[ks_][j]
+            vc[table[s, j // bs], j % bs] = v[ks_][j]
+    kc[1, 15 - bs:], vc[1, 15 - bs:] = np.nan, np.nan      # past sequence 0's length
+    paged = attncore.paged_attention(q, kc, vc, block_table=table, seq_lens=np.diff(ck),
+                                     cu_seqlens_q=cq)
+    for s in range(2):
+        qs, ks_ = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        want = sdpa_ref(*(np.swapaxes(a[sl], 0, 1).astype(np.float64)
+                          for a, sl in ((q, qs), (k, ks_), (v, ks_))), is_causal="lower_right")
+        np.testing.assert_allclose(np.swapaxes(paged[qs], 0, 1), want, **TOL32)
+        if s == 1:
+            np.testing.assert_allclose(np.swapaxes(out[qs], 0, 1), want, **TOL32)
+
+
 def test_paged_int8_pool_and_lse_of_overflowed_rows(path):
     """paged_attention over an int8 pool: the float64 answer on the
     dequantized pool; return_lse without an overflow warning (the lse
