@@ -96,8 +96,11 @@ def _check_table(block_table, seq_lens, num_blocks: int, block_size: int):
     if sl.ndim != 1 or sl.shape[0] != bt.shape[0]:
         raise ValueError(f"seq_lens must be 1-D with one length per block table row "
                          f"({bt.shape[0]},), got shape {sl.shape}")
-    if sl.size and (int(sl.min()) < 0 or int(sl.max()) > bt.shape[1] * block_size):
-        bad = int(np.argmax((sl < 0) | (sl > bt.shape[1] * block_size)))
+    if sl.size and int(sl.min()) < 0:
+        bad = int(np.argmax(sl < 0))
+        raise ValueError(f"seq_lens must be >= 0, got seq_lens[{bad}] = {int(sl[bad])}")
+    if sl.size and int(sl.max()) > bt.shape[1] * block_size:
+        bad = int(np.argmax(sl > bt.shape[1] * block_size))
         raise ValueError(f"seq_lens[{bad}] = {int(sl[bad])} is beyond the blocks the table "
                          f"gives (0 .. max_blocks * block_size = {bt.shape[1]} * {block_size})")
     lens = sl.astype(np.int64)

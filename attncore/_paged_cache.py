@@ -167,7 +167,16 @@ class PagedKVCache:
         return s
 
     def _ids(self, seq_ids: Any, known: bool = True) -> List[int]:
-        given = [seq_ids] if isinstance(seq_ids, numbers.Integral) else list(seq_ids)
+        if isinstance(seq_ids, numbers.Integral):
+            given = [seq_ids]
+        elif isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 0:
+            given = [seq_ids.item()]   # a 0-d array: one id (its entry checked below)
+        else:
+            try:
+                given = list(seq_ids)
+            except TypeError:
+                raise TypeError(f"seq_ids must be an int or a sequence of ints, got "
+                                f"{type(seq_ids).__name__}") from None
         ids = [self._known(s, "seq_ids entry") if known else _seq_id(s, "seq_ids entry")
                for s in given]
         if len(set(ids)) != len(ids):
@@ -204,13 +213,18 @@ class PagedKVCache:
         copied on write)."""
         need, cow = 0, []
         bs = self.block_size
+        left: dict = {}   # a shared block's holders not yet moved off it by this call
         for s, n in zip(ids, counts):
             if n == 0:
                 continue
             L, tab = self._lens.get(s, 0), self._tables.get(s, [])
-            if L % bs and self._refs[tab[-1]] > 1:
-                cow.append(s)
-                need += 1
+            if L % bs:
+                b = tab[-1]
+                r = left.get(b, int(self._refs[b]))
+                if r > 1:   # still shared: copied; the last holder writes in place
+                    cow.append(s)
+                    need += 1
+                    left[b] = r - 1
             need += max(0, -(-(L + int(n)) // bs) - len(tab))
         return need, cow
 
@@ -256,6 +270,10 @@ class PagedKVCache:
                                  f"offsets, got {cu.shape[0]}")
         if self.dtype == "int8":
             # quantized (and checked finite) before anything is allocated
+            for a, nm in ((ka, "k"), (va, "v")):
+                if a.size and not np.all(np.isfinite(a)):
+                    raise ValueError(f"{nm} must be finite for an int8 cache (it is quantized "
+                                     f"per token and head): it holds inf or NaN")
             k8, v8 = quantize_kv(ka), quantize_kv(va)
         counts = np.diff(cu)
         need, cow = self._plan_blocks(ids, counts)

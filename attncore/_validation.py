@@ -394,8 +394,8 @@ def packed_group(Hq: int, Hk: int, enable_gqa: bool, what: str) -> int:
             raise ValueError(f"{what} have {Hk} heads and q has {Hq}: pass enable_gqa=True for "
                              f"grouped-query attention (Hk dividing Hq)")
         if Hk == 0 or Hq % Hk:
-            raise ValueError(f"with enable_gqa=True the {what} heads ({Hk}) must divide the q "
-                             f"heads ({Hq})")
+            raise ValueError(f"with enable_gqa=True the heads of {what} ({Hk}) must divide the "
+                             f"q heads ({Hq})")
     return Hq // Hk if Hk else 1
 
 

@@ -516,3 +516,50 @@ def test_cache_bad_calls():
     with pytest.raises(TypeError, match="seq_id"):
         cache.free("0")
     assert cache.seq_lens([0]).tolist() == [3] and cache.num_free_blocks == 7
+
+
+@pytest.mark.parametrize("sharers", [2, 3])
+def test_cache_fork_then_every_sharer_appends_at_once(sharers):
+    """Sequences sharing a partly filled block all append in one call: all
+    but the last holder get copies, the last writes in place -- every
+    sequence reads its own tokens, the pool needs no more blocks than
+    that, and freeing everything returns every block."""
+    c = PagedKVCache(num_blocks=sharers, block_size=4, num_kv_heads=1, head_dim=2)
+    first = np.full((1, 1, 2), 1.0, np.float32)
+    c.append(0, first, first)
+    for s in range(1, sharers):
+        c.fork(0, s)
+    new = np.arange(sharers * 2, dtype=np.float32).reshape(sharers, 1, 2) + 10
+    c.append(list(range(sharers)), new, new)       # needs sharers - 1 copies: fits
+    assert c.num_free_blocks == 0
+    for s in range(sharers):
+        k, v = contents(c, s)
+        np.testing.assert_array_equal(k[:, 0], np.concatenate([first[:, 0], new[s:s + 1, 0]]))
+        np.testing.assert_array_equal(v[:, 0], k[:, 0])
+    for s in range(sharers):
+        c.free(s)
+    assert c.num_free_blocks == sharers
+
+
+def test_cache_argument_errors_name_the_argument():
+    c = PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2)
+    k = np.ones((1, 1, 2), np.float32)
+    with pytest.raises(TypeError, match="seq_ids must be an int or a sequence of ints, got float"):
+        c.append(2.0, k, k)
+    c.append(np.array(7), k, k)          # a 0-d integer array is one id
+    assert c.seq_lens([7]).tolist() == [1]
+    c8 = PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2, dtype="int8")
+    bad = k.copy()
+    bad[0, 0, 1] = np.nan
+    with pytest.raises(ValueError, match="k must be finite for an int8 cache"):
+        c8.append(1, bad, k)
+    with pytest.raises(ValueError, match="v must be finite for an int8 cache"):
+        c8.append(1, k, bad)
+    assert c8.num_free_blocks == 4       # nothing was written
+
+
+def test_paged_negative_seq_len_is_named():
+    q = np.ones((1, 1, 4), np.float32)
+    pool = np.ones((2, 4, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"seq_lens must be >= 0, got seq_lens\[0\] = -1"):
+        paged_attention(q, pool, pool, block_table=[[0]], seq_lens=[-1])

@@ -274,7 +274,7 @@ def test_bad_shapes_and_args():
     with pytest.raises(ValueError, match=r"k / v have 1 heads and q has 2: pass enable_gqa"):
         va(q, k[:, :1], v[:, :1], cq, ck)
     q3 = np.zeros((7, 3, 8), np.float32)
-    with pytest.raises(ValueError, match=r"the k / v heads \(2\) must divide the q heads \(3\)"):
+    with pytest.raises(ValueError, match=r"the heads of k / v \(2\) must divide the q heads \(3\)"):
         va(q3, k, v, cq, ck, enable_gqa=True)
     with pytest.raises(TypeError, match="q must be a bfloat16, float16, float32 or float64"):
         va(q.astype(np.int32), k, v, cq, ck)
