@@ -19,8 +19,8 @@ from numpy.typing import ArrayLike
 
 from . import _call
 from ._core import _sdpa
-from ._dtypes import HALF_BF16, cast, half_code
-from ._interop import foreign_arrays
+from ._dtypes import HALF_BF16, cast, half_code, is_bf16
+from ._interop import _to_numpy, foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
 from ._validation import as_float_array, parse_bool, parse_softcap, parse_window
@@ -631,7 +631,9 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     Returns
     -------
     out : ndarray, shape (..., N, Dv)
-        In the outputs' (promoted) dtype.
+        In the outputs' (promoted) dtype: bfloat16 parts (ml_dtypes
+        arrays, torch / JAX tensors) give bfloat16; bfloat16 beside
+        another dtype promotes as float32 would.
     lse : ndarray, shape (..., N)
         The log-sum-exp over all the keys (float32 at least).
         Both are NumPy arrays whatever the parts were (the parts may be any
@@ -653,8 +655,12 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     if isinstance(outputs, np.ndarray) or isinstance(lses, np.ndarray):
         raise TypeError("outputs and lses must be sequences (lists / tuples) of arrays, one "
                         "per key part")
-    outs = [as_float_array(o, f"outputs[{i}]") for i, o in enumerate(outputs)]
-    ls = [as_float_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    # bfloat16 parts (ml_dtypes arrays, torch / JAX tensors) are merged too:
+    # scaled_dot_product_attention returns them for bfloat16 inputs
+    outs = [as_float_array(_to_numpy(o, f"outputs[{i}]", True)[0], f"outputs[{i}]",
+                           allow_bf16=True) for i, o in enumerate(outputs)]
+    ls = [as_float_array(_to_numpy(x, f"lses[{i}]", True)[0], f"lses[{i}]", allow_bf16=True)
+          for i, x in enumerate(lses)]
     if not outs:
         raise ValueError("merge_attention needs at least one part, got none")
     if len(outs) != len(ls):
@@ -670,8 +676,13 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     for i, o in enumerate(outs):
         if o.shape[-1] != Dv:
             raise ValueError(f"outputs[{i}] has value dimension {o.shape[-1]}, outputs[0] has {Dv}")
-    odt = np.result_type(*outs)
-    wdt = np.result_type(odt, *ls, np.float32)
+    # bfloat16 beside another dtype promotes as float32 (bfloat16 and
+    # float16 have no common NumPy dtype)
+    dts = [o.dtype for o in outs]
+    odt = dts[0] if len(set(dts)) == 1 else \
+        np.result_type(*[np.float32 if is_bf16(d) else d for d in dts])
+    wdt = np.result_type(np.float32, *[np.float32 if is_bf16(d) else d
+                                       for d in [odt] + [x.dtype for x in ls]])
     try:
         shape_l = np.broadcast_shapes(*[x.shape for x in ls], *[o.shape[:-1] for o in outs])
     except ValueError:

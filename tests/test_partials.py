@@ -306,3 +306,33 @@ def test_merge_errors_name_the_argument(call, match):
 
 def test_public_names():
     assert attncore.merge_attention is merge_attention
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_merge_bfloat16_parts(kind):
+    """bfloat16 parts -- what a bfloat16 call returns, as ml_dtypes arrays
+    or torch tensors -- merge into the one-call answer (float64 reference
+    of the same bfloat16-rounded inputs), in bfloat16; bfloat16 beside a
+    float16 part promotes to float32."""
+    ml = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(ml.bfloat16)
+               for s in ((1, 2, 4, 8), (1, 2, 10, 8), (1, 2, 10, 8)))
+    parts = [sdpa(q, k[..., sl, :], v[..., sl, :], return_lse=True)
+             for sl in (slice(0, 5), slice(5, 10))]
+    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        outs = [torch.from_numpy(o.astype(np.float32)).to(torch.bfloat16) for o in outs]
+        lses = [torch.from_numpy(x) for x in lses]
+    out, lse = merge_attention(outs, lses)
+    assert out.dtype == np.dtype(ml.bfloat16) and lse.dtype == np.float32
+    s = np.einsum("bhnd,bhmd->bhnm", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(8)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v.astype(np.float64)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-4, atol=1e-4)
+    mixed, _ = merge_attention([parts[0][0], parts[1][0].astype(np.float16)],
+                               [parts[0][1], parts[1][1]])
+    assert mixed.dtype == np.float32
+    np.testing.assert_allclose(mixed, want, rtol=2e-2, atol=2e-2)
