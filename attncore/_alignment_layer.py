@@ -348,6 +348,9 @@ class Attention:
         if not isinstance(memory, Memory):
             raise TypeError(f"memory must be the Memory returned by Attention.prepare, got "
                             f"{type(memory).__name__}")
+        if not hasattr(memory, "_alignment"):
+            raise TypeError("memory must be the Memory returned by Attention.prepare, got a "
+                            "Memory that no Attention.prepare made")
         if memory._alignment is not self.alignment:
             raise ValueError("memory was prepared by an Attention layer with another alignment")
         q = as_float_array(query, "query", "mask")

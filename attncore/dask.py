@@ -560,7 +560,13 @@ def scaled_dot_product_attention(
     out : dask.array.Array, shape (..., N, Dv)
         Lazy; chunked like the (unified) batch axes and the query axis, one
         chunk along Dv.  In the result dtype of the in-memory call.
-        ``.compute()`` equals it to float rounding.
+        ``.compute()`` equals it to float rounding -- except for a row
+        whose every key is masked by a huge finite additive value (such as
+        ``numpy.finfo(dtype).min``, or -1e30 in float64) split over several
+        key chunks: each chunk's lse then rounds to the mask value, the
+        log of its key count lost, so the chunks are merged with equal
+        weights instead of weights by their sizes.  Masks of -inf or
+        booleans are exact.
     lse : dask.array.Array, shape (..., N)
         Only with ``return_lse=True``; chunked like ``out`` without its
         last axis.

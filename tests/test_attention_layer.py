@@ -359,3 +359,21 @@ def test_concurrent_calls_from_python_threads():
         outs = list(ex.map(lambda _: att(q, k, mask=mask), range(8)))
     for o in outs:
         np.testing.assert_array_equal(o, ref)
+
+
+def test_dot_scale_must_be_finite_and_memory_must_be_prepared():
+    """A non-finite dot scale is refused when the layer is built (the core
+    call refuses it too), and a Memory that no prepare made gets the
+    TypeError of any other bad memory, not an AttributeError."""
+    for bad in (np.inf, -np.inf, np.nan):
+        with pytest.raises(ValueError, match="'scale' must be finite"):
+            attncore.Attention("dot", scale=bad)
+    q, k = np.ones((1, 2, 4)), np.arange(12.0).reshape(1, 3, 4)
+    ctx = attncore.Attention("dot", scale=-0.5)(q, k)          # a learned scale may be < 0
+    ctx = ctx[0] if isinstance(ctx, tuple) else ctx
+    s = -0.5 * (q[0] @ k[0].T)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(ctx[0], (w / w.sum(-1, keepdims=True)) @ k[0], rtol=1e-12)
+    with pytest.raises(TypeError, match="memory must be the Memory returned by "
+                                        "Attention.prepare"):
+        attncore.Attention("dot").step(np.ones((1, 4)), attncore.Memory())

@@ -83,6 +83,8 @@ class Dot(Alignment):
                 raise TypeError(f"dot: parameter 'scale' must be a real scalar or None, got "
                                 f"{scale!r}")
             scale = float(s.reshape(()))
+            if not np.isfinite(scale):
+                raise ValueError(f"dot: parameter 'scale' must be finite, got {scale!r}")
         self.scale = scale
 
     def check_dims(self, Dq, Dk):
