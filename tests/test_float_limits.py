@@ -308,28 +308,49 @@ def test_minus_inf_keys_still_give_zero(path, dtype, N, M):
     assert np.isnan(out[1].astype(np.float64)).all()
 
 
-def test_scores_below_float32_range_varlen_and_paged(path):
-    """The same rows through varlen_attention and paged_attention."""
+_PACKED_CQ, _PACKED_CK = np.array([0, 1, 6]), np.array([0, 15, 40])
+_PACKED_TABLE = np.array([[0, 1, -1, -1, -1], [2, 3, 4, 5, 6]])
+
+
+def _packed_overflowing():
+    """Two sequences (1 x 15 and 5 x 25 rows, 2 heads) whose scores lie
+    below the float32 range: packed (T, H, D) q, k, v."""
     q, k, v = _overflowing(6, 40, 16, 5, lead=())
-    q, k, v = (np.repeat(a[:, None, :], 2, axis=1) for a in (q, k, v))   # (T, H, D)
-    cq, ck = np.array([0, 1, 6]), np.array([0, 15, 40])
-    out = attncore.varlen_attention(q, k, v, cq, ck, is_causal=True)
-    bs = 8
-    kc = np.zeros((10, bs, 2, 16), np.float32)
-    vc = np.zeros_like(kc)
-    table = np.array([[0, 1, -1, -1, -1], [2, 3, 4, 5, 6]])
+    return tuple(np.repeat(a[:, None, :], 2, axis=1) for a in (q, k, v))
+
+
+def _paged_pool(k, v, fill):
+    """k / v of _packed_overflowing in a pool of 10 blocks of 8 slots
+    (_PACKED_TABLE), every other slot ``fill``; and each sequence's float64
+    reference rows (lower-right causal) with its query slice."""
+    bs, ck = 8, _PACKED_CK
+    kc = np.full((10, bs, 2, 16), fill, np.float32)
+    vc = np.full_like(kc, fill)
     for s in range(2):
-        ks_ = slice(ck[s], ck[s + 1])
-        n = ck[s + 1] - ck[s]
-        for j in range(n):
-            kc[table[s, j // bs], j % bs] = k[ks_][j]
-            vc[table[s, j // bs], j % bs] = v[ks_][j]
-    paged = attncore.paged_attention(q, kc, vc, block_table=table, seq_lens=np.diff(ck),
-                                     cu_seqlens_q=cq)
+        for j in range(ck[s + 1] - ck[s]):
+            kc[_PACKED_TABLE[s, j // bs], j % bs] = k[ck[s] + j]
+            vc[_PACKED_TABLE[s, j // bs], j % bs] = v[ck[s] + j]
+    return kc, vc
+
+
+def _packed_refs(q, k, v):
+    """(query slice, float64 reference (H, n, Dv)) of each sequence."""
+    cq, ck = _PACKED_CQ, _PACKED_CK
     for s in range(2):
         qs, ks_ = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
-        want = sdpa_ref(*(np.swapaxes(a[sl], 0, 1).astype(np.float64)
-                          for a, sl in ((q, qs), (k, ks_), (v, ks_))), is_causal="lower_right")
+        yield qs, sdpa_ref(*(np.swapaxes(a[sl], 0, 1).astype(np.float64)
+                             for a, sl in ((q, qs), (k, ks_), (v, ks_))), is_causal="lower_right")
+
+
+def test_scores_below_float32_range_varlen_and_paged(path):
+    """The same rows through varlen_attention and paged_attention."""
+    q, k, v = _packed_overflowing()
+    cq, ck = _PACKED_CQ, _PACKED_CK
+    out = attncore.varlen_attention(q, k, v, cq, ck, is_causal=True)
+    kc, vc = _paged_pool(k, v, 0.0)
+    paged = attncore.paged_attention(q, kc, vc, block_table=_PACKED_TABLE, seq_lens=np.diff(ck),
+                                     cu_seqlens_q=cq)
+    for qs, want in _packed_refs(q, k, v):
         np.testing.assert_allclose(np.swapaxes(out[qs], 0, 1), want, **TOL32)
         np.testing.assert_allclose(np.swapaxes(paged[qs], 0, 1), want, **TOL32)
 
@@ -466,33 +487,20 @@ def test_overflowed_rows_beside_nan_elsewhere_varlen_and_paged(path):
     (varlen: that sequence's row is NaN in the value's column, the other
     sequence exact) and blocks of
     the paged pool no sequence uses."""
-    q, k, v = _overflowing(6, 40, 16, 5, lead=())
-    q, k, v = (np.repeat(a[:, None, :], 2, axis=1) for a in (q, k, v))   # (T, H, D)
-    cq, ck = np.array([0, 1, 6]), np.array([0, 15, 40])
+    q, k, v = _packed_overflowing()
+    cq, ck = _PACKED_CQ, _PACKED_CK
     v_nan = v.copy()
     v_nan[3, 1, 0] = np.nan        # a value of sequence 0, which its one row attends
     out = attncore.varlen_attention(q, k, v_nan, cq, ck, is_causal=True)
     assert np.isnan(out[0, 1, 0]) and np.isfinite(out[0, 1, 1:]).all()   # its column only
     assert np.isfinite(out[0, 0]).all()
-    bs = 8
-    kc = np.full((10, bs, 2, 16), np.nan, np.float32)   # blocks 7 - 9: NaN, never read
-    vc = np.full_like(kc, np.nan)
-    table = np.array([[0, 1, -1, -1, -1], [2, 3, 4, 5, 6]])
-    for s in range(2):
-        ks_ = slice(ck[s], ck[s + 1])
-        n = ck[s + 1] - ck[s]
-        for j in range(n):
-            kc[table[s, j // bs], j % bs] = k[ks_][j]
-            vc[table[s, j // bs], j % bs] = v[ks_][j]
-    kc[1, 15 - bs:], vc[1, 15 - bs:] = np.nan, np.nan      # past sequence 0's length
-    paged = attncore.paged_attention(q, kc, vc, block_table=table, seq_lens=np.diff(ck),
+    # NaN everywhere else: blocks 7 - 9 and the slots past sequence 0's 15 tokens
+    kc, vc = _paged_pool(k, v, np.nan)
+    paged = attncore.paged_attention(q, kc, vc, block_table=_PACKED_TABLE, seq_lens=np.diff(ck),
                                      cu_seqlens_q=cq)
-    for s in range(2):
-        qs, ks_ = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
-        want = sdpa_ref(*(np.swapaxes(a[sl], 0, 1).astype(np.float64)
-                          for a, sl in ((q, qs), (k, ks_), (v, ks_))), is_causal="lower_right")
+    for i, (qs, want) in enumerate(_packed_refs(q, k, v)):
         np.testing.assert_allclose(np.swapaxes(paged[qs], 0, 1), want, **TOL32)
-        if s == 1:
+        if i == 1:
             np.testing.assert_allclose(np.swapaxes(out[qs], 0, 1), want, **TOL32)
 
 
