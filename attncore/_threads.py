@@ -18,11 +18,12 @@ attncore thread (blas_parallel_threads).
 from __future__ import annotations
 
 import numbers
+import os
 import threading
 
 from ._core import _sdpa
 
-__all__ = ["resolve_num_threads", "threads_for", "SERIAL_FLOPS", "blas_parallel_threads",
+__all__ = ["resolve_num_threads", "max_threads", "threads_for", "SERIAL_FLOPS", "blas_parallel_threads",
            "blas_hold_supported", "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
 
 
@@ -46,8 +47,11 @@ def resolve_num_threads(num_threads) -> int:
     """Number of OpenMP threads a call may use.
 
     ``None``: OpenMP's default for the calling thread (``OMP_NUM_THREADS``,
-    threadpoolctl limits); ``-1``: every processor; ``k >= 1``: ``k``.
-    Always 1 when attncore was built without OpenMP.
+    threadpoolctl limits); ``-1``: every processor; ``k >= 1``: ``k``, at
+    most :func:`max_threads` (a larger count is taken as that maximum:
+    more threads would only queue on the processors, and tens of thousands
+    exhausted the OpenMP runtime).  1 in a child forked after a team ran.  Always 1 when attncore was built
+    without OpenMP.
     """
     if type(num_threads) is int and num_threads >= 1:  # the common case, first
         n = num_threads
@@ -66,9 +70,41 @@ def resolve_num_threads(num_threads) -> int:
         else:
             raise ValueError(
                 f"num_threads must be None, -1 (all cores) or >= 1, got {num_threads}")
-    if not _sdpa.openmp_enabled():
+    if not _sdpa.openmp_enabled() or _forked_after_team:
         return 1
-    return max(1, int(n))
+    n = max(1, min(int(n), max_threads()))
+    if n > 1:
+        _note_team()
+    return n
+
+
+# A child forked after OpenMP ran a team (the ``fork`` start method of
+# multiprocessing, os.fork) inherits a runtime whose worker threads did not
+# come along: its first region of several threads would wait for them
+# forever (GNU OpenMP; a plain C program hangs the same way).  Such a child
+# runs every call on its calling thread instead.
+_team_started = False
+_forked_after_team = False
+
+
+def _note_team() -> None:
+    global _team_started
+    _team_started = True
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_team
+    if _team_started:
+        _forked_after_team = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def max_threads() -> int:
+    """The most threads one call runs: 4 per processor, at least 256."""
+    return max(256, 4 * _sdpa.omp_num_procs())
 
 
 _lock = threading.Lock()

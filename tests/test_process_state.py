@@ -77,3 +77,49 @@ def test_threadpool_info_of_another_thread_is_unchanged_while_attncore_runs():
         changed = [s for s in seen if s != expected]
         assert not changed, f"another thread saw {changed[0]}, expected {expected}"
         assert _snapshot() == expected
+
+
+_FORK_SCRIPT = r"""
+import multiprocessing as mp
+import numpy as np
+import attncore
+
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 4, 256, 64), dtype=np.float32) for _ in range(3))
+want = attncore.scaled_dot_product_attention(q, k, v, num_threads=2)   # a team ran
+
+def child(conn):
+    outs = [attncore.scaled_dot_product_attention(q, k, v, num_threads=nt)
+            for nt in (2, None, -1)]
+    x = rng.standard_normal((2, 64, 32), dtype=np.float32)
+    outs.append(attncore.MultiHeadAttention(32, 2, rng=0)(x, num_threads=2)[0])
+    conn.send([float(np.abs(o - want).max()) for o in outs[:3]] + [outs[3].shape])
+
+if __name__ == "__main__":
+    a, b = mp.Pipe()
+    p = mp.get_context("fork").Process(target=child, args=(b,))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        raise SystemExit("the forked child hung")
+    print(a.recv())
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork on this platform")
+def test_forked_child_after_a_team_does_not_hang(tmp_path):
+    """A child forked after a multi-threaded call (multiprocessing's fork
+    start method) runs its calls on one thread: GNU OpenMP's team threads
+    do not survive the fork, and its first region of several threads waited
+    forever.  The results are the parent's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_child.py"
+    script.write_text(_FORK_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    *diffs, shape = eval(r.stdout.strip().splitlines()[-1])
+    assert max(diffs) < 1e-5 and shape == (2, 64, 32)
