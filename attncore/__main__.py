@@ -1,6 +1,8 @@
 """``python -m attncore``: print the configuration and run a short demo."""
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 
 import numpy as np
@@ -34,13 +36,35 @@ def demo() -> None:
           f"rows sum to {w.sum(-1).min():.4f}..{w.sum(-1).max():.4f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m attncore",
+        description="Print attncore's configuration (kernel path, threads, BLAS), then run a "
+                    "short demo: causal self-attention checked against float64 NumPy, and "
+                    "seq2seq attention whose alignment is drawn as a picture (with matplotlib).")
+    ap.add_argument("--config", action="store_true",
+                    help="print the configuration only, no demo")
+    pic = ap.add_mutually_exclusive_group()
+    pic.add_argument("--picture", metavar="PATH",
+                     help="where to write the alignment picture (default: "
+                          "attncore_alignment.png in the working directory, or in the "
+                          "temporary directory when that is not writable)")
+    pic.add_argument("--no-picture", action="store_true", help="do not draw the picture")
+    args = ap.parse_args(argv)
     attncore.show_config()
+    if args.config:
+        return 0
     demo()
     from ._demo_alignment import seq2seq_demo
 
-    seq2seq_demo()
+    try:
+        seq2seq_demo(picture=False if args.no_picture else (args.picture or True))
+    except OSError as exc:
+        print(f"python -m attncore: cannot write the picture to {args.picture!r}: {exc}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -156,8 +156,9 @@ class Attention:
       (masked keys included), for every alignment.
     * dtypes: float32 / float64 computed natively, float16 computed in
       float32 and returned as float16; query, keys and values promote as
-      NumPy does.  Alignment parameters are cast to the compute dtype (once,
-      cached); they do not take part in promotion.
+      NumPy does.  Alignment parameters are cast to the compute dtype
+      when used (a parameter replaced or edited in place is seen by the
+      next call); they do not take part in promotion.
     * Native paths: ``dot`` / ``scaled_dot`` / ``bilinear`` run on the core
       attention kernel (``bilinear`` first projects the keys with one gemm
       per memory); ``mlp`` runs a fused kernel that never builds the
@@ -200,7 +201,6 @@ class Attention:
         self.combine_weight = combine_weight
         resolve_num_threads(num_threads)  # validate now
         self.num_threads = num_threads
-        self._cw_cache: dict[str, np.ndarray] = {}
 
     def __repr__(self):
         cw = "" if self.combine_weight is None else f", combine_weight: {self.combine_weight.shape}"
@@ -400,16 +400,14 @@ class Attention:
 
     def _attentional_state(self, q3, ctx, cdt):
         """``tanh([h; c] @ combine_weight)`` of the queries ``q3`` and their
-        contexts ``ctx`` (the weight in the compute dtype ``cdt``, cached)."""
+        contexts ``ctx`` (the weight cast to the compute dtype ``cdt`` on each
+        call: a replaced or edited weight is seen in every dtype)."""
         cw = self.combine_weight
         Dq, Dv = q3.shape[-1], ctx.shape[-1]
         if cw.shape[0] != Dq + Dv:
             raise ValueError(f"combine_weight must have Dq + Dv = {Dq} + {Dv} = {Dq + Dv} "
                              f"rows, got shape {cw.shape}")
-        key = np.dtype(cdt).str
-        cwc = self._cw_cache.get(key)
-        if cwc is None:
-            cwc = self._cw_cache[key] = np.ascontiguousarray(cw, dtype=cdt)
+        cwc = np.ascontiguousarray(cw, dtype=cdt)
         return np.tanh(q3 @ cwc[:Dq] + ctx @ cwc[Dq:])
 
     # ------------------------------------------------------------------

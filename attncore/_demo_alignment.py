@@ -25,8 +25,12 @@ def _picture_path(name="attncore_alignment.png"):
     return os.path.join(tempfile.gettempdir(), name)
 
 
-def seq2seq_demo(rng=None) -> None:
-    """Luong ("general") attention decoding a 15-word target against a 14-word source."""
+def seq2seq_demo(rng=None, picture=True) -> None:
+    """Luong ("general") attention decoding a 15-word target against a 14-word source.
+
+    ``picture``: True writes the alignment picture to the default place
+    (``attncore_alignment.png`` in the working directory, else the
+    temporary directory), a path writes it there, False skips it."""
     rng = np.random.default_rng(0) if rng is None else rng
     S, T, D = len(SOURCE), len(TARGET), 64
     print(f"\ndemo: seq2seq attention ('general', Luong), {S} source and {T} target words, "
@@ -44,6 +48,8 @@ def seq2seq_demo(rng=None) -> None:
     print(f"  step-by-step vs all at once: max |difference| {np.abs(ctx_steps - ctx_all).max():.1e}")
     hits = sum(int(np.argmax(w_all[0, t]) == ALIGN[t]) for t in range(T))
     print(f"  strongest source word is the aligned one for {hits} of {T} target words")
+    if picture is False:
+        return
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -54,6 +60,10 @@ def seq2seq_demo(rng=None) -> None:
     ax = fig.add_subplot()
     attncore.plot_alignment(w_steps, SOURCE, TARGET, ax=ax)
     fig.tight_layout()
+    if picture is not True:  # the caller's path: its errors are the caller's to see
+        fig.savefig(os.fspath(picture), dpi=100)
+        print(f"  alignment picture written to {os.fspath(picture)}")
+        return
     path = _picture_path()
     try:
         fig.savefig(path, dpi=100)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from typing import Any, Callable, TypeVar, cast
 
 import numpy as np
 
@@ -233,8 +234,8 @@ def _other_to_numpy(x, name, half=True):
 def _to_numpy(x, name, half=False):
     """(converted, kind, was converted from bfloat16).  ``half``: keep
     bfloat16 as bfloat16 (ml_dtypes) where possible."""
-    if type(x) in _PLAIN:
-        return x, _NUMPY, False
+    if type(x) in _PLAIN or (isinstance(x, np.generic) and not _is_bf16(x.dtype)):
+        return x, _NUMPY, False   # (NumPy scalars stay scalars: np.int64(5) is a length)
     if isinstance(x, np.ndarray):
         if _is_bf16(x.dtype) and not half:
             return x.astype(np.float32), _NUMPY, True
@@ -309,8 +310,12 @@ def _restore(r, kind, bf16, like):
 # --------------------------------------------------------------------------
 # the decorator
 # --------------------------------------------------------------------------
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
 def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_arg=None,
-                   last_in_compute_dtype=None, half_native=False):
+                   last_in_compute_dtype=None,
+                   half_native=False) -> Callable[[_F], _F]:
     """Wrap a public function so that it takes and returns foreign arrays.
 
     Parameters
@@ -347,7 +352,7 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
     names = data + tuple(masks)
     first = data[0]
 
-    def deco(fn):
+    def deco(fn: _F) -> _F:
         code = fn.__code__
         pos = code.co_varnames[:code.co_argcount]
         slots = tuple((pos.index(n) if n in pos else 1 << 30, n) for n in names)
@@ -390,7 +395,7 @@ def foreign_arrays(data, masks=(), *, convert_out=True, keep_bf16=True, dtype_ar
             return _call(fn, slots, dslot, first, data, convert_out, keep_bf16, args, kwargs,
                          last_in_compute_dtype, half_native)
 
-        return wrapper
+        return cast(_F, wrapper)  # the signature type checkers see is fn's
 
     return deco
 

@@ -48,7 +48,9 @@ __all__ = ["MultiHeadAttention", "KVCache"]
 def _layer_dtype(dtype) -> np.dtype:
     """A layer's / cache's dtype: float32, float64, float16 or bfloat16
     (``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``; needs
-    ml_dtypes)."""
+    ml_dtypes); None: float32, the default."""
+    if dtype is None:
+        return np.dtype(np.float32)
     if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
         dtype = str(dtype).replace("torch.", "")
     if (isinstance(dtype, str) and dtype == "bfloat16") or (
@@ -65,6 +67,18 @@ def _layer_dtype(dtype) -> np.dtype:
     except TypeError:
         raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got "
                         f"{dtype!r}") from None
+
+
+def _seeded(rng: Any) -> np.random.Generator:
+    """``numpy.random.default_rng(rng)`` for a seed: None or an int >= 0
+    (TypeError / ValueError naming ``rng`` otherwise)."""
+    if rng is not None:
+        if isinstance(rng, (bool, np.bool_)) or not isinstance(rng, numbers.Integral):
+            raise TypeError(f"rng must be a numpy.random.Generator, an int seed >= 0 or None, "
+                            f"got {type(rng).__name__} {rng!r}")
+        if rng < 0:
+            raise ValueError(f"rng as a seed must be >= 0, got {rng}")
+    return np.random.default_rng(rng)
 
 
 def _compute_dtype(dt: np.dtype) -> np.dtype:
@@ -317,6 +331,28 @@ class KVCache:
                 f"cannot take {T} more; make a larger cache with "
                 f"new_cache(batch_size, max_length>={n + T}) or reset() it")
 
+    def _check_new(self, k_new: Any, v_new: Any, shared_ok: bool,
+                   names: tuple[str, str] = ("k_new", "v_new")) -> None:
+        """TypeError / ValueError unless k_new, v_new are float arrays of
+        shapes (B, T, Hkv, hd), (B, T, Hkv, hdv) with B the batch size (or
+        1 where ``shared_ok``: a memory shared by the batch)."""
+        for name, a, hd in ((names[0], k_new, self.head_dim), (names[1], v_new, self.v_head_dim)):
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array, got {type(a).__name__}")
+            if a.dtype.kind != "f" and not is_bf16(a.dtype):
+                raise TypeError(f"{name} must be a float array, got dtype {a.dtype}")
+            if a.ndim != 4 or a.shape[2:] != (self.num_kv_heads, hd):
+                raise ValueError(f"{name} must have shape (B, T, {self.num_kv_heads}, {hd}) "
+                                 f"(num_kv_heads, head dim), got shape {a.shape}")
+        if k_new.shape[:2] != v_new.shape[:2]:
+            raise ValueError(f"{names[0]} and {names[1]} must have the same (B, T), got shapes "
+                             f"{k_new.shape} and {v_new.shape}")
+        B = k_new.shape[0]
+        if B != self.batch_size and not (shared_ok and B == 1):
+            raise ValueError(f"{names[0]}'s batch must be batch_size={self.batch_size}"
+                             + (" (or 1: a memory shared by the batch)" if shared_ok else "")
+                             + f", got {B}")
+
     def _append(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
         """k_new (B, T, Hkv, hd), v_new (B, T, Hkv, hdv), any strides; a
         batch of 1 for a shared memory (stored in row 0)."""
@@ -350,6 +386,7 @@ class KVCache:
     def append_self(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
         """Append projected self-attention keys / values, (B, T, Hkv, hd) and
         (B, T, Hkv, hdv), and mark the cache ``"self"``."""
+        self._check_new(k_new, v_new, False)
         self._append(k_new, v_new)
         self.mode = "self"
 
@@ -357,7 +394,9 @@ class KVCache:
                     key_mask: np.ndarray | None) -> None:
         """Store a cross-attention memory's projected keys / values (layout as
         in :meth:`append_self`), the memory object they came from and its
-        (B, 1, 1, S) key mask (or None); marks the cache ``"cross"``."""
+        (B, 1, 1, S) key mask (or None); marks the cache ``"cross"``.  A
+        batch of 1 is a memory shared by the whole batch."""
+        self._check_new(k_mem, v_mem, True, ("k_mem", "v_mem"))
         self._append(k_mem, v_mem)
         self.mode = "cross"
         self._source = source
@@ -378,6 +417,12 @@ class KVCache:
         (writable: the layer's own access); for an int8 cache the
         ``(int8 view, scales view)`` pairs the attention kernel reads.  A
         shared memory: batch 1 (broadcast by the kernel)."""
+        if isinstance(length, (bool, np.bool_)) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"length must be an int, got {type(length).__name__} {length!r}")
+        if not 0 <= length <= self._len:
+            raise ValueError(f"length must be from 0 to the {self._len} tokens held, got "
+                             f"{length}")
+        length = int(length)
         b = 1 if self.shared else self.batch_size
         if self.quantized:
             return ((self._k[:b, :, :length], self._ks[:b, :, :length]),
@@ -431,7 +476,8 @@ class MultiHeadAttention:
     out_dim : int, optional
         Width of the output (default ``embed_dim``).
     dtype : {float32, float64, float16, "bfloat16"}, default float32
-        dtype of the weights, of the KV cache and of the output.  float32
+        dtype of the weights, of the KV cache and of the output (None:
+        float32).  float32
         and float64 layers compute in their dtype (inputs of another float
         dtype are converted to it).  float16 / bfloat16 layers (bfloat16:
         ``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``) keep
@@ -526,7 +572,7 @@ class MultiHeadAttention:
                 f"num_kv_heads must divide num_heads, got num_kv_heads={num_kv_heads} and "
                 f"num_heads={num_heads}")
         dt = _layer_dtype(dtype)
-        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        gen = rng if isinstance(rng, np.random.Generator) else _seeded(rng)
         hd = embed_dim // num_heads
 
         def glorot(n_out, n_in):
@@ -747,8 +793,9 @@ class MultiHeadAttention:
         window : (int, int), optional
             Sliding window ``(left, right)`` of every call (see the class
             parameters); default None, every key.
-        rotary, num_threads : optional
-            As in the constructor (:attr:`rotary`, :attr:`num_threads`).
+        rotary, num_threads, alibi_slopes, precision : optional
+            As in the constructor (:attr:`rotary`, :attr:`num_threads`,
+            :attr:`alibi_slopes`, :attr:`precision`).
 
         The arrays are copied; head sizes follow from the shapes, so
         ``head_dim`` need not be ``embed_dim // num_heads``.
@@ -884,9 +931,15 @@ class MultiHeadAttention:
 
         Examples
         --------
+        >>> import numpy as np, attncore
+        >>> mha = attncore.MultiHeadAttention(64, 4, rng=0)
+        >>> T = 5
+        >>> x = np.random.default_rng(0).standard_normal((1, T, 64), dtype=np.float32)
         >>> cache = mha.new_cache(batch_size=1, max_length=2048)
         >>> for t in range(T):
         ...     y_t, _ = mha(x[:, t:t + 1], cache=cache, is_causal="lower_right")
+        >>> len(cache), y_t.shape
+        (5, (1, 1, 64))
         """
         quantized = False
         if dtype is not None:

@@ -23,6 +23,8 @@ def _count(x: Any, name: str, low: int = 1) -> int:
         raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
     if int(x) < low:
         raise ValueError(f"{name} must be >= {low}, got {int(x)}")
+    if int(x) > 2**31 - 1:
+        raise ValueError(f"{name} must be below 2**31, got {int(x)}")
     return int(x)
 
 
@@ -34,7 +36,10 @@ def _seq_id(x: Any, name: str = "seq_id") -> int:
 
 def _dtype_name(d: Any) -> str:
     """The storage name of a dtype argument (a string, a NumPy / ml_dtypes
-    or torch dtype); the repr of anything else (then refused)."""
+    or torch dtype); the repr of anything else (then refused).  None:
+    "float32", the default."""
+    if d is None:
+        return "float32"
     if isinstance(d, str):
         return d
     if type(d).__module__ == "torch":
@@ -67,8 +72,8 @@ class PagedKVCache:
         Key / value heads (``Hk``).
     head_dim : int
         Key head size (``D``).
-    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}
-        Storage.  ``"bfloat16"`` needs ml_dtypes.  ``"int8"`` quantizes each
+    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}, default 'float32'
+        Storage (None: float32).  ``"bfloat16"`` needs ml_dtypes.  ``"int8"`` quantizes each
         token and head on the way in (:func:`attncore.quantize_kv`: one
         float32 scale per row); the blocks are then ``(int8 array, scales)``
         pairs.

@@ -1,7 +1,10 @@
 """``attncore.plot_alignment``: a heat map of attention weights (matplotlib)."""
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._interop import foreign_arrays
 
@@ -18,7 +21,8 @@ def _require_matplotlib():
 
 
 @foreign_arrays(("weights",), convert_out=False)
-def plot_alignment(weights, source_labels=None, target_labels=None, ax=None):
+def plot_alignment(weights: ArrayLike, source_labels: Optional[Sequence[object]] = None,
+                   target_labels: Optional[Sequence[object]] = None, ax: Any = None) -> Any:
     """Draw attention weights as a grey-scale heat map (white = 1, black = 0).
 
     Parameters
@@ -52,6 +56,11 @@ def plot_alignment(weights, source_labels=None, target_labels=None, ax=None):
     if w.dtype.kind not in "fiub":
         raise TypeError(f"weights must be a real array, got dtype {w.dtype}")
     T, S = w.shape
+    for name, labels in (("source_labels", source_labels), ("target_labels", target_labels)):
+        if labels is not None and (isinstance(labels, (str, bytes, np.ndarray))
+                                   and np.ndim(labels) != 1 or not hasattr(labels, "__len__")):
+            raise TypeError(f"{name} must be a sequence of labels, got "
+                            f"{type(labels).__name__} {labels!r}")
     if source_labels is not None and len(source_labels) != S:
         raise ValueError(f"source_labels must have S = {S} entries (weights shape {w.shape}), "
                          f"got {len(source_labels)}")

@@ -112,6 +112,17 @@ def default_inv_freq(rotary_dim: int, base: float = _DEFAULT_BASE) -> np.ndarray
     return base ** -(np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
 
 
+def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a and b share an element (undecidable cheaply: True)."""
+    if not np.may_share_memory(a, b):
+        return False
+    work: Any = 1 << 16   # (numpy's stubs allow only -1 / 0 here)
+    try:
+        return bool(np.shares_memory(a, b, max_work=work))
+    except RuntimeError:  # numpy TooHardError (numpy.exceptions from 1.25 on)
+        return True
+
+
 def _parse_positions(positions: Any, shape: tuple) -> np.ndarray:
     """(P, L) int64 positions for x of ``shape`` (..., L, D): P = 1, or the
     first axis of x."""
@@ -187,7 +198,9 @@ def apply_rotary(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, interleav
         in_place = False
     else:
         in_place = _same_layout(out, x)
-        if not in_place and np.may_share_memory(out, x):
+        # exact overlap (interleaved column blocks of one buffer do not
+        # overlap); a case too hard to decide counts as overlapping
+        if not in_place and _overlaps(out, x):
             raise ValueError("out overlaps x without being x itself (same memory and "
                              "strides); pass out=x to rotate in place, or a separate array")
     if x.size == 0:
@@ -293,6 +306,7 @@ def rotary_embedding(x: ArrayLike, positions: ArrayLike | None = None, *,
 
     Examples
     --------
+    >>> import numpy as np, attncore
     >>> q = np.random.default_rng(0).standard_normal((1, 8, 16, 64), dtype=np.float32)
     >>> q_rot = attncore.rotary_embedding(q)                     # positions 0..15
     >>> k_new = attncore.rotary_embedding(k_new, [16], out=k_new)  # doctest: +SKIP
@@ -349,6 +363,8 @@ def rotary_positions(positions: Any, start: int, B: int, L: int) -> np.ndarray:
             raise ValueError("positions beyond the int32 range")
         return np.arange(start, start + L, dtype=np.int64)[None]
     p = to_array(positions, "positions")
+    if p.dtype.kind not in "iu":
+        raise TypeError(f"positions must be an integer array, got dtype {p.dtype}")
     if p.ndim not in (1, 2) or p.shape[-1] != L or (p.ndim == 2 and p.shape[0] not in (1, B)):
         raise ValueError(f"positions must have shape (L,) = ({L},) or (B, L) = ({B}, {L}), got "
                          f"shape {p.shape}")

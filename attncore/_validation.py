@@ -156,7 +156,8 @@ def parse_positive_int(x: Any, name: str, allow_none: bool) -> Optional[int]: ..
 
 
 def parse_positive_int(x: Any, name: str, allow_none: bool = False) -> Optional[int]:
-    """``x`` as an int >= 1 (``None`` passes when ``allow_none``)."""
+    """``x`` as an int from 1 to 2**31 - 1 (a size: the kernels index
+    with 32-bit lengths; ``None`` passes when ``allow_none``)."""
     if x is None and allow_none:
         return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
@@ -164,6 +165,8 @@ def parse_positive_int(x: Any, name: str, allow_none: bool = False) -> Optional[
     x = int(x)
     if x < 1:
         raise ValueError(f"{name} must be >= 1, got {x}")
+    if x > 2**31 - 1:
+        raise ValueError(f"{name} must be below 2**31, got {x}")
     return x
 
 

@@ -228,9 +228,9 @@ def varlen_attention(
         # float32 sums overflowed (values near the float32 maximum), or
         # finite scores overflowed, or inf / NaN inputs reached the output:
         # the call again in float64 (functional._float64_rerun)
-        f64 = [to_float(a, np.dtype(np.float64)) for a in operands]
+        q64, k64, v64 = (to_float(a, np.dtype(np.float64)) for a in operands)
         return varlen_attention(
-            *f64, cq, ck, is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+            q64, k64, v64, cq, ck, is_causal=is_causal, scale=sc, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
             num_threads=num_threads).astype(rdt)
     return out if rdt == cdt else out.astype(rdt)

@@ -46,10 +46,15 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
 
-import dask
-import dask.array as da
-from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
+try:
+    import dask
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+except ImportError as exc:
+    raise ImportError(
+        "attncore.dask needs dask[array], which is not installed; install it with "
+        "`pip install 'attncore[dask]'`") from exc
 
 from . import _call
 from .functional import _attention, merge_attention
@@ -120,7 +125,7 @@ def _unify_batch(arrays: list[da.Array], bshape: tuple[int, ...], head_scale: li
         common = sorted(b for b in bounds if b % step == 0 or b == bshape[ax])
         out_chunks.append(_chunks_from(common) if bshape[ax] else (0,))
         for n, a, s in live:
-            c = _chunks_from([b // s for b in common])
+            c = _chunks_from([b // s for b in common]) if bshape[ax] else (0,)
             if c != a.chunks[ax]:
                 specs[n][ax] = c
     return [a.rechunk(spec) if spec else a for a, spec in zip(arrays, specs)], out_chunks

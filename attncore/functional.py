@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Literal, Sequence, overload
+from typing import TYPE_CHECKING, Iterable, Literal, Sequence, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -652,9 +652,10 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     part (``return_weights=True``) are normalized within that part: the
     weights over all keys are ``weights_i * exp(lse_i - lse)``.
     """
-    if isinstance(outputs, np.ndarray) or isinstance(lses, np.ndarray):
-        raise TypeError("outputs and lses must be sequences (lists / tuples) of arrays, one "
-                        "per key part")
+    for name, parts in (("outputs", outputs), ("lses", lses)):
+        if isinstance(parts, (np.ndarray, str, bytes)) or not isinstance(parts, Iterable):
+            raise TypeError(f"{name} must be a sequence (list / tuple) of arrays, one per key "
+                            f"part, got {type(parts).__name__}")
     # bfloat16 parts (ml_dtypes arrays, torch / JAX tensors) are merged too:
     # scaled_dot_product_attention returns them for bfloat16 inputs
     outs = [as_float_array(_to_numpy(o, f"outputs[{i}]", True)[0], f"outputs[{i}]",

@@ -45,7 +45,7 @@ def _check_base(base) -> float:
 
 
 def _check_layout(layout) -> str:
-    if layout not in _LAYOUTS:
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(f"layout must be 'interleaved' or 'split', got {layout!r}")
     return layout
 
@@ -58,8 +58,9 @@ def _positions(length_or_positions) -> np.ndarray:
                         "got bool")
     if isinstance(x, numbers.Integral):
         n = int(x)
-        if n < 0:
-            raise ValueError(f"length_or_positions as a length must be >= 0, got {n}")
+        if n < 0 or n > 2**53:
+            raise ValueError(f"length_or_positions as a length must be >= 0 and at most 2**53 "
+                             f"(positions exact in float64), got {n}")
         return np.arange(n, dtype=np.float64)
     if isinstance(x, numbers.Real):
         # a bare float is ambiguous (a length? one position?): make it explicit
@@ -113,7 +114,7 @@ def sinusoidal_encoding(length_or_positions: int | ArrayLike, dim: int, *, base:
         ``ceil(dim / 2)`` columns, then the cosines (tensor2tensor / Marian
         arrangement); the same values as ``'interleaved'``, permuted.
     dtype : dtype, default float32
-        float16, float32 or float64 result.  The table is computed in
+        float16, float32 or float64 result (None: float32).  The table is computed in
         float64 and cast once.
 
     Returns
@@ -139,7 +140,7 @@ def sinusoidal_encoding(length_or_positions: int | ArrayLike, dim: int, *, base:
     dim = parse_positive_int(dim, "dim")
     base = _check_base(base)
     layout = _check_layout(layout)
-    dt = parse_float_dtype(dtype)
+    dt = parse_float_dtype(np.float32 if dtype is None else dtype)
     pos = _positions(length_or_positions)
     return _table(pos, dim, base, layout).astype(dt, copy=False)
 
@@ -172,7 +173,7 @@ def add_positional_encoding(x: ArrayLike, *, offset: float = 0, mode: str = "add
     a = as_float_array(x, "x")
     if a.ndim < 2:
         raise ValueError(f"x must have at least 2 dimensions (..., length, dim), got shape {a.shape}")
-    if mode not in _MODES:
+    if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(f"mode must be 'add' or 'concat', got {mode!r}")
     if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, numbers.Real):
         raise TypeError(f"offset must be an int or a float, got {type(offset).__name__} {offset!r}")

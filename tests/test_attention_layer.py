@@ -316,6 +316,9 @@ def test_plot_alignment():
         attncore.plot_alignment(np.eye(3), ["a"], ax=ax)
     with pytest.raises(ValueError, match="shape \\(T, S\\)"):
         attncore.plot_alignment(np.ones((2, 2, 2)), ax=ax)
+    for bad in (1.5, "abc", np.ones((3, 3))):  # len() leaked a TypeError naming nothing
+        with pytest.raises(TypeError, match="source_labels must be a sequence of labels"):
+            attncore.plot_alignment(np.eye(3), bad, ax=ax)
 
 
 def test_plot_alignment_without_matplotlib(monkeypatch):
@@ -377,3 +380,76 @@ def test_dot_scale_must_be_finite_and_memory_must_be_prepared():
     with pytest.raises(TypeError, match="memory must be the Memory returned by "
                                         "Attention.prepare"):
         attncore.Attention("dot").step(np.ones((1, 4)), attncore.Memory())
+
+
+def _bilinear_ref(q, k, vals, W):
+    """float64: softmax(q W k^T) vals (Luong's general score)."""
+    return plain_attention(np.asarray(q, np.float64) @ W @ np.swapaxes(k, -1, -2), vals)[0]
+
+
+def _mlp_ref(q, k, vals, Wq, Wk, v):
+    """float64: softmax(v . tanh(Wq q + Wk k)) vals (Bahdanau's additive score)."""
+    s = np.tanh((q @ Wq.T)[:, :, None, :] + (k @ Wk.T)[:, None, :, :]) @ v
+    return plain_attention(s, vals)[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_replaced_or_edited_parameters_are_seen_in_every_dtype(seq, dtype):
+    """A parameter replaced (assignment) or edited in place (``+=``) after a
+    call is used by the next call in every dtype: a copy cast to the other
+    dtype was cached on first use and went stale (a silently wrong answer
+    in that dtype only)."""
+    rng = np.random.default_rng(5)
+    q, k, vals = seq["q"], seq["k"], seq["vals"]
+    other = np.float64 if dtype == np.float32 else np.float32
+    tol = dict(rtol=2e-5, atol=2e-5)
+    W = rng.standard_normal((6, 6)) * 0.3
+    att = attncore.Attention("bilinear", weight=W.astype(dtype))
+    att(q.astype(other), k.astype(other), vals.astype(other))  # a cast made for `other`
+    att.alignment.weight = (2 * W).astype(dtype)
+    np.testing.assert_allclose(att(q.astype(other), k.astype(other), vals.astype(other)),
+                               _bilinear_ref(q, k, vals, att.alignment.weight.astype(np.float64)),
+                               **tol)
+    att.alignment.weight += 1
+    np.testing.assert_allclose(att(q.astype(other), k.astype(other), vals.astype(other)),
+                               _bilinear_ref(q, k, vals, att.alignment.weight.astype(np.float64)),
+                               **tol)
+    Wq, Wk, v = (rng.standard_normal(sh) * 0.4 for sh in ((5, 6), (5, 6), (5,)))
+    m = attncore.Attention("mlp", q_weight=Wq.astype(dtype), k_weight=Wk.astype(dtype),
+                           v=v.astype(dtype))
+    m(q.astype(other), k.astype(other), vals.astype(other))
+    m.alignment.v = np.zeros(5, dtype)                          # uniform weights
+    m.alignment.q_weight *= 2
+    got = m(q.astype(other), k.astype(other), vals.astype(other), return_weights=True)
+    np.testing.assert_allclose(got[1], np.full((3, 5, 7), 1 / 7), **tol)
+    np.testing.assert_allclose(got[0], np.broadcast_to(vals.mean(1, keepdims=True), got[0].shape),
+                               **tol)
+    cw = rng.standard_normal((10, 3))
+    a = attncore.Attention("dot", combine_weight=cw.astype(dtype))
+    a(q.astype(other), k.astype(other)[..., :6], vals.astype(other))
+    a.combine_weight = rng.standard_normal((10, 2)).astype(dtype)
+    h = a(q.astype(other), k.astype(other), vals.astype(other))
+    ctx = plain_attention(q @ np.swapaxes(k, -1, -2), vals)[0]
+    want = np.tanh(np.concatenate([q, ctx], -1) @ a.combine_weight.astype(np.float64))
+    np.testing.assert_allclose(h[1] if isinstance(h, tuple) else h, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mlp_with_empty_batches_and_steps(dtype):
+    """Zero-size batches, steps or keys give empty (or zero-context) results
+    with projection weights, as with every other alignment (a reshape of the
+    empty projected queries raised)."""
+    rng = np.random.default_rng(2)
+    Wq, Wk, v = (rng.standard_normal(sh) for sh in ((6, 4), (6, 4), (6,)))
+    m = attncore.Attention("mlp", q_weight=Wq, k_weight=Wk, v=v)
+    for qs, ks, want in [((0, 3, 4), (0, 5, 4), (0, 3, 4)), ((0, 3, 4), (5, 4), (0, 3, 4)),
+                         ((0, 4), (0, 5, 4), (0, 4)), ((2, 0, 4), (2, 5, 4), (2, 0, 4))]:
+        ctx, w = m(np.zeros(qs, dtype), np.zeros(ks, dtype), return_weights=True)
+        assert ctx.shape == want and w.shape == want[:-1] + (ks[-2],)
+    q, k = rng.standard_normal((2, 3, 4)).astype(dtype), np.zeros((2, 0, 4), dtype)
+    ctx, w = m(q, k, return_weights=True)
+    assert ctx.shape == (2, 3, 4) and w.shape == (2, 3, 0) and not ctx.any()
+    # and a non-empty call still matches the float64 reference
+    k = rng.standard_normal((2, 5, 4))
+    np.testing.assert_allclose(m(q, k.astype(dtype)), _mlp_ref(q.astype(np.float64), k, k, Wq, Wk, v),
+                               rtol=1e-5, atol=1e-5)

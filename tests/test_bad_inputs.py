@@ -111,3 +111,56 @@ def test_ragged_lists_name_the_argument(case):
     name, call = RAGGED_CASES[case]
     with pytest.raises((ValueError, TypeError), match=rf"^{name}\b"):
         call()
+
+
+# ---------------------------------------------------------- huge thread counts
+HUGE_THREADS_CASES = {
+    "sdpa": lambda x, nt: sdpa(x, x, x, num_threads=nt),
+    "sdpa-int8": lambda x, nt: sdpa(x, x, x, precision="int8", num_threads=nt),
+    "rotary": lambda x, nt: attncore.rotary_embedding(x, num_threads=nt),
+    "mha": lambda x, nt: attncore.MultiHeadAttention(64, 2, rng=0)(
+        x.reshape(2, 128, 64), num_threads=nt)[0],
+}
+
+
+@pytest.mark.parametrize("nt", [100_000, 2**31, 2**63])
+@pytest.mark.parametrize("case", sorted(HUGE_THREADS_CASES))
+def test_huge_thread_counts_run_at_most_max_threads(case, nt):
+    """A thread count beyond attncore._threads.max_threads() runs that many
+    threads (it crashed the process, or leaked an OverflowError, in the
+    rotary, MultiHeadAttention and int8 paths): the result is the one of
+    a single thread."""
+    from attncore._threads import max_threads, resolve_num_threads
+
+    assert resolve_num_threads(nt) == max_threads()
+    x = rand((1, 4, 64, 64), seed=3)
+    fn = HUGE_THREADS_CASES[case]
+    np.testing.assert_allclose(fn(x, nt), fn(x, 1), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------- errors that named nothing (NumPy's)
+@pytest.mark.parametrize("bad, exc", [("abc", TypeError), (1.5, TypeError), (True, TypeError),
+                                      ([[1]], TypeError), (-1, ValueError)])
+def test_mha_rng_is_a_generator_or_seed(bad, exc):
+    with pytest.raises(exc, match="rng"):
+        attncore.MultiHeadAttention(8, 2, rng=bad)
+    # a NumPy integer seed is a seed
+    np.testing.assert_array_equal(attncore.MultiHeadAttention(8, 2, rng=np.int64(3)).q_weight,
+                                  attncore.MultiHeadAttention(8, 2, rng=3).q_weight)
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, 0, "ab"])
+def test_merge_attention_parts_must_be_sequences(bad):
+    part = [np.zeros((2, 3))]
+    with pytest.raises(TypeError, match="outputs must be a sequence"):
+        attncore.merge_attention(bad, [np.zeros(2)])
+    with pytest.raises(TypeError, match="lses must be a sequence"):
+        attncore.merge_attention(part, bad)
+
+
+def test_layer_positions_must_be_integers():
+    m = attncore.MultiHeadAttention(16, 2, rotary=True, rng=0)
+    x = rand((1, 2, 16))
+    for bad in ("abc", [0.5, 1.5], [True, False]):
+        with pytest.raises(TypeError, match="positions must be an integer array"):
+            m(x, cache=m.new_cache(1, 8), positions=bad)

@@ -311,6 +311,18 @@ def test_empty_lengths(shape):
     assert res.shape == (1, 2, N, 8) and np.all(res == 0)
 
 
+@pytest.mark.parametrize("batch", [(0, 2), (2, 0)])
+def test_empty_batch_axes_with_a_mask(batch):
+    """A batch or head axis of size 0 beside a mask of the same shape: an
+    empty result, as in memory (dask refused the empty chunking)."""
+    B, H = batch
+    q, k, v = qkv(B, H, 4, 6)
+    mask = np.ones((B, H, 4, 6), bool)
+    out = ad.scaled_dot_product_attention(chunked(q, 1, 1, 2, -1), chunked(k, 1, 1, 3, -1),
+                                          chunked(v, 1, 1, 3, -1), attn_mask=mask)
+    assert out.compute().shape == (B, H, 4, 8)
+
+
 def test_num_threads_passes_through():
     q, k, v = qkv(1, 2, 40, 50)
     for nt in (None, -1, 2):

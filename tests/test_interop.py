@@ -358,3 +358,18 @@ def test_issue21_reused_neg_view_is_recomputed_and_requires_grad_scales():
     qb = torch.randn(3, 4).to(torch.bfloat16)
     o, lse = sd(qb, qb, qb, return_lse=np.True_)
     assert o.dtype is torch.bfloat16 and lse.dtype is torch.float32
+
+
+def test_dask_module_without_dask_names_the_extra(tmp_path):
+    """``import attncore.dask`` without Dask says which extra to install (a
+    bare "No module named 'dask'" before), like the plot and transformers
+    extras.  A dask package that fails to import stands in for a missing one."""
+    fake = tmp_path / "dask"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('dask is not installed here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path)] + [p for p in sys.path if p]))
+    r = subprocess.run([sys.executable, "-c", "import attncore.dask"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "pip install 'attncore[dask]'" in r.stderr, r.stderr

@@ -293,7 +293,7 @@ def test_merge_inputs_not_modified():
 @pytest.mark.parametrize("call,match", [
     (lambda o, x: merge_attention([], []), "at least one"),
     (lambda o, x: merge_attention([o, o], [x]), "one entry per part"),
-    (lambda o, x: merge_attention(o, x), "sequences"),
+    (lambda o, x: merge_attention(o, x), "outputs must be a sequence"),
     (lambda o, x: merge_attention([o], [x[..., :2]]), r"lses\[0\]"),
     (lambda o, x: merge_attention([o, o[..., :3]], [x, x]), r"outputs\[1\]"),
     (lambda o, x: merge_attention([o.astype(int)], [x]), r"outputs\[0\]"),

@@ -128,8 +128,17 @@ BAD_CALLS = [
      lambda: sinusoidal_encoding(4, 8, layout="sin")),
     ("base-one", ValueError, "base must be finite and > 1, got 1.0",
      lambda: sinusoidal_encoding(4, 8, base=1.0)),
-    ("length-negative", ValueError, "length_or_positions as a length must be >= 0, got -1",
+    ("length-negative", ValueError, r"length_or_positions as a length must be >= 0 .*got -1",
      lambda: sinusoidal_encoding(-1, 8)),
+    ("length-huge", ValueError, r"length_or_positions as a length must be .* at most 2\*\*53",
+     lambda: sinusoidal_encoding(2**63, 8)),
+    ("length-numpy-float", TypeError, "length_or_positions must be an int length or an array",
+     lambda: sinusoidal_encoding(np.float32(3.0), 8)),
+    ("layout-array", ValueError, "layout must be 'interleaved' or 'split'",
+     lambda: sinusoidal_encoding(4, 8, layout=np.array(["split", "split"]))),
+    ("mode-array", ValueError, "mode must be 'add' or 'concat'",
+     lambda: add_positional_encoding(_X, mode=np.array(["add", "add"]))),
+    ("dim-huge", ValueError, r"dim must be below 2\*\*31", lambda: sinusoidal_encoding(4, 2**63)),
     ("positions-bool", TypeError, "length_or_positions must be .*got dtype bool",
      lambda: sinusoidal_encoding(np.array([True]), 8)),
     ("dtype-int", TypeError, "dtype must be float16, float32 or float64, got int32",
@@ -160,3 +169,19 @@ def test_float_scalar_length_is_rejected():
     np.testing.assert_allclose(sinusoidal_encoding(np.array([5.0]), 4)[0],
                                [np.sin(5.0), np.cos(5.0), np.sin(5.0 / 100.0), np.cos(5.0 / 100.0)],
                                rtol=1e-6)
+
+
+def test_numpy_integer_lengths_are_lengths():
+    """A NumPy integer scalar is a length, as a Python int is (it was taken
+    as one position); dtype=None is the default float32."""
+    ref = sinusoidal_encoding(5, 8)
+    for n in (np.int64(5), np.uint8(5), np.int32(5)):
+        np.testing.assert_array_equal(sinusoidal_encoding(n, 8), ref)
+    assert sinusoidal_encoding(5, 8, dtype=None).dtype == np.float32
+    # against the published formula (Vaswani et al.), float64
+    pos, i = np.arange(5)[:, None], np.arange(4)[None, :]
+    ang = pos / 10000.0 ** (2 * i / 8)
+    want = np.empty((5, 8))
+    want[:, 0::2], want[:, 1::2] = np.sin(ang), np.cos(ang)
+    np.testing.assert_allclose(sinusoidal_encoding(np.int64(5), 8, dtype=np.float64), want,
+                               rtol=1e-12, atol=1e-12)

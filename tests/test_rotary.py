@@ -325,7 +325,15 @@ def test_bad_x():
         rotary_embedding(np.ones((4, 7), np.float32))
     x = rand((2, 4, 8))
     with pytest.raises(ValueError, match="out overlaps x without being x itself"):
-        rotary_embedding(x[:, :, :4], out=x[:, :, 4:])
+        rotary_embedding(x[:, :, :4], out=x[:, :, 2:6])
+    # column blocks of one buffer side by side do not overlap (the bounds
+    # check refused them): out is written, x is not changed
+    before = x.copy()
+    got = rotary_embedding(x[:, :, :4], out=x[:, :, 4:])
+    assert np.shares_memory(got, x[:, :, 4:])
+    np.testing.assert_array_equal(x[:, :, :4], before[:, :, :4])
+    np.testing.assert_allclose(x[:, :, 4:], reference(before[:, :, :4], np.arange(4), default_freq(4)),
+                               rtol=1e-5, atol=1e-6)
     ro = x.copy()
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="out must be a writable array"):

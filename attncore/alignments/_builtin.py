@@ -44,15 +44,14 @@ def _param(value, name, owner, ndim, expect):
     return a
 
 
-def _cast(a, dtype, cache, key):
-    """``a`` in ``dtype`` (cached per dtype: parameters are cast once)."""
+def _cast(a, dtype):
+    """``a`` in ``dtype``: cast on every use, never cached, so a parameter
+    replaced or edited in place (``+=``) is seen by every later call, in
+    every dtype (a cached copy went stale in the dtype it was made for).
+    The cast costs a read of the parameter, less than the product it feeds."""
     if a is None or a.dtype == dtype:
         return a
-    k = (key, np.dtype(dtype).str)
-    got = cache.get(k)
-    if got is None:
-        got = cache[k] = np.ascontiguousarray(a, dtype=dtype)
-    return got
+    return np.ascontiguousarray(a, dtype=dtype)
 
 
 def _check_dim(owner, what, got, expected, arr_name, shape):
@@ -130,7 +129,6 @@ class Bilinear(Alignment):
 
     def __init__(self, weight=None):
         self.weight = _param(weight, "weight", "bilinear", 2, "(Dq, Dk)")
-        self._cache = {}
 
     @property
     def query_dim(self):
@@ -151,7 +149,7 @@ class Bilinear(Alignment):
 
     def prepare(self, keys):
         self.check_key_dim(keys.shape[-1])
-        w = _cast(self.weight, keys.dtype, self._cache, "weight")
+        w = _cast(self.weight, keys.dtype)
         B, S, Dk = keys.shape
         return linear(keys.reshape(B * S, Dk), w).reshape(B, S, w.shape[0])
 
@@ -199,15 +197,14 @@ class MLP(Alignment):
             if a is not None and a.shape[0] != A:
                 raise ValueError(f"{owner}: parameter {nm!r} must have {A} rows (A = len(v)), "
                                  f"got shape {a.shape}")
-        self._cache = {}
 
     @property
     def attention_dim(self):
         return self.v.shape[0]
 
     def param(self, name, dtype):
-        """Parameter ``name`` cast to ``dtype`` (cached)."""
-        return _cast(getattr(self, name), dtype, self._cache, name)
+        """Parameter ``name`` cast to ``dtype``."""
+        return _cast(getattr(self, name), dtype)
 
     def _check_dim(self, what: str, weight: str, d: int) -> None:
         """``d``, the key or query dimension, checked against ``weight``."""
@@ -247,7 +244,7 @@ class MLP(Alignment):
         if self.q_weight is None:
             return np.ascontiguousarray(query)
         return linear(query.reshape(B * T, Dq),
-                      self.param("q_weight", query.dtype)).reshape(B, T, -1)
+                      self.param("q_weight", query.dtype)).reshape(B, T, self.v.shape[0])
 
     def prepare(self, keys):
         return self.project_keys(keys)
