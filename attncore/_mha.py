@@ -477,9 +477,8 @@ class MultiHeadAttention:
         Width of the output (default ``embed_dim``).
     dtype : {float32, float64, float16, "bfloat16"}, default float32
         dtype of the weights, of the KV cache and of the output (None:
-        float32).  float32
-        and float64 layers compute in their dtype (inputs of another float
-        dtype are converted to it).  float16 / bfloat16 layers (bfloat16:
+        float32).  float32 and float64 layers compute in their dtype
+        (inputs of another float dtype are converted to it).  float16 / bfloat16 layers (bfloat16:
         ``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``) keep
         weights and cache in 16 bits -- half the memory, read in place by
         the kernels -- and compute with float32 activations, biases and

@@ -73,8 +73,8 @@ class PagedKVCache:
     head_dim : int
         Key head size (``D``).
     dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}, default 'float32'
-        Storage (None: float32).  ``"bfloat16"`` needs ml_dtypes.  ``"int8"`` quantizes each
-        token and head on the way in (:func:`attncore.quantize_kv`: one
+        Storage (None: float32).  ``"bfloat16"`` needs ml_dtypes.  ``"int8"``
+        quantizes each token and head on the way in (:func:`attncore.quantize_kv`: one
         float32 scale per row); the blocks are then ``(int8 array, scales)``
         pairs.
     head_dim_v : int, optional

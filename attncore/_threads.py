@@ -23,8 +23,8 @@ import threading
 
 from ._core import _sdpa
 
-__all__ = ["resolve_num_threads", "max_threads", "threads_for", "SERIAL_FLOPS", "blas_parallel_threads",
-           "blas_hold_supported", "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
+__all__ = ["resolve_num_threads", "max_threads", "threads_for", "SERIAL_FLOPS",
+           "blas_parallel_threads", "blas_hold_supported", "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
 
 
 # below this much work a kernel runs on the calling thread, without an
@@ -50,8 +50,8 @@ def resolve_num_threads(num_threads) -> int:
     threadpoolctl limits); ``-1``: every processor; ``k >= 1``: ``k``, at
     most :func:`max_threads` (a larger count is taken as that maximum:
     more threads would only queue on the processors, and tens of thousands
-    exhausted the OpenMP runtime).  1 in a child forked after a team ran.  Always 1 when attncore was built
-    without OpenMP.
+    exhausted the OpenMP runtime).  Always 1 in a child forked after a
+    team ran, and when attncore was built without OpenMP.
     """
     if type(num_threads) is int and num_threads >= 1:  # the common case, first
         n = num_threads
