@@ -255,8 +255,12 @@ def test_scores_below_float32_range(path, dtype, N, M):
     q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
     pad = np.ones((1, 1, M), bool)
     pad[..., M - M // 3:] = False
+    # one thread: blocks of several panels, whose 16-bit keys / values are
+    # converted a chunk of keys at a time (with the last chunk masked, or
+    # beyond a causal row's diagonal, the rows came back 0)
     for kw in ({}, {"is_causal": "lower_right"}, {"attn_mask": pad}, {"return_lse": True},
-               {"return_weights": True}, {"num_threads": 2}):
+               {"return_weights": True}, {"num_threads": 2}, {"attn_mask": pad, "num_threads": 1},
+               {"is_causal": "lower_right", "num_threads": 1}):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no overflow warnings either
             res = attncore.scaled_dot_product_attention(q, k, v, **kw)
@@ -273,7 +277,7 @@ def test_scores_below_float32_range(path, dtype, N, M):
             np.testing.assert_allclose(res[1].astype(np.float64), want[1], atol=1e-2)
 
 
-@pytest.mark.parametrize("N,M", [(1, 3), (3, 50), (40, 70), (1, 3000)])
+@pytest.mark.parametrize("N,M", [(1, 3), (3, 50), (40, 70), (1, 3000), (40, 600)])
 def test_scores_below_float32_range_int8_keys(path, N, M):
     """Keys as quantize_kv pairs (read in place by the few-row loops,
     converted per tile otherwise): the float64 result of the dequantized
@@ -281,9 +285,13 @@ def test_scores_below_float32_range_int8_keys(path, N, M):
     q, k, v = _overflowing(N, M, 16, 7)
     kq = quantize_kv(k)
     kd = kq[0].astype(np.float64) * kq[1][..., None]
-    for kw in ({}, {"is_causal": "lower_right"}, {"num_threads": 2}):
+    pad = np.ones((1, 1, M), bool)
+    pad[..., M - M // 3:] = False
+    for kw in ({}, {"is_causal": "lower_right"}, {"num_threads": 2},
+               {"is_causal": "lower_right", "num_threads": 1},
+               {"attn_mask": pad, "num_threads": 1}):
         out = sdpa(q, kq, v, **kw)
-        want = sdpa_ref(q.astype(np.float64), kd, v.astype(np.float64),
+        want = sdpa_ref(q.astype(np.float64), kd, v.astype(np.float64), kw.get("attn_mask"),
                         is_causal=kw.get("is_causal", False))
         np.testing.assert_allclose(out, want, **TOL32)
 

@@ -687,6 +687,18 @@ static AC_FUSED_RANGE_F32
         }
         c0 = c1;
     } while (c0 < ken);
+    /* A row whose every score came out -inf although it attends keys is
+       flagged for the caller's recomputation by its panel's FINISH phase,
+       which sees only the last chunk's keys: where that chunk holds none
+       the row attends (masked, or beyond a causal row's diagonal), ask
+       over the block's keys (the row came back 0, a fully masked row's
+       answer, for bfloat16 / float16 / int8 keys and values with all scores
+       below -FLT_MAX). */
+    if (processed)
+        for (int r = 0; r < nq; r++)
+            if (!bad[r] && m[r] == -INFINITY &&
+                ac_row_attends_f32(p, mb, mf, i0 + r, kst, ken))
+                bad[r] = -1;
     return processed;
 }
 
