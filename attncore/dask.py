@@ -133,7 +133,14 @@ def _unify_batch(arrays: list[da.Array], bshape: tuple[int, ...], head_scale: li
 
 def _parse_split_every(split_every: Any) -> int:
     if split_every is None:
-        return max(2, int(dask.config.get("split_every", 4) or 4))
+        cfg = dask.config.get("split_every", 4) or 4
+        if isinstance(cfg, dict):  # dask's reductions take {axis: n}: the largest
+            ns = [int(v) for v in cfg.values() if isinstance(v, numbers.Integral)]
+            cfg = max(ns) if ns else 4
+        if isinstance(cfg, (bool, np.bool_)) or not isinstance(cfg, numbers.Integral):
+            raise TypeError(f"dask.config's split_every must be an int or a dict of ints, got "
+                            f"{type(cfg).__name__} {cfg!r}")
+        return max(2, int(cfg))
     if isinstance(split_every, (bool, np.bool_)) or not isinstance(split_every, numbers.Integral):
         raise TypeError(f"split_every must be None or an int >= 2, got "
                         f"{type(split_every).__name__} {split_every!r}")
@@ -189,7 +196,7 @@ def _block_partial(q: np.ndarray, k: np.ndarray, ks: np.ndarray | None, v: np.nd
             m = m[..., c0:]
     out, _, lse = _attention(q[..., r0:, :] if r0 else q, operand(k, ks), operand(v, vs), m,
                              False, scale, gqa, False, True, num_threads, parse_window(window),
-                             parse_softcap(softcap), precision, compute_out=True)
+                             parse_softcap(softcap), precision, compute_out=True, lse_f64=True)
     if r0:
         full = np.zeros(out.shape[:-2] + (n, out.shape[-1]), dtype=out.dtype)
         full_lse = np.full(lse.shape[:-1] + (n,), -np.inf, dtype=lse.dtype)
@@ -208,7 +215,8 @@ def _merge_partials(parts: list) -> tuple[np.ndarray, np.ndarray]:
 def _finish(part: tuple[np.ndarray, np.ndarray], n: int, dt: np.dtype) -> np.ndarray:
     """Item ``n`` of a merged partial (0 the output, 1 the lse) as ``dt``."""
     x, dt = part[n], np.dtype(dt)
-    return x if x.dtype == dt else x.astype(dt)
+    with np.errstate(over="ignore"):  # an lse beyond float32: +-inf, as in memory
+        return x if x.dtype == dt else x.astype(dt)
 
 
 def _full(shape: tuple[int, ...], fill: float, dt: np.dtype) -> np.ndarray:
@@ -290,6 +298,14 @@ def _as_dask(ops: _Operands, N: int, M: int) -> _Operands:
             x = x[..., None]
         if isinstance(x, np.ndarray):
             x = _wrap(x, {a: c for a, c in axes.get(nm, {-2: m_chunks}).items() if c is not None})
+        elif x is not None:
+            # an axis of size 1 in one chunk: it broadcasts, and its blocks
+            # are addressed as block 0 (chunks such as (0, 1), which
+            # compute_chunk_sizes gives after boolean indexing, put the
+            # element in block 1)
+            one = {a: 1 for a, (s, c) in enumerate(zip(x.shape, x.chunks))
+                   if s == 1 and len(c) > 1}
+            x = x.rechunk(one) if one else x
         out.append(x)
     return _Operands(*out)
 
@@ -571,7 +587,11 @@ def scaled_dot_product_attention(
         key chunks: each chunk's lse then rounds to the mask value, the
         log of its key count lost, so the chunks are merged with equal
         weights instead of weights by their sizes.  Masks of -inf or
-        booleans are exact.
+        booleans are exact.  Each chunk's lse is rounded to the compute
+        dtype before the merge, so rows whose scores are nearly exact and
+        large (|score| around 1e4 in float32, 1e12 in float64) carry a
+        relative error of about |lse| times the dtype's epsilon that the
+        in-memory call does not have.
     lse : dask.array.Array, shape (..., N)
         Only with ``return_lse=True``; chunked like ``out`` without its
         last axis.

@@ -429,15 +429,17 @@ def _finish(c: _call.Call, bshape: tuple, rdt, out, weights, lse):
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
                return_weights: bool, return_lse: bool, num_threads,
                window: tuple[int, int] = (-1, -1), softcap: float = 0.0, precision=None, *,
-               alibi=None, sinks=None, compute_out: bool = False):
+               alibi=None, sinks=None, compute_out: bool = False, lse_f64: bool = False):
     """(out, weights or None, lse or None): the checked call, through the
     front door (attncore._call: check, describe, launch).
     ``compute_out``: out and weights stay in the compute dtype (float32 for
     16-bit inputs) instead of the result dtype (attncore.dask merges such
-    partial results before rounding them once)."""
+    partial results before rounding them once).  ``lse_f64``: the lse of a
+    float32 call recomputed in float64 stays float64 (a partial lse beyond
+    the float32 range must not become +-inf before the merge)."""
     opts = (is_causal, scale, enable_gqa, return_weights, return_lse, num_threads, window,
             softcap, precision)
-    kw = dict(alibi=alibi, sinks=sinks, compute_out=compute_out)
+    kw = dict(alibi=alibi, sinks=sinks, compute_out=compute_out, lse_f64=lse_f64)
     chk = _call.check(query, key, value, attn_mask, *opts, alibi=alibi, sinks=sinks)
     if return_weights and (chk.k8 is not None or chk.v8 is not None):
         chk = _dequantized(chk)
@@ -486,7 +488,7 @@ def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
     float64."""
     ops = _float64_operands(operands)
     out, weights, lse = _attention(*ops, attn_mask, *args, **kwargs)
-    if lse is not None:
+    if lse is not None and not kwargs.get("lse_f64"):
         with np.errstate(over="ignore"):  # an lse beyond float32 is -inf / inf there
             lse = lse.astype(np.float32)
     return (out.astype(rdt), None if weights is None else weights.astype(rdt), lse)
@@ -644,7 +646,11 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     A row that attends no key in a part (``lse_i = -inf``) takes nothing
     from it; a row empty in every part gives output 0 and ``lse = -inf``,
     as a single call does.  NaN in a part's lse or in the output of a part
-    the row attends propagates to the merged row.  A part with ``lse_i =
+    the row attends propagates to the merged row.  The sums run in float64,
+    so outputs near the float maximum merge without overflowing.  A part
+    with ``lse_i = +inf`` (an lse beyond the float range, as a float32 call
+    computed again in float64 returns it) takes all the weight of its row;
+    two such parts make the row NaN.  A part with ``lse_i =
     -inf`` but a nonzero output row has an lse beyond the float range (a
     float32 call computed again in float64 whose scores lie below -3.4e38):
     the merged row is NaN unless another part has a finite lse (whose keys
@@ -682,8 +688,11 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     dts = [o.dtype for o in outs]
     odt = dts[0] if len(set(dts)) == 1 else \
         np.result_type(*[np.float32 if is_bf16(d) else d for d in dts])
-    wdt = np.result_type(np.float32, *[np.float32 if is_bf16(d) else d
+    # the lse's dtype; the sums run in float64 whatever the parts (float32
+    # sums of values near the float32 maximum overflowed)
+    ldt = np.result_type(np.float32, *[np.float32 if is_bf16(d) else d
                                        for d in [odt] + [x.dtype for x in ls]])
+    wdt = np.dtype(np.float64) if ldt.itemsize <= 8 else ldt
     try:
         shape_l = np.broadcast_shapes(*[x.shape for x in ls], *[o.shape[:-1] for o in outs])
     except ValueError:
@@ -715,6 +724,15 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
         # answer in this dtype: NaN, not the 0 of an empty row.
         for o, x in zip(outs, L):
             nan |= (mx == -np.inf) & (x == -np.inf) & np.any(o != 0, axis=-1)
+        # a part whose lse is +inf lies beyond the float range above: it takes
+        # all the weight; two such parts cannot be weighed against each other
+        n_top = sum((x == np.inf).astype(np.intp) for x in L)
+        nan |= n_top > 1
+        one = (n_top == 1) & ~nan
+        if one.any():
+            for o, x in zip(outs, L):
+                out = np.where((one & (x == np.inf))[..., None], o, out)
+            lse = np.where(one, np.inf, lse)
         lse = np.where(nan, np.nan, lse)
         out = np.where(nan[..., None], np.nan, out)
-    return out.astype(odt, copy=False), lse.astype(wdt, copy=False)
+        return out.astype(odt, copy=False), lse.astype(ldt, copy=False)

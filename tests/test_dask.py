@@ -755,3 +755,66 @@ def test_local_cluster_two_processes():
     core8, core_lse8 = attncore.scaled_dot_product_attention(q, kq, vq, mask, **opts)
     np.testing.assert_allclose(res8, core8, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(res_lse8, core_lse8, rtol=2e-5, atol=2e-6)
+
+
+def test_empty_chunks_on_broadcast_axes():
+    """A size-1 (broadcast) axis chunked (0, 1) -- what compute_chunk_sizes
+    gives after boolean indexing -- is read as its one element: the result
+    declared (3, 6, 4) computed as (0, 6, 4) or failed, and such a mask
+    axis gave a false shape error."""
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 6, 4)), rng.standard_normal((3, 8, 4))
+    out = ad.scaled_dot_product_attention(da.from_array(q, chunks=((0, 1), 6, 4)),
+                                          chunked(k, 1, 4, -1), chunked(k, 1, 4, -1))
+    assert out.shape == (3, 6, 4)
+    np.testing.assert_allclose(out.compute(), ref(q, k, k)[0], rtol=1e-11, atol=1e-12)
+    q3 = rng.standard_normal((3, 3, 4))
+    for mshape, mchunks in (((3, 1, 8), (1, (0, 1), 4)), ((3, 3, 1), (1, 3, (0, 1)))):
+        m = rng.random(mshape) > 0.3
+        m[..., 0] = True
+        out = ad.scaled_dot_product_attention(
+            chunked(q3, 1, 3, -1), chunked(k, 1, 4, -1), chunked(k, 1, 4, -1),
+            attn_mask=da.from_array(m, chunks=mchunks))
+        np.testing.assert_allclose(out.compute(), ref(q3, k, k, m)[0], rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_float32_scores_beyond_the_float32_range_over_key_chunks(sign):
+    """Scores beyond the float32 range: each key chunk's float64 re-run
+    keeps its lse in float64 for the merge (cast to float32 it became
+    +-inf, and the merged rows NaN).  The result is the in-memory call's,
+    which the float64 reference gives."""
+    rng = np.random.default_rng(1)
+    q = (np.abs(rng.standard_normal((4, 8))) * 1e20).astype(np.float32)
+    k = (sign * np.abs(rng.standard_normal((16, 8))) * 1e20).astype(np.float32)
+    v = rng.standard_normal((16, 3)).astype(np.float32)
+    scale = 1.0
+    want = ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale=scale)[0]
+    for kc in (16, 8, 4):
+        out = ad.scaled_dot_product_attention(q, chunked(k, kc, 8), chunked(v, kc, 3), scale=scale)
+        np.testing.assert_allclose(out.compute(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attncore.scaled_dot_product_attention(q, k, v, scale=scale), want,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_values_near_the_float32_maximum_over_key_chunks():
+    """The merge of key chunks sums in float64: values near the float32
+    maximum gave inf (the in-memory call gives the finite answer)."""
+    q, k = np.zeros((2, 4), np.float32), np.zeros((8, 4), np.float32)
+    v = np.full((8, 1), 3e38, np.float32)
+    for kc in (4, 1):
+        out = ad.scaled_dot_product_attention(q, chunked(k, kc, 4), chunked(v, kc, 1)).compute()
+        np.testing.assert_allclose(out, np.full((2, 1), 3e38), rtol=1e-6)
+
+
+def test_split_every_from_a_dask_config_dict():
+    """dask's reductions take split_every={axis: n} from dask.config: the
+    merge tree takes the largest n (a TypeError leaked before)."""
+    q, k, v = qkv(1, 2, 4, 12)
+    want = ref(q, k, v)[0]
+    with dask.config.set(split_every={0: 2, 1: 3}):
+        out = ad.scaled_dot_product_attention(q, chunked(k, 1, 1, 1, -1), chunked(v, 1, 1, 1, -1))
+        np.testing.assert_allclose(out.compute(), want, rtol=1e-11, atol=1e-12)
+    with dask.config.set(split_every="x"):
+        with pytest.raises(TypeError, match="dask.config's split_every"):
+            ad.scaled_dot_product_attention(q, chunked(k, 1, 1, 1, -1), chunked(v, 1, 1, 1, -1))

@@ -336,3 +336,22 @@ def test_merge_bfloat16_parts(kind):
                                [parts[0][1], parts[1][1]])
     assert mixed.dtype == np.float32
     np.testing.assert_allclose(mixed, want, rtol=2e-2, atol=2e-2)
+
+
+def test_merge_sums_in_float64_and_takes_a_part_beyond_the_range():
+    """Parts whose outputs are near the float32 maximum merge without
+    overflowing (float32 sums gave inf), and a part whose lse is +inf (an
+    lse beyond the float range) takes all the weight of its row (NaN
+    before); two such parts make the row NaN."""
+    big = np.full((1, 2, 3), 3e38, np.float32)
+    lse = np.zeros((1, 2), np.float32)
+    out, l2 = merge_attention([big, big], [lse, lse])
+    assert out.dtype == np.float32 and l2.dtype == np.float32
+    np.testing.assert_allclose(out, big, rtol=1e-6)
+    np.testing.assert_allclose(l2, np.log(2.0), rtol=1e-6)
+    a, b = np.array([[1.0, 2.0]], np.float32), np.array([[5.0, 6.0]], np.float32)
+    out, l2 = merge_attention([a, b], [np.array([np.inf], np.float32), np.array([0.0], np.float32)])
+    np.testing.assert_array_equal(out, a)
+    assert l2[0] == np.inf
+    out, l2 = merge_attention([a, b], [np.array([np.inf], np.float32)] * 2)
+    assert np.isnan(out).all() and np.isnan(l2).all()
