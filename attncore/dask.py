@@ -589,9 +589,9 @@ def scaled_dot_product_attention(
         weights instead of weights by their sizes.  Masks of -inf or
         booleans are exact.  Each chunk's lse is rounded to the compute
         dtype before the merge, so rows whose scores are nearly exact and
-        large (|score| around 1e4 in float32, 1e12 in float64) carry a
-        relative error of about |lse| times the dtype's epsilon that the
-        in-memory call does not have.
+        large in magnitude (about 1e4 in float32, 1e12 in float64) carry a
+        relative error of about the lse's magnitude times the dtype's
+        epsilon that the in-memory call does not have.
     lse : dask.array.Array, shape (..., N)
         Only with ``return_lse=True``; chunked like ``out`` without its
         last axis.
