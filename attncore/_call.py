@@ -429,6 +429,13 @@ class Call(NamedTuple):
     fold: bool = False        #: paged: a one-query sequence's query heads as rows of one item
 
 
+# _sdpa.sdpa reads the leading fields of a Call and its Plan by position
+if (Call._fields[:len(_sdpa.CALL_FIELDS)] != _sdpa.CALL_FIELDS
+        or Plan._fields[:len(_sdpa.PLAN_FIELDS)] != _sdpa.PLAN_FIELDS):
+    raise ImportError("attncore._core._sdpa reads other Call / Plan fields than "
+                      "attncore._call defines: rebuild the extension")
+
+
 def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
     """An int8 operand laid out for the kernel (last axis contiguous, rows
     at least D apart) and its scales as (..., M, 1) of the compute dtype."""
@@ -680,7 +687,8 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
     """Run the kernel of ``c``: (out, weights or None, lse or None, whether
     out is all finite), in the compute dtype; dense calls (nb, N, Dv) /
     (nb, N, M) / (nb, N), packed ones (total_q, Hq, Dv).  The one call site
-    of the compiled kernels, which read the description itself."""
+    of the compiled kernels (with :func:`launch_plain`), which read the
+    description itself."""
     if c.block_table is not None:
         out = np.empty((c.q.shape[0], c.q.shape[1], c.Dv), dtype=c.compute)
         lse = np.empty(c.q.shape[:2], dtype=c.compute) if c.need_lse else None
@@ -697,6 +705,16 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
     if lse is not None and c.lse_shift is not None:
         lse += c.lse_shift
     return out, weights, lse, finite
+
+
+def launch_plain(fields: tuple, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
+    """:func:`launch` of a dense call without weights, lse or lse shift
+    whose :class:`Call` comes as a plain tuple of its fields (the lean path
+    of the descriptions that attncore.functional caches by operand
+    metadata): (out, whether it is all finite), out allocated in ``shape``
+    (its elements those of (nb, N, Dv) in order) of the compute dtype."""
+    out = np.empty(shape, dtype=dtype)
+    return out, _sdpa.sdpa(fields, out, None, None)
 
 
 def stand_in(shape: tuple, dtype: Any) -> np.ndarray:

@@ -327,8 +327,9 @@ def scaled_dot_product_attention(
 # plain calls: the description decided once per operand metadata
 # --------------------------------------------------------------------------
 # (query, key, value metadata, options, threads, kernel path, bfloat16 mode)
-# -> (the call's description without operands, the shape q is read in or
-# None, the output's shape, its dtype), or False where a call of that
+# -> (the fields of the call's description after its operands, the shape q
+# is read in or None, the output's shape, the compute dtype, the result
+# dtype where it differs or None, threads), or False where a call of that
 # metadata needs the general path every time (copies, conversions, BLAS
 # products, broadcast query rows, an empty call)
 _PLAIN: dict = {}
@@ -344,39 +345,48 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
     decide from).  A small call's checks cost as much as its kernel, and
     more when the caches are cold.  None where the general path must run
     (it then raises any error, as it would have)."""
-    if not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
-        return None   # (the checks copy such an operand; nothing cached for its metadata)
     try:
         nt = resolve_num_threads(num_threads)
     except (TypeError, ValueError):
         return None
+    # (the data's alignment is the one property of the operands the key
+    # leaves out: _sdpa.sdpa checks it, and a misaligned operand takes the
+    # general path, whose checks copy it)
     key_ = (query.shape, query.strides, query.dtype, key.shape, key.strides, key.dtype,
             value.shape, value.strides, value.dtype, type(is_causal), is_causal, type(scale),
-            scale, type(enable_gqa), enable_gqa, nt, _sdpa.kernel_path(), _sdpa.bf16_mode())
+            scale, type(enable_gqa), enable_gqa, nt, _sdpa.call_state())
     try:
         hit = _PLAIN.get(key_)
     except TypeError:   # an unhashable argument: the general path says what it is
         return None
     if hit is None:
         hit = _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads)
+        if hit is None:
+            return None
         if len(_PLAIN) >= _PLAIN_MAX:
             _PLAIN.clear()
         _PLAIN[key_] = hit
     if hit is False:
         return None
-    c, qread, oshape, rdt = hit
+    tail, qread, oshape, cdt, rdt, nthr = hit
     q = query if qread is None else query.reshape(qread)
-    # the description with its operands (tuple.__new__: the Call's fields in order)
-    out, _, _, finite = _call.launch(tuple.__new__(_call.Call, (q, key, value) + c[3:]))
+    try:
+        # the description's fields with the operands in front
+        out, finite = _call.launch_plain((q, key, value) + tail, oshape, cdt)
+    except _sdpa.Misaligned:
+        return None
     if not finite:
         return None  # an overflow or non-finite inputs: the general path decides
-    out = out.reshape(oshape)
-    return out if rdt == c.compute else cast(out, rdt, c.plan.nthreads)
+    return out if rdt is None else cast(out, rdt, nthr)
 
 
 def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads):
     """The cache entry of :func:`_plain_call` for these operands (their
-    checks raise as the general call's would)."""
+    checks raise as the general call's would); None for misaligned
+    operands (the checks copy them: nothing is cached for their
+    metadata, which aligned operands share)."""
+    if not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
+        return None
     chk = _call.check(query, key, value, None, is_causal, scale,
                       parse_bool(enable_gqa, "enable_gqa"), False, False, num_threads)
     if (chk.empty or _broadcast_query(chk) or chk.q is not query or chk.k is not key
@@ -387,11 +397,13 @@ def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads
     read = chk if rows is None else rows
     pl = c.plan
     if (c.block_table is not None or c.mask is not None or c.q is not read.q or c.k is not chk.k
-            or c.v is not chk.v or not (pl.fused or c.N <= _SMALL_ROWS)):
+            or c.v is not chk.v or not (pl.fused or c.N <= _SMALL_ROWS) or c.need_weights
+            or c.need_lse or c.lse_shift is not None):
         return False   # operands copied or converted, or the BLAS path
     qread = None if rows is None else rows.q.shape
-    return (c._replace(q=None, k=None, v=None), qread, chk.bshape + (chk.q.shape[-2], c.Dv),
-            chk.pol.result)
+    rdt = chk.pol.result
+    return (tuple(c)[3:], qread, chk.bshape + (chk.q.shape[-2], c.Dv), c.compute,
+            None if rdt == c.compute else rdt, pl.nthreads)
 
 
 def _dequantized(chk: _call.Checked) -> _call.Checked:
@@ -512,9 +524,10 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
                    nthreads: int, window: tuple, softcap: float, kernel_path: str,
                    bf16: int) -> tuple | None:
     """What the operands' metadata decide of a prepared call (cached):
-    (the call's description without its operands, the shape q is read in
-    (a decoding step of grouped-query heads) or None, the output's shape),
-    or None where the call needs the general path.  ``bf16``: the CPU's
+    (the fields of the call's description after its operands, the shape q
+    is read in (a decoding step of grouped-query heads) or None, the
+    output's shape, the compute dtype, the operands' 16-bit format code,
+    threads), or None where the call needs the general path.  ``bf16``: the CPU's
     bfloat16 products (bfloat16 operands take them, as the policy has it;
     float16 ones never)."""
     if (len(qshape) != 4 or len(kshape) != 4 or len(vshape) != 4
@@ -562,10 +575,11 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
                          copied_kv=copied_kv)
     if not pl.fused and N > _SMALL_ROWS:
         return None  # the BLAS path: the general call decides its threads
+    cdt = np.dtype(np.float32 if fmt else dt)
     c = _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, sc,
                    window, softcap, None, None, None, (fmt, fmt, fmt), None, None,
-                   bf16 if pl.fused else 0, 0, pl, np.dtype(np.float32 if fmt else dt))
-    return c, qread, oshape
+                   bf16 if pl.fused else 0, 0, pl, cdt)
+    return tuple(c)[3:], qread, oshape, cdt, fmt, pl.nthreads
 
 
 def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
@@ -594,20 +608,21 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     prep = _prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, dt,
                           causal, scale, nthreads, window, softcap, _sdpa.kernel_path(),
                           _sdpa.bf16_mode())
-    if prep is None or not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
+    if prep is None:
         return None
-    c, qread, oshape = prep
+    tail, qread, oshape, cdt, fmt, nthr = prep
     if qread is not None:
         q = q.reshape(qread)
-    fmt = c.fmts[0]
     if fmt == HALF_BF16:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
-    # the description with its operands (tuple.__new__: the Call's fields in order)
-    out, _, _, finite = _call.launch(tuple.__new__(_call.Call, (q, k, v) + c[3:]))
+    try:
+        # the description's fields with the operands in front
+        out, finite = _call.launch_plain((q, k, v) + tail, oshape, cdt)
+    except _sdpa.Misaligned:
+        return None  # (the general call copies a misaligned operand)
     if not finite:
         return None  # an overflow or non-finite inputs: the general call decides
-    out = out.reshape(oshape)
-    return cast(out, dt, c.plan.nthreads) if fmt else out
+    return cast(out, dt, nthr) if fmt else out
 
 
 # --------------------------------------------------------------------------

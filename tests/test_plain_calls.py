@@ -111,6 +111,29 @@ def test_what_the_checks_convert_or_refuse(fresh):
         sdpa(q, k, v, enable_gqa="yes")
 
 
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_misaligned_operand_of_cached_metadata(path, fresh, which):
+    """An operand whose data is misaligned (not a multiple of its item
+    size) but whose shape, strides and dtype match a cached description:
+    the plain call gives the reference (the general path copies it), and
+    the integrations' prepared call declines (None, for the general call)
+    instead of handing the kernels a misaligned pointer."""
+    ops = [rand((2, 2, 5, 16), 1), rand((2, 2, 7, 16), 2), rand((2, 2, 7, 16), 3)]
+    ref = sdpa_ref(*ops)
+    close(sdpa(*ops), ref)
+    # (the portable path's BLAS tiles are the general call's)
+    assert (functional.attention_prepared(*ops, 0, None, 1) is None) == (path == "portable")
+    raw = np.zeros(ops[which].nbytes + 1, np.uint8)
+    odd = raw[1:].view(np.float32).reshape(ops[which].shape)
+    odd[...] = ops[which]
+    assert not odd.flags.aligned
+    bad = list(ops)
+    bad[which] = odd
+    for _ in range(2):
+        close(sdpa(*bad), ref)
+        assert functional.attention_prepared(*bad, 0, None, 1) is None
+
+
 def test_kernel_path_is_part_of_the_key(fresh):
     """The same call under each forced path: each path's own description
     (its panel rows, its kernels), each result the reference's."""
@@ -119,7 +142,8 @@ def test_kernel_path_is_part_of_the_key(fresh):
     for p in _kernels.available_kernel_paths() * 2:
         with _kernels.forced_kernel_path(p):
             close(sdpa(q, k, v, is_causal=True), ref)
-    assert len({key[-2] for key in fresh}) == len(_kernels.available_kernel_paths())
+    # (the key's last entry: the kernel path and the bfloat16 mode, one int)
+    assert len({key[-1] for key in fresh}) == len(_kernels.available_kernel_paths())
 
 
 def test_overflow_still_runs_again_in_float64(fresh):

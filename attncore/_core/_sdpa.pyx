@@ -414,6 +414,18 @@ def kernel_path():
     return _PATHS[ac_kernel_path]
 
 
+def call_state():
+    """The process-wide state a call's description depends on, as one int
+    (the kernel path in use and the bfloat16 mode): the key of the
+    descriptions cached by operand metadata (functional._plain_call)."""
+    return ac_kernel_path * 4 + _bf16_mode
+
+
+class Misaligned(ValueError):
+    """An operand of :func:`sdpa` whose data is not aligned to its item
+    size (the kernels read typed elements)."""
+
+
 def set_kernel_path(path):
     """Select the float32 kernel path (private; for tests and benchmarks).
 
@@ -878,6 +890,20 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
     return buf.strides[buf.ndim - 2] // buf.itemsize
 
 
+# the leading fields of attncore._call.Call and Plan that sdpa reads, by
+# position (_call checks its classes against these names at import)
+CALL_FIELDS = ("q", "k", "v", "mask", "mask_kind", "bshape", "group", "N", "M", "D", "Dv",
+               "causal", "scale", "window", "softcap", "k_scales", "v_scales", "q_scales",
+               "fmts", "slopes", "sinks", "bf16dot", "qk8", "plan")
+PLAN_FIELDS = ("Bq", "Bk", "nsplit", "chunk", "nthreads", "fused", "kvcopy")
+cdef enum:
+    _C_Q, _C_K, _C_V, _C_MASK, _C_MASK_KIND, _C_BSHAPE, _C_GROUP, _C_N, _C_M, _C_D, _C_DV
+    _C_CAUSAL, _C_SCALE, _C_WINDOW, _C_SOFTCAP, _C_K_SCALES, _C_V_SCALES, _C_Q_SCALES
+    _C_FMTS, _C_SLOPES, _C_SINKS, _C_BF16DOT, _C_QK8, _C_PLAN
+cdef enum:
+    _P_BQ, _P_BK, _P_NSPLIT, _P_CHUNK, _P_NTHREADS, _P_FUSED, _P_KVCOPY
+
+
 def sdpa(call, out, weights=None, lse=None):
     """Run the dense kernel of ``call``, an attncore._call.Call (the one
     description of a call: see attncore._call.describe), into ``out``
@@ -923,20 +949,28 @@ def sdpa(call, out, weights=None, lse=None):
     Returns whether every element of ``out`` is finite (a float32 output of
     finite operands that is not: an overflow, computed again in float64).
     """
-    q, k, v, mask = call.q, call.k, call.v, call.mask
-    cdef tuple bshape = call.bshape
-    cdef Py_ssize_t group = call.group
-    cdef int mask_kind = call.mask_kind
-    cdef int N = call.N, M = call.M, D = call.D, Dv = call.Dv, causal = call.causal
-    cdef double scale = call.scale, softcap = call.softcap
-    pl = call.plan
-    cdef int Bq = pl.Bq, Bk = pl.Bk, nsplit = pl.nsplit, nthreads = pl.nthreads
-    cdef Py_ssize_t chunk = pl.chunk
-    cdef int win_l = call.window[0], win_r = call.window[1]
-    k_scales, v_scales, q_scales = call.k_scales, call.v_scales, call.q_scales
-    cdef int q_fmt = call.fmts[0], k_fmt = call.fmts[1], v_fmt = call.fmts[2]
-    alibi_slopes, sinks = call.slopes, call.sinks
-    cdef int bf16dot = call.bf16dot, qk8 = call.qk8
+    # the fields by position (CALL_FIELDS, PLAN_FIELDS): a named field's
+    # lookup is several dictionary probes, and a small call right after a
+    # large one finds them out of cache (about 1 microsecond each)
+    if not (isinstance(call, tuple) and isinstance(call[_C_PLAN], tuple)):
+        raise TypeError(f"call must be an attncore._call.Call, got {type(call).__name__}")
+    cdef tuple c = <tuple>call
+    cdef tuple pl = <tuple>c[_C_PLAN]
+    q, k, v, mask = c[_C_Q], c[_C_K], c[_C_V], c[_C_MASK]
+    cdef tuple bshape = c[_C_BSHAPE]
+    cdef Py_ssize_t group = c[_C_GROUP]
+    cdef int mask_kind = c[_C_MASK_KIND]
+    cdef int N = c[_C_N], M = c[_C_M], D = c[_C_D], Dv = c[_C_DV], causal = c[_C_CAUSAL]
+    cdef double scale = c[_C_SCALE], softcap = c[_C_SOFTCAP]
+    cdef int Bq = pl[_P_BQ], Bk = pl[_P_BK], nsplit = pl[_P_NSPLIT], nthreads = pl[_P_NTHREADS]
+    cdef Py_ssize_t chunk = pl[_P_CHUNK]
+    cdef tuple window = c[_C_WINDOW], fmts = c[_C_FMTS]
+    cdef int win_l = window[0], win_r = window[1]
+    k_scales, v_scales, q_scales = c[_C_K_SCALES], c[_C_V_SCALES], c[_C_Q_SCALES]
+    cdef int q_fmt = fmts[0], k_fmt = fmts[1], v_fmt = fmts[2]
+    alibi_slopes, sinks = c[_C_SLOPES], c[_C_SINKS]
+    cdef int bf16dot = c[_C_BF16DOT], qk8 = c[_C_QK8]
+    cdef bint kvcopy = pl[_P_KVCOPY], fused = pl[_P_FUSED]
     cdef const double[::1] slopes_v
     cdef const double[::1] sinks_v
     cdef _Buffers bufs
@@ -1025,6 +1059,12 @@ def sdpa(call, out, weights=None, lse=None):
                 or (have_vs and bvs.itemsize != bo.itemsize)):
             raise TypeError("query, key, value and out must share one dtype (int8 key / value "
                             "with scales of that dtype)")
+        if ((<size_t>bq.buf) % <size_t>bq.itemsize or (<size_t>bk.buf) % <size_t>bk.itemsize
+                or (<size_t>bv.buf) % <size_t>bv.itemsize):
+            # (the checks give the kernels aligned operands; a call from a
+            # description cached by metadata, functional._plain_call, meets
+            # a misaligned one here and takes the general path)
+            raise Misaligned("query, key and value must be aligned to their item size")
         if have_w and (have_ks or have_vs):
             raise TypeError("the weights path takes float keys and values")
         if ((have_ks and (bks.ndim < 2 or bks.ndim - 2 > nd))
@@ -1056,7 +1096,7 @@ def sdpa(call, out, weights=None, lse=None):
         # block of the fused kernel copies them once for its panels
         # (plan.kvcopy; 1 values, 2 keys)
         p.kvcopy = 0
-        if pl.kvcopy and pl.fused and not is64 and not qk8 and not bf16dot:
+        if kvcopy and fused and not is64 and not qk8 and not bf16dot:
             if not have_vs and not v_fmt and p.v_rs != Dv:
                 p.kvcopy |= 1
             if not have_ks and not k_fmt and p.k_rs != D:
