@@ -75,6 +75,12 @@ cdef extern from "ac_sdpa.h" nogil:
     void ac_sdpa_finish_f64(int nq, int Dv, int processed, const double *acc, const double *l,
                             const int *bad, double *out, Py_ssize_t o_rs, const double *m,
                             double sink)
+    int ac_sdpa_finish_finite_f32(int nq, int Dv, int processed, const float *acc,
+                                  const float *l, const int *bad, float *out, Py_ssize_t o_rs,
+                                  const float *m, double sink)
+    int ac_sdpa_finish_finite_f64(int nq, int Dv, int processed, const double *acc,
+                                  const double *l, const int *bad, double *out,
+                                  Py_ssize_t o_rs, const double *m, double sink)
     void ac_sdpa_merge_f32(int nsplit, int nq, int Dv, const float *pacc, Py_ssize_t acc_ss,
                            const float *pm, const float *pl, Py_ssize_t ml_ss, const int *pbad,
                            Py_ssize_t bad_ss, float *out, Py_ssize_t o_rs, float *lse,
@@ -594,6 +600,19 @@ cdef inline const ac_params *_batch_params(const ac_params *p0, _Ops *ops, Py_ss
     return pb
 
 
+cdef inline bint _finish_finite(int nq, int Dv, int processed, const floating *acc,
+                                const floating *l, const int *bad, floating *out,
+                                Py_ssize_t o_rs, const floating *m, double sink) noexcept nogil:
+    """_finish, then whether every element it wrote is finite (one
+    vectorized pass over the rows)."""
+    if floating is float:
+        return ac_sdpa_finish_finite_f32(nq, Dv, processed, acc, l, bad, out, o_rs, m,
+                                         sink) != 0
+    else:
+        return ac_sdpa_finish_finite_f64(nq, Dv, processed, acc, l, bad, out, o_rs, m,
+                                         sink) != 0
+
+
 cdef inline bint _rows_finite(const floating *x, Py_ssize_t n) noexcept nogil:
     """Whether the n elements at x are all finite (a work item's output
     rows, checked while they are in cache: a pass over the whole output
@@ -660,6 +679,7 @@ cdef inline int _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
     cdef floating *alpha = l + Bq
     cdef int *bad = <int *>(alpha + Bq)
     cdef int processed
+    cdef bint fin
     cdef Py_ssize_t ks, ke
     cdef floating *o
     if nsplit == 1:
@@ -667,10 +687,10 @@ cdef inline int _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
         # finish then scales them in place instead of copying
         o = (<floating *>ops.out) + (b * p.N + i0) * Dv
         processed = _range(p, q, k, v, ksc, vsc, mb, mf, i0, nq, 0, p.M, S, o, m, l, alpha, bad)
-        _finish(nq, p.Dv, processed, o, l, bad, o, Dv, m, p.sink)
+        fin = _finish_finite(nq, p.Dv, processed, o, l, bad, o, Dv, m, p.sink)
         if ops.lse != NULL:
             _lse_rows(nq, processed, m, l, bad, (<floating *>ops.lse) + b * p.N + i0, p.sink)
-        return 0 if _rows_finite(o, nq * Dv) else 1
+        return 0 if fin else 1
     else:
         ks = s * chunk
         ke = ks + chunk
