@@ -281,9 +281,9 @@ class Attention:
         if kind == "dot":
             prepared = kc
         elif kind == "bilinear":
-            prepared = self.alignment.prepare(kc)
+            prepared = self.alignment.prepare(kc, num_threads=self.num_threads)
         elif kind == "mlp":
-            prepared = self.alignment.project_keys(kc)
+            prepared = self.alignment.project_keys(kc, num_threads=self.num_threads)
             vc = aligned(np.ascontiguousarray(vc))
             if prepared.size and np.abs(prepared).max() <= _FACTOR_LIMIT[np.dtype(cdt)]:
                 mem._aux = np.exp(prepared * np.asarray(2, dtype=cdt))   # e^{2 kp}
@@ -438,7 +438,7 @@ class Attention:
         a = self.alignment
         B, T, _ = q3.shape
         S = memory.length
-        qp = aligned(a.project_queries(q3))
+        qp = aligned(a.project_queries(q3, num_threads=self.num_threads))
         A = qp.shape[-1]
         cdt = q3.dtype
         v = aligned(np.ascontiguousarray(a.param("v", cdt)))

@@ -453,3 +453,35 @@ def test_mlp_with_empty_batches_and_steps(dtype):
     k = rng.standard_normal((2, 5, 4))
     np.testing.assert_allclose(m(q, k.astype(dtype)), _mlp_ref(q.astype(np.float64), k, k, Wq, Wk, v),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bilinear", "mlp"])
+def test_layer_num_threads_reaches_its_projections(seq, kind, monkeypatch):
+    """The layer's ``num_threads`` is the thread count of every dense
+    product it runs, the alignment's key and query projections included
+    (they ran with OpenMP's default count: ``Attention(...,
+    num_threads=1)`` used every core there); the result is the reference's
+    all the same."""
+    from attncore.alignments import _builtin
+    seen = []
+    real = _builtin.linear
+
+    def recording(*args, **kw):
+        seen.append(kw.get("num_threads"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_builtin, "linear", recording)
+    rng = np.random.default_rng(3)
+    q, k, vals, mask = seq["q"], seq["k"], seq["vals"], seq["mask"]
+    if kind == "bilinear":
+        W = rng.standard_normal((6, 6)) * 0.3
+        att = attncore.Attention("bilinear", weight=W, num_threads=3)
+        s = q @ W @ np.swapaxes(k, -1, -2)
+    else:
+        Wq, Wk, v, b = (rng.standard_normal(sh) * 0.4 for sh in ((5, 6), (5, 6), (5,), (5,)))
+        att = attncore.Attention("mlp", q_weight=Wq, k_weight=Wk, v=v, bias=b, num_threads=3)
+        s = np.tanh((q @ Wq.T)[:, :, None, :] + (k @ Wk.T + b)[:, None, :, :]) @ v
+    out = att(q, k, vals, mask=mask)
+    want = plain_attention(s, vals, mask)[0]
+    np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
+    assert seen and all(n == 3 for n in seen), seen

@@ -147,11 +147,15 @@ class Bilinear(Alignment):
             raise ValueError(f"bilinear: the query dimension must be weight.shape[0] = "
                              f"{self.weight.shape[0]}, got Dq = {Dq}")
 
-    def prepare(self, keys):
+    def prepare(self, keys, *, num_threads=None):
+        """``k W_a^T`` (B, S, Dq); ``num_threads`` as in
+        :func:`attncore.scaled_dot_product_attention` (the layer passes its
+        own)."""
         self.check_key_dim(keys.shape[-1])
         w = _cast(self.weight, keys.dtype)
         B, S, Dk = keys.shape
-        return linear(keys.reshape(B * S, Dk), w).reshape(B, S, w.shape[0])
+        return linear(keys.reshape(B * S, Dk), w,
+                      num_threads=num_threads).reshape(B, S, w.shape[0])
 
     def score(self, query, prepared):
         self.check_query_dim(query.shape[-1])
@@ -221,8 +225,9 @@ class MLP(Alignment):
     def check_query_dim(self, Dq):
         self._check_dim("query", "q_weight", Dq)
 
-    def project_keys(self, keys):
-        """``W_k k + b`` as a C-contiguous (B, S, A) array of keys' dtype."""
+    def project_keys(self, keys, *, num_threads=None):
+        """``W_k k + b`` as a C-contiguous (B, S, A) array of keys' dtype
+        (``num_threads``: the projection's, the layer passes its own)."""
         self.check_key_dim(keys.shape[-1])
         dt = keys.dtype
         B, S, Dk = keys.shape
@@ -231,23 +236,25 @@ class MLP(Alignment):
             kp = np.array(keys, dtype=dt, order="C", copy=True)
         else:
             kp = linear(keys.reshape(B * S, Dk), self.param("k_weight", dt),
-                        self.param("bias", dt) if self.bias is not None else None).reshape(B, S, A)
+                        self.param("bias", dt) if self.bias is not None else None,
+                        num_threads=num_threads).reshape(B, S, A)
             return kp
         if self.bias is not None:
             kp += self.param("bias", dt)
         return kp
 
-    def project_queries(self, query):
-        """``W_q q`` as a C-contiguous (B, T, A) array of query's dtype."""
+    def project_queries(self, query, *, num_threads=None):
+        """``W_q q`` as a C-contiguous (B, T, A) array of query's dtype
+        (``num_threads``: the projection's, the layer passes its own)."""
         self.check_query_dim(query.shape[-1])
         B, T, Dq = query.shape
         if self.q_weight is None:
             return np.ascontiguousarray(query)
-        return linear(query.reshape(B * T, Dq),
-                      self.param("q_weight", query.dtype)).reshape(B, T, self.v.shape[0])
+        return linear(query.reshape(B * T, Dq), self.param("q_weight", query.dtype),
+                      num_threads=num_threads).reshape(B, T, self.v.shape[0])
 
-    def prepare(self, keys):
-        return self.project_keys(keys)
+    def prepare(self, keys, *, num_threads=None):
+        return self.project_keys(keys, num_threads=num_threads)
 
     def score(self, query, prepared):
         qp = self.project_queries(query)
