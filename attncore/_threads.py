@@ -53,16 +53,7 @@ def resolve_num_threads(num_threads) -> int:
     exhausted the OpenMP runtime).  Always 1 in a child forked after a
     team ran, and when attncore was built without OpenMP.
     """
-    if type(num_threads) is int and 1 <= num_threads <= _FEW_THREADS:
-        # the common case first, in as few steps as possible: right after a
-        # call that swept the caches, each step of this path costs about a
-        # microsecond (a small call's Python time was 10x its warm time)
-        if num_threads == 1 or not _ONE_THREAD:
-            if num_threads > 1:
-                _note_team()
-            return num_threads
-        return 1
-    if type(num_threads) is int and num_threads >= 1:
+    if type(num_threads) is int and num_threads >= 1:  # the common case, first
         n = num_threads
     elif num_threads is None:
         n = _sdpa.omp_max_threads()
@@ -81,6 +72,9 @@ def resolve_num_threads(num_threads) -> int:
                 f"num_threads must be None, -1 (all cores) or >= 1, got {num_threads}")
     if _ONE_THREAD:
         return 1
+    # (no OpenMP query below _FEW_THREADS: right after a call that swept
+    # the caches, omp_get_num_procs -- a system call -- and its Python
+    # steps cost microseconds on every call)
     n = int(n)
     n = max(1, n if n <= _FEW_THREADS else min(n, max_threads()))
     if n > 1:

@@ -12,7 +12,7 @@ handling, the cached description's lookup and the launch.  Measured twice:
   ``--sweep-mib`` MiB in all (what a decoding step over that much K/V does
   to the caches), minus the ``sdot`` alone.
 
-Medians over interleaved repeats.  A benchmark, never a test.  For
+Medians over interleaved repeats (``timing.interleaved_medians``, one thread).  A benchmark, never a test.  For
 benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command that
 runs this script.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 from scipy.linalg import blas
@@ -30,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attncore  # noqa: E402
-from timing import cpu_model  # noqa: E402
+from timing import cpu_model, interleaved_medians  # noqa: E402
 
 
 def main(argv=None):
@@ -55,16 +54,7 @@ def main(argv=None):
         sd(q, k, v, num_threads=1)
 
     fns = {"warm": call, "sweep": sweep, "sweep+call": sweep_call}
-    res: dict = {nm: [] for nm in fns}
-    for _ in range(args.repeats):
-        for nm, f in fns.items():
-            for _ in range(10):
-                f()
-            t = time.perf_counter()
-            for _ in range(100):
-                f()
-            res[nm].append((time.perf_counter() - t) / 100)
-    med = {nm: 1e6 * float(np.median(r)) for nm, r in res.items()}
+    med = {nm: 1e6 * t for nm, t in interleaved_medians(fns, 1, args.repeats).items()}
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; attncore {attncore.__version__}, "
           f"kernel path {attncore._core._sdpa.kernel_path()}, numpy {np.__version__}")
     print(f"empty call 1x1x1x2x8 float32, one thread: warm {med['warm']:.1f} us, "
