@@ -7,10 +7,10 @@
  * datapath, and meant for 512-bit cores as well):
  *   AVX-512: panels of 32 query rows (2 zmm), 8 keys per score micro-tile
  *            (16 accumulators, 2 vector loads + 8 broadcasts per 16 FMAs);
- *            P.V tiles of 4 rows x 64 value columns (16 accumulators, 4
- *            loads + 4 broadcasts per 16 FMAs).
+ *            P.V tiles of 6 rows x 64 value columns (24 accumulators, 4
+ *            loads + 6 broadcasts per 24 FMAs; 4 rows on the Xeon below).
  *   AVX2:    panels of 16 query rows (2 ymm), 6 keys per score tile (12
- *            accumulators of 16 registers); P.V 4 rows x 16 columns.
+ *            accumulators of 16 registers); P.V 6 rows x 16 columns.
  * Key tiles hold AC_BK keys.
  *
  * Part of ac_sdpa.h, which includes it after the float instantiation of
@@ -82,7 +82,17 @@ enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 #define AC_KU512 8
 #endif
 #define AC_KU AC_KU512
-#define AC_RU 4
+/* P.V micro-tiles of 6 rows x 4 vectors: 24 accumulators, 4 value loads
+   and 6 broadcasts per 24 FMAs (4 rows: 4 loads per 16 FMAs, and a
+   panel's 8 micro-tiles each read the whole value tile, from L2 where it
+   outgrows L1: D 256 waited on those loads).  A 32-row panel runs 6 x 4 +
+   4 + 4 rows.  4 -> 6 rows, float32, one thread, Xeon (Sapphire Rapids
+   class): 32 x 1 x 50^2 x 256 0.90-0.94 -> 0.87-0.90 ms, 1 x 8 x 1024^2 x
+   64 15.1-16.0 -> 14.4-14.8, x 128 27.9-29.7 -> 26.9-28.3 */
+#ifndef AC_RU512
+#define AC_RU512 6
+#endif
+#define AC_RU AC_RU512
 #define AC_CV 4
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(a) _mm512_loadu_ps(a)
