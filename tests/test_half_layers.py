@@ -30,7 +30,10 @@ def path(request):
 @pytest.mark.parametrize("R,C,K", [(1, 100, 37), (5, 130, 64), (70, 200, 96), (300, 257, 512),
                                    # columns converted 64 at a time (wide K) and a
                                    # thread's whole block at once (narrow K)
-                                   (40, 300, 2100), (600, 1000, 64)])
+                                   (40, 300, 2100), (600, 1000, 64),
+                                   # many rows on two threads: w converted by the team
+                                   # in chunks of up to 4 MiB (two here: 2016 + 84 rows)
+                                   (70, 2100, 520)])
 def test_linear_with_half_weights(path, dt, R, C, K):
     rng = np.random.default_rng(R + C + K)
     x = rng.standard_normal((R, K)).astype(np.float32)
