@@ -4,11 +4,12 @@
  * the portable path (BLAS products + portable loops in ac_sdpa_impl.inc).
  *
  * Blockings (measured on AMD Zen 4, whose AVX-512 runs on a 256-bit
- * datapath, and meant for 512-bit cores as well):
+ * datapath, and meant for 512-bit cores as well; the AVX-512 P.V tile's 6
+ * rows on an Intel Xeon, see AC_RU512):
  *   AVX-512: panels of 32 query rows (2 zmm), 8 keys per score micro-tile
  *            (16 accumulators, 2 vector loads + 8 broadcasts per 16 FMAs);
  *            P.V tiles of 6 rows x 64 value columns (24 accumulators, 4
- *            loads + 6 broadcasts per 24 FMAs; 4 rows on the Xeon below).
+ *            loads + 6 broadcasts per 24 FMAs).
  *   AVX2:    panels of 16 query rows (2 ymm), 6 keys per score tile (12
  *            accumulators of 16 registers); P.V 6 rows x 16 columns.
  * Key tiles hold AC_BK keys.
