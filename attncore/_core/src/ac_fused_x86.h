@@ -11,7 +11,8 @@
  *            P.V tiles of 6 rows x 64 value columns (24 accumulators, 4
  *            loads + 6 broadcasts per 24 FMAs).
  *   AVX2:    panels of 16 query rows (2 ymm), 6 keys per score tile (12
- *            accumulators of 16 registers); P.V 6 rows x 16 columns.
+ *            accumulators of 16 registers); P.V 6 rows x 16 columns (a
+ *            16-row panel as 6 + 5 + 5 rows, see AC_PV5).
  * Key tiles hold AC_BK keys.
  *
  * Part of ac_sdpa.h, which includes it after the float instantiation of
@@ -319,6 +320,15 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define AC_KU AC_KU256
 #define AC_RU AC_RU256
 #define AC_CV AC_CV256
+/* a full 16-row panel's P.V as 6 + 5 + 5 rows (10 accumulators in the
+   5-row tiles): the 4-row tile of 6 + 6 + 4 has 8 FMA chains, too few for
+   two pipes of 4-cycle latency: perf, precision="int8" prefill 1 x 8 x
+   1024^2 x 128, one thread, AVX2 path, Xeon (Sapphire Rapids class): the
+   4-row tile took 1.5x the time per FMA of the 6-row one; the 5-row tiles
+   take the 6-row one's, and P.V went from 53 to 51 % of the call */
+#ifndef AC_PV5
+#define AC_PV5 1
+#endif
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(a) _mm256_loadu_ps(a)
 #define VSTORE(a, x) _mm256_storeu_ps((a), (x))
@@ -493,6 +503,8 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #undef AC_I8_PACK
 #undef AC_I8_SCORES
 #undef AC_RU
+#undef AC_PV5
+#define AC_PV5 0
 #define AC_ISA avx2h
 #define AC_P (AC_PANEL_ROWS_AVX2 / 2)
 #define AC_RU 4 /* 8 rows: two micro-tiles of 4 */
