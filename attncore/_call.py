@@ -74,12 +74,29 @@ COPIED_KV_BYTES = 2 << 20
 # the plan: tiles, key splits, threads, and the BLAS policy
 # --------------------------------------------------------------------------
 def _l2_bytes() -> int:
-    """Per-core L2 size (Linux sysconf), 1 MiB when unknown."""
+    """Per-core L2 size (Linux sysconf, else sysfs: CPython's os.sysconf
+    may not know the name), 1 MiB when unknown."""
     try:
         n = os.sysconf("SC_LEVEL2_CACHE_SIZE")
     except (ValueError, OSError, AttributeError):
         n = 0
-    return n if n and n > 0 else 1 << 20
+    if n and n > 0:
+        return n
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in sorted(os.listdir(base)):
+            with open(f"{base}/{idx}/level") as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(f"{base}/{idx}/size") as f:
+                size = f.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            n = int(size.rstrip("KM")) * mult
+            if n > 0:
+                return n
+    except (OSError, ValueError):
+        pass
+    return 1 << 20
 
 
 _L2 = _l2_bytes()

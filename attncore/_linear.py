@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._call import _L2
 from ._core import _linalg, _sdpa
 from ._dtypes import HALF_BF16, PRECISIONS, half_code
 from ._threads import blas_parallel_threads, threads_for
 from ._validation import ALIASING_STRIDE, aligned, blas_rows
 
 __all__ = ["linear", "head_rows"]
+
+# float32 weights per column block of the fused path: half the L2 (256
+# KiB - 1 MiB), so a block's rows of w stay there for every row panel of x
+# (_linalg.linear; 512 KiB and 1 MiB blocks measured the same on a 2 MiB L2)
+_WBLOCK_BYTES = max(256 << 10, min(_L2 // 2, 1 << 20))
 
 # OpenBLAS would start threads above this many multiply-adds (see functional)
 
@@ -90,5 +96,5 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
         nthreads = blas_parallel_threads(nthreads)
     bf16dot = _sdpa.bf16_mode() if (fmt == HALF_BF16 and precision != "float32") else 0
     _linalg.linear(x2d, w.view(np.uint16) if fmt == HALF_BF16 else w, b, out, nthreads, fmt,
-                   bf16dot)
+                   bf16dot, _WBLOCK_BYTES)
     return out

@@ -106,3 +106,33 @@ def test_plan_call_keeps_the_kernel_path(openblas_unheld):
                               kernel_path="portable", converted_kv=True)
     assert not pl.fused
     assert pl.Bq * pl.Bk * 64 <= OPENBLAS_SERIAL_MNK
+
+
+def test_l2_size_is_the_cpus():
+    """The per-core L2 size that sizes the BLAS path's tiles and the dense
+    layers' weight blocks is the one getconf reports (CPython's os.sysconf
+    may lack the name: then sysfs), and 1 MiB where neither knows it."""
+    import shutil
+    import subprocess
+
+    getconf = shutil.which("getconf")
+    want = 0
+    if getconf:
+        res = subprocess.run([getconf, "LEVEL2_CACHE_SIZE"], capture_output=True, text=True)
+        if res.returncode == 0 and res.stdout.strip().isdigit():
+            want = int(res.stdout.strip())
+    if want <= 0:
+        pytest.skip("getconf does not report the L2 size here")
+    assert _call._l2_bytes() == want
+
+
+def test_l2_size_unknown(monkeypatch):
+    def no_sysconf(name):
+        raise ValueError(name)
+
+    def no_sysfs(path):
+        raise OSError(path)
+
+    monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
+    monkeypatch.setattr(_call.os, "listdir", no_sysfs)
+    assert _call._l2_bytes() == 1 << 20

@@ -27,6 +27,28 @@ def test_linear_matches_numpy(dtype, R, K, C, num_threads, with_bias):
     np.testing.assert_array_equal(w, w0)
 
 
+@pytest.mark.parametrize("wblock", [0, 1, 64 * 300 * 4, 200 * 300 * 4, 1 << 40])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("half", [None, np.float16])
+def test_linear_weight_column_blocks(wblock, num_threads, half):
+    """The fused path's column blocks of w (wblock bytes, each over every
+    row panel; 1000 columns: blocks of 64, a ragged last one, 192, one)
+    give the float64 product: float32 weights and converted 16-bit ones,
+    rows not a multiple of a panel, 1-3 threads."""
+    from attncore._core import _linalg
+
+    rng = np.random.default_rng(wblock % 997 + num_threads)
+    x = rng.standard_normal((70, 300)).astype(np.float32)
+    w = rng.standard_normal((1000, 300)).astype(np.float32)
+    b = rng.standard_normal(1000).astype(np.float32)
+    if half is not None:
+        w = w.astype(half)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T + b
+    out = np.full((70, 1000), np.nan, np.float32)
+    _linalg.linear(x, w, b, out, num_threads, 2 if half is not None else 0, 0, wblock)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_linear_strided_operands():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 96))[:, ::2]   # non-contiguous columns
