@@ -296,7 +296,10 @@ cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_
     step = max(_HCHUNK, (step + _HCHUNK - 1) // _HCHUNK * _HCHUNK)
     nblk = (C + step - 1) // step
     # (a few rows -- decoding -- pack no panel: 64 columns at a time)
-    hc = min(step, max(<int>_HCHUNK, _HCHUNK_FLOATS // max(K, 1) // 16 * 16))
+    # (float32 copies of up to a weight block of the fused path: each
+    # chunk packs the panels of x again)
+    hc = min(step, max(<int>_HCHUNK, <int>(max(<Py_ssize_t>_HCHUNK_FLOATS, wblock)
+                                           // max(K, 1)) // 16 * 16))
     if R <= AC_LINEAR_SMALL:
         hc = min(step, <int>_HCHUNK)
     nbuf = max(<Py_ssize_t>hc * K + AC_LINEAR_SCRATCH(K), AC_BF16_LINEAR_SCRATCH(K)) + 16
