@@ -73,6 +73,9 @@ COPIED_KV_BYTES = 2 << 20
 # --------------------------------------------------------------------------
 # the plan: tiles, key splits, threads, and the BLAS policy
 # --------------------------------------------------------------------------
+_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
+
+
 def _l2_bytes() -> int:
     """Per-core L2 size (Linux sysconf, else sysfs: CPython's os.sysconf
     may not know the name), 1 MiB when unknown."""
@@ -82,9 +85,13 @@ def _l2_bytes() -> int:
         n = 0
     if n and n > 0:
         return n
-    base = "/sys/devices/system/cpu/cpu0/cache"
+    base = _CACHE_SYSFS
     try:
-        for idx in sorted(os.listdir(base)):
+        entries = sorted(os.listdir(base))
+    except OSError:
+        entries = []
+    for idx in entries:
+        try:
             with open(f"{base}/{idx}/level") as f:
                 if f.read().strip() != "2":
                     continue
@@ -92,10 +99,10 @@ def _l2_bytes() -> int:
                 size = f.read().strip().upper()
             mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
             n = int(size.rstrip("KM")) * mult
-            if n > 0:
-                return n
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError):
+            continue
+        if n > 0:
+            return n
     return 1 << 20
 
 

@@ -59,10 +59,11 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
 
     x2d (R, K) and w (C, K) must share a float32 / float64 dtype (b too),
     or w is bfloat16 / float16 with float32 x2d (and b): then w is read in
-    place, a thread's block of its rows (up to 512 KiB as float32, at
-    least 64 rows) converted to float32 at a time (on several threads with
-    at least 64 rows of x2d: up to 4 MiB of w converted by the team, then
-    multiplied as float32 weights) -- or, for
+    place, a thread's block of its rows (up to a weight block of half the
+    L2, 256 KiB - 1 MiB, as float32, at least 64 rows) converted to float32
+    at a time (on several threads with at least 64 rows of x2d: up to 4 MiB
+    of w converted by the team, then multiplied as float32 weights, in
+    weight blocks) -- or, for
     bfloat16 w on a CPU with fast AVX512_BF16 (AMD's; unless ``precision`` is
     "float32"), multiplied as bfloat16 pairs against the rows of x2d
     rounded to bfloat16 (float32 accumulation).

@@ -136,3 +136,24 @@ def test_l2_size_unknown(monkeypatch):
     monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
     monkeypatch.setattr(_call.os, "listdir", no_sysfs)
     assert _call._l2_bytes() == 1 << 20
+
+
+def test_l2_size_from_sysfs(monkeypatch, tmp_path):
+    """Without sysconf's answer, the level-2 entry of the CPU's cache
+    directory gives the size; entries it cannot read are skipped."""
+    def no_sysconf(name):
+        raise ValueError(name)
+
+    (tmp_path / "aaa").mkdir()                     # no level file
+    for idx, level, size in (("index0", "1", "48K"), ("index1", "1", "64K"),
+                             ("index2", "2", "512K"), ("index3", "3", "32M")):
+        (tmp_path / idx).mkdir()
+        (tmp_path / idx / "level").write_text(level + "\n")
+        (tmp_path / idx / "size").write_text(size + "\n")
+    monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
+    monkeypatch.setattr(_call, "_CACHE_SYSFS", str(tmp_path))
+    assert _call._l2_bytes() == 512 << 10
+    (tmp_path / "index2" / "size").write_text("2M\n")
+    assert _call._l2_bytes() == 2 << 20
+    (tmp_path / "index2" / "size").write_text("junk\n")
+    assert _call._l2_bytes() == 1 << 20

@@ -196,7 +196,8 @@ cdef void _run(const floating *x, Py_ssize_t x_rs, const floating *w, Py_ssize_t
 
 # columns of half weights converted at a time (for all the rows of x): at
 # least _HCHUNK, and up to a thread's whole column block while the float32
-# copy stays within _HCHUNK_FLOATS (512 KiB), so that each panel of x is
+# copy stays within _HCHUNK_FLOATS (512 KiB) or the fused path's weight
+# block (linear's wblock) where that is larger, so that each panel of x is
 # packed once per block instead of once per 64 columns (E 512 self-attention
 # layer, bfloat16 / float16 weights, 2 threads: the projections 1.4-2x
 # faster on an Intel Xeon whose 2 MiB L2 does not hold the 4 MiB of x)
@@ -298,8 +299,9 @@ cdef int _run_half(const float *x, Py_ssize_t x_rs, const uint16_t *w, Py_ssize_
     # (a few rows -- decoding -- pack no panel: 64 columns at a time)
     # (float32 copies of up to a weight block of the fused path: each
     # chunk packs the panels of x again)
-    hc = min(step, max(<int>_HCHUNK, <int>(max(<Py_ssize_t>_HCHUNK_FLOATS, wblock)
-                                           // max(K, 1)) // 16 * 16))
+    hc = <int>min(<Py_ssize_t>step, max(<Py_ssize_t>_HCHUNK,
+                                        max(<Py_ssize_t>_HCHUNK_FLOATS, wblock)
+                                        // max(K, 1) // 16 * 16))
     if R <= AC_LINEAR_SMALL:
         hc = min(step, <int>_HCHUNK)
     nbuf = max(<Py_ssize_t>hc * K + AC_LINEAR_SCRATCH(K), AC_BF16_LINEAR_SCRATCH(K)) + 16
