@@ -360,12 +360,26 @@ static AC_TGT_AVX2 void ac_i8_quantize_rows_avx2(
    0.51 -> 0.38 ms, queries 0.32 -> 0.29, 64 x 128 x 64 keys 0.25 ->
    0.15; within a call the first read of the rows from memory dominates).
    16-bit rows: converted row by row, 8 columns at a time. */
+/* 16 floats of a row at p (lanes m0, m1: the rest read as 0) and which
+   of them are finite */
+static AC_TGT_AVX2 inline void ac_i8_row16_avx2(const float *p, __m256i m0, __m256i m1,
+                                                __m256 *y0, __m256 *y1, __m256 *ok0,
+                                                __m256 *ok1)
+{
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f);
+    *y0 = _mm256_maskload_ps(p, m0);
+    *y1 = _mm256_maskload_ps(p + 8, m1);
+    *ok0 = _mm256_cmp_ps(_mm256_and_ps(*y0, absm), big, _CMP_LE_OQ);
+    *ok1 = _mm256_cmp_ps(_mm256_and_ps(*y1, absm), big, _CMP_LE_OQ);
+}
+
 static AC_TGT_AVX2 void ac_i8_col_stats_f32_avx2(const float *x, ptrdiff_t x_rs, ptrdiff_t n,
                                                  int D, float *mean, float *mabs, float *amax,
                                                  float *sum, float *cnt, float *dev)
 {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 big = _mm256_set1_ps(3.4028234663852886e38f), one = _mm256_set1_ps(1.0f);
+    const __m256 one = _mm256_set1_ps(1.0f);
     const ptrdiff_t RB = D < 512 ? 4096 / D : 8;
     for (int d = 0; d < D; d++) sum[d] = cnt[d] = dev[d] = amax[d] = 0.0f;
     for (int pass = 0; pass < (mean ? 2 : 1); pass++) {
@@ -381,10 +395,8 @@ static AC_TGT_AVX2 void ac_i8_col_stats_f32_avx2(const float *x, ptrdiff_t x_rs,
                     __m256 s0 = _mm256_maskload_ps(sum + d0, m0);
                     __m256 s1 = _mm256_maskload_ps(sum + d0 + 8, m1);
                     for (ptrdiff_t r = r0; r < r1; r++) {
-                        const __m256 y0 = _mm256_maskload_ps(xc + r * x_rs, m0);
-                        const __m256 y1 = _mm256_maskload_ps(xc + r * x_rs + 8, m1);
-                        const __m256 ok0 = _mm256_cmp_ps(_mm256_and_ps(y0, absm), big, _CMP_LE_OQ);
-                        const __m256 ok1 = _mm256_cmp_ps(_mm256_and_ps(y1, absm), big, _CMP_LE_OQ);
+                        __m256 y0, y1, ok0, ok1;
+                        ac_i8_row16_avx2(xc + r * x_rs, m0, m1, &y0, &y1, &ok0, &ok1);
                         c0 = _mm256_add_ps(c0, _mm256_and_ps(ok0, one));
                         c1 = _mm256_add_ps(c1, _mm256_and_ps(ok1, one));
                         s0 = _mm256_add_ps(s0, _mm256_and_ps(ok0, y0));
@@ -403,10 +415,8 @@ static AC_TGT_AVX2 void ac_i8_col_stats_f32_avx2(const float *x, ptrdiff_t x_rs,
                 __m256 a0 = _mm256_maskload_ps(amax + d0, m0);
                 __m256 a1 = _mm256_maskload_ps(amax + d0 + 8, m1);
                 for (ptrdiff_t r = r0; r < r1; r++) {
-                    const __m256 y0 = _mm256_maskload_ps(xc + r * x_rs, m0);
-                    const __m256 y1 = _mm256_maskload_ps(xc + r * x_rs + 8, m1);
-                    const __m256 ok0 = _mm256_cmp_ps(_mm256_and_ps(y0, absm), big, _CMP_LE_OQ);
-                    const __m256 ok1 = _mm256_cmp_ps(_mm256_and_ps(y1, absm), big, _CMP_LE_OQ);
+                    __m256 y0, y1, ok0, ok1;
+                    ac_i8_row16_avx2(xc + r * x_rs, m0, m1, &y0, &y1, &ok0, &ok1);
                     if (counts) {
                         c0 = _mm256_add_ps(c0, _mm256_and_ps(ok0, one));
                         c1 = _mm256_add_ps(c1, _mm256_and_ps(ok1, one));
