@@ -267,7 +267,8 @@ _plan_cached = functools.lru_cache(maxsize=1024)(plan)
 class Modes(NamedTuple):
     """The kernel's mode codes of a call's dtype policy."""
 
-    bf16dot: int   #: bfloat16 dot products: 0 none, 1 vdpbf16ps, 2 emulated
+    bf16dot: int   #: bfloat16 dot products: 0 none, 1 vdpbf16ps, 2 emulated; int16 P.V
+    #: under the avx2 path's int8 Q.K^T: 3 vpdpwssd, 4 emulated (_sdpa.pv16_mode)
     qk8: int       #: int8 Q.K^T: 0 none, 1 vpdpbusd, 2 emulated, 3 dequantized rows,
     #: 4 vpmaddubsw (AVX2), 5 AVX-VNNI, 6 AVX-VNNI emulated (_sdpa.int8_mode)
 
@@ -315,6 +316,9 @@ def modes(pol: Policy, D: int) -> Modes:
     qk8 = int8_products(D) if pol.products == "int8" else 0
     # (bfloat16 P.V under int8 Q.K^T: the AVX-512 panel's, codes 1 / 2)
     bf = pol.products == "bfloat16" or (qk8 in (1, 2, 3) and _sdpa.bf16_mode() != 0)
+    if qk8 in (4, 5, 6) and _sdpa.pv16_mode():
+        # (int16 P.V under the avx2 path's int8 Q.K^T: codes 3 / 4)
+        return Modes(_sdpa.pv16_mode(), qk8)
     return Modes(_sdpa.bf16_mode() if bf else 0, qk8)
 
 
@@ -598,6 +602,8 @@ def conversion(md: Modes, qk8: int, fmts: tuple, ks, vs) -> int:
     converts them (16-bit or int8 operands), else 0.  (int8 Q.K^T reads
     its int8 keys in place: only the values convert.)"""
     if (md.bf16dot or qk8 in (1, 2)) and _sdpa.kernel_path() == "avx512":
+        return 2
+    if md.bf16dot in (3, 4):  # int16 value pairs of the AVX2 panels
         return 2
     if qk8:
         return int(bool(fmts[2] or vs is not None or md.bf16dot))

@@ -68,6 +68,11 @@ def config_dict() -> dict:
         if mode in (4, 5, 6) and path == "avx2"
         else "dequantized" if mode == 3 else "float32")
     info["int8_mode"] = _sdpa.int8_mode_name() or "auto"
+    # P.V under the avx2 path's int8 Q.K^T: int16 pairs (vpdpwssd, AVX-VNNI)
+    info["int8_pv"] = ({3: "int16", 4: "int16-emulated"}.get(_sdpa.pv16_mode(), "float32")
+                       if info["int8_products"].startswith("int8-") else
+                       "bfloat16" if info["int8_products"] == "int8"
+                       and info["bf16_products"] != "float32" else "float32")
     return info
 
 
@@ -81,6 +86,15 @@ _INT8_LINES = {
     "float32": "float32 products: no int8 kernel for this CPU and path is faster than "
                "float32 (the AVX512_VNNI one runs on the avx512 path, AVX-VNNI's on the "
                "avx2 path; the AVX2 vpmaddubsw one measured no faster than float32)",
+}
+
+
+# P.V under int8 Q.K^T, by info["int8_pv"]
+_INT8_PV_LINES = {
+    "float32": "in float32",
+    "bfloat16": "as bfloat16 pairs (AVX512_BF16)",
+    "int16": "as 12-bit integer pairs on vpdpwssd (AVX-VNNI)",
+    "int16-emulated": "as 12-bit integer pairs, vpdpwssd's sums spelled in AVX2 (forced)",
 }
 
 
@@ -124,7 +138,9 @@ def show_config() -> None:
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
           + _BF16_LINES[_bf16_line(info)])
     print(f"{'precision=int8':>16}: "
-          + _INT8_LINES[info["int8_products"]])
+          + _INT8_LINES[info["int8_products"]]
+          + ("" if info["int8_products"] in ("float32", "dequantized")
+             else "; P.V " + _INT8_PV_LINES[info["int8_pv"]]))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

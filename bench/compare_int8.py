@@ -26,8 +26,9 @@ CPU model and its int8 / bf16 dot-product flags.
 an AVX-512 one) and times, per prefill case (1x8x1024^2 x 64 / x 128,
 causal too), float32 against ``precision="int8"`` under each int8 mode of
 that path (``_sdpa.set_int8_mode``: ``avx2`` vpmaddubsw with the sign trick,
-``avxvnni`` where the CPU has AVX-VNNI): the measurement behind
-``_sdpa.INT8_AVX2_DEFAULTS``.  A benchmark, never a test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
+``avxvnni`` where the CPU has AVX-VNNI), P.V in float32, and ``avxvnni+pv16``:
+AVX-VNNI with P.V as 12-bit integer pairs on vpdpwssd (``_sdpa.set_pv16_mode``):
+the measurements behind ``_sdpa.INT8_AVX2_DEFAULTS`` and the int16 P.V default.  A benchmark, never a test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
 command that runs this script.
 """
 from __future__ import annotations
@@ -125,16 +126,20 @@ def run_avx2_modes(threads, repeats, clock=None):
     from attncore._core import _sdpa
 
     sd = attncore.scaled_dot_product_attention
-    modes = ["avx2"] + (["avxvnni"] if _sdpa.cpu_features()["avx_vnni"] else [])
+    # label: (int8 mode, int16 P.V mode); P.V in float32 but for "+pv16"
+    modes = {"avx2": ("avx2", "off")}
+    if _sdpa.cpu_features()["avx_vnni"]:
+        modes.update({"avxvnni": ("avxvnni", "off"), "avxvnni+pv16": ("avxvnni", "native")})
     rows = []
     prev_path = attncore._kernels.set_kernel_path("avx2")
-    prev = _sdpa.set_int8_mode(None)
+    prev, prev16 = _sdpa.set_int8_mode(None), _sdpa.set_pv16_mode(None)
     try:
         for name, N, D, causal in AVX2_CASES:
             q, k, v = _inputs(1, 8, N, N, D, np.float32)
 
             def call(mode, q=q, k=k, v=v, c=causal):
-                _sdpa.set_int8_mode(mode)
+                _sdpa.set_int8_mode(modes[mode][0])
+                _sdpa.set_pv16_mode(modes[mode][1])
                 return sd(q, k, v, precision="int8", is_causal=c, num_threads=threads)
 
             fns = {"f32": lambda q=q, k=k, v=v, c=causal: sd(q, k, v, is_causal=c,
@@ -147,6 +152,7 @@ def run_avx2_modes(threads, repeats, clock=None):
             rows.append({"case": name, "threads": threads, "ms": ms})
     finally:
         _sdpa.set_int8_mode(prev)
+        _sdpa.set_pv16_mode(prev16)
         attncore._kernels.set_kernel_path(prev_path)
     return rows
 

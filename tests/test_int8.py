@@ -34,6 +34,19 @@ I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
     (["emulate"] if "avx512" in PATHS else []) + AVX2_MODES + ["dequantize"]
 
 
+@pytest.fixture(autouse=True)
+def float32_pv():
+    """P.V in float32 (the method model's and the float64 references of
+    the int8 rows assume it): int16 P.V, the default under the avx2 path's
+    int8 Q.K^T where the CPU has AVX-VNNI, is tested on its own
+    (``pv16_mode``)."""
+    prev = _sdpa.set_pv16_mode("off")
+    try:
+        yield
+    finally:
+        _sdpa.set_pv16_mode(prev)
+
+
 @pytest.fixture(params=I8_MODES)
 def i8mode(request):
     """An int8 Q.K^T mode, P.V in float32 (the method model's; bfloat16 P.V,
@@ -709,3 +722,189 @@ def test_int8_column_statistics(path, fmt, D, centered):
             np.testing.assert_allclose(got_mean, mean, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got_mabs, mabs, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(got_amax, amax, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# int16 P.V under the avx2 path's int8 Q.K^T (vpdpwssd, AVX-VNNI; its AVX2
+# spelling): 12-bit probabilities x 12-bit values per column of a key chunk
+# ---------------------------------------------------------------------------
+PV16_MODES = ((["native"] if _sdpa.cpu_features()["avx_vnni"] else []) + ["emulate"]
+              if "avx2" in PATHS else [])
+
+
+@pytest.fixture(params=PV16_MODES or ["none"])
+def pv16_mode(request):
+    """An int16 P.V mode under the AVX-VNNI layout's int8 Q.K^T (its AVX2
+    spelling: the same int32 sums on any AVX2 CPU), the avx2 path forced."""
+    if request.param == "none":
+        pytest.skip("needs the avx2 path")
+    if FORCED_PATH not in (None, "avx2"):
+        pytest.skip(f"ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
+    prev8 = _sdpa.set_int8_mode("avxvnni-emulate")
+    prev = _sdpa.set_pv16_mode(request.param)
+    try:
+        with _kernels.forced_kernel_path("avx2"):
+            yield request.param
+    finally:
+        _sdpa.set_int8_mode(prev8)
+        _sdpa.set_pv16_mode(prev)
+
+
+def _with_float32_pv(fn):
+    prev = _sdpa.set_pv16_mode("off")
+    try:
+        return fn()
+    finally:
+        _sdpa.set_pv16_mode(prev)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_pv16_normal_inputs_bar(pv16_mode, D):
+    """The accuracy bar of precision="int8" holds with the int16 P.V, and
+    the int16 rounding is a small part of the error."""
+    q, k, v = (rand((1, 8, 1024, D), s) for s in range(3))
+    out = sd(q, k, v, precision="int8")
+    out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8"))
+    assert _cos_err(out, sdpa_ref(q, k, v)) <= 1e-4
+    # 12-bit probabilities and values: a visible, small difference
+    assert 1e-10 < _cos_err(out, out32) < 2e-6
+
+
+def test_pv16_matches_a_model_of_its_integers(pv16_mode):
+    """One key chunk (M <= 128 keys): each row's probabilities against its
+    max, round(p 4095), times the values round(v 2047 / c_d) (c_d: the
+    largest |v| of column d), scaled back, over the float sum of p -- in
+    float64 from the very int8 rows the call multiplies.  A probability may
+    round a step the other way (float32 exp2 against float64): the bound is
+    a few steps' worth."""
+    from attncore import _int8
+    B, H, N, M, D, Dv = 2, 2, 64, 100, 40, 37
+    q, v = rand((B, H, N, D), 0), rand((B, H, M, Dv), 2)
+    k = _offset_keys((B, H, M, D))
+    v[0, 0, :, 3] = 0.0                     # an all-zero column
+    v[1, 1, 7, :] *= 50                     # one large value row
+    out = sd(q, k, v, precision="int8")
+    ops = _int8.quantize(q, 0, k, 0, None, None, (B, H), 1, 1)
+    qd = ops.q8.reshape(B, H, N, -1)[..., :D] * ops.q_scales.reshape(B, H, N, 1).astype(np.float64)
+    kd = ops.k8[..., :D] * ops.k_pairs[..., 0][..., None].astype(np.float64)
+    s_ = qd @ np.swapaxes(kd, -1, -2) / np.sqrt(D)
+    p = np.exp(s_ - s_.max(-1, keepdims=True))
+    c = np.abs(v.astype(np.float64)).max(-2, keepdims=True)
+    vq = np.round(v * np.where(c > 0, 2047 / np.where(c > 0, c, 1), 0))
+    model = (np.round(p * 4095) @ vq) * (c / (2047 * 4095)) / p.sum(-1, keepdims=True)
+    step = c / 4095 / p.sum(-1, keepdims=True)       # one probability step's worth
+    assert np.all(np.abs(out - model) <= 3 * step + 1e-5)
+    # and it is the int16 P.V: float32 P.V is off the model by more
+    out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8"))
+    assert np.abs(out32 - model).max() > 10 * np.abs(out - model).max()
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "bool", "float", "window", "lse"])
+@pytest.mark.parametrize("Dv", [5, 16, 37, 200])
+def test_pv16_combinations(pv16_mode, case, Dv):
+    """Masks, causal rows, windows and the lse with the int16 P.V, value
+    widths below, at and off a 16-column micro-tile, several key chunks
+    (M 300: chunks of 128 keys, tiles starting at odd keys under masks):
+    near the float32-P.V call, and the native and AVX2 spellings give the
+    same bits (see test_pv16_spellings_agree)."""
+    N, M, D = 100, 300, 48
+    q, k, v = rand((2, 2, N, D), 0), rand((2, 2, M, D), 1), rand((2, 2, M, Dv), 2)
+    kw = dict(window=(40, 0), is_causal=True) if case == "window" else \
+        dict(return_lse=True) if case == "lse" else _mask(case, N, M)
+    out = sd(q, k, v, precision="int8", **kw)
+    out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8", **kw))
+    if case == "lse":
+        np.testing.assert_allclose(out[1], out32[1], rtol=1e-6, atol=1e-6)
+        out, out32 = out[0], out32[0]
+    assert np.isfinite(out).all()
+    # (a row whose mass sits on a few keys moves by up to a few 1e-3:
+    # steps of 1 / 4095 of its largest probability)
+    np.testing.assert_allclose(out, out32, atol=5e-3)
+    assert _cos_err(out, out32) < 1e-6
+    ref = sdpa_ref(q, k, v, **({} if case == "lse" else kw))
+    assert _cos_err(out, ref) < 1e-3
+
+
+def test_pv16_spellings_agree():
+    """vpdpwssd and its AVX2 spelling sum the same integers: the same bits,
+    on every thread count."""
+    if "native" not in PV16_MODES or FORCED_PATH not in (None, "avx2"):
+        pytest.skip("needs AVX-VNNI and the avx2 path")
+    q, k, v = rand((1, 3, 300, 72), 0), rand((1, 3, 333, 72), 1), rand((1, 3, 333, 50), 2)
+    mask = np.random.default_rng(5).random((300, 333)) > 0.2
+    outs = {}
+    prev8, prev = _sdpa.set_int8_mode("avxvnni"), _sdpa.set_pv16_mode(None)
+    try:
+        with _kernels.forced_kernel_path("avx2"):
+            for mode in ("native", "emulate"):
+                _sdpa.set_pv16_mode(mode)
+                outs[mode] = [sd(q, k, v, is_causal=True, precision="int8", num_threads=t)
+                              for t in (1, 2, 3)] + [sd(q, k, v, attn_mask=mask,
+                                                        precision="int8")]
+    finally:
+        _sdpa.set_int8_mode(prev8)
+        _sdpa.set_pv16_mode(prev)
+    for a, b in zip(outs["native"], outs["emulate"]):
+        np.testing.assert_array_equal(a, b)
+    for a in outs["native"][1:3]:
+        np.testing.assert_array_equal(a, outs["native"][0])
+
+
+def test_pv16_non_finite_values(pv16_mode):
+    """A key chunk with an inf / NaN value takes float32 P.V (the int16
+    pairs would spread it over the column's scale): a masked key's inf
+    value stays out, an attended one reaches its rows as in a float call."""
+    q, k, v = rand((1, 1, 64, 16), 0), rand((1, 1, 200, 16), 1), rand((1, 1, 200, 24), 2)
+    mask = np.ones((64, 200), bool)
+    mask[:, 150] = False
+    v[0, 0, 150, 3] = np.inf               # masked out everywhere
+    v[0, 0, 20, 5] = np.nan                # chunk 1: attended
+    out = sd(q, k, v, attn_mask=mask, precision="int8")
+    out32 = _with_float32_pv(lambda: sd(q, k, v, attn_mask=mask, precision="int8"))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(out32))
+    assert np.isnan(out[..., 5]).all() and np.isfinite(np.delete(out, 5, -1)).all()
+    ref = sdpa_ref(q, k, np.where(np.isfinite(v), v, 0), attn_mask=mask)
+    np.testing.assert_allclose(np.delete(out, 5, -1), np.delete(ref, 5, -1), atol=2e-3)
+
+
+def test_pv16_inputs_not_modified(pv16_mode):
+    q, k, v = (rand((1, 2, 80, 24), s) for s in range(3))
+    copies = [x.copy() for x in (q, k, v)]
+    sd(q, k, v, precision="int8", is_causal=True)
+    for a, b in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_pv16_mode_choice_and_config(capsys):
+    """The default takes vpdpwssd where the CPU has AVX-VNNI, else float32
+    P.V; show_config says which; unknown modes are refused; the AVX-512
+    path's int8 codes never take it."""
+    from attncore import _config
+    prev, prev8 = _sdpa.set_pv16_mode(None), _sdpa.set_int8_mode(None)
+    try:
+        vnni = _sdpa.cpu_features()["avx_vnni"] and "avx2" in PATHS
+        assert _sdpa.pv16_mode() == (3 if vnni else 0)
+        with pytest.raises(ValueError, match="pv16 mode"):
+            _sdpa.set_pv16_mode("fast")
+        if "avx2" in PATHS:
+            with _kernels.forced_kernel_path("avx2"):
+                _sdpa.set_int8_mode("avxvnni-emulate")
+                for mode, key in (("emulate", "int16-emulated"), ("off", "float32")) + (
+                        (("native", "int16"),) if vnni else ()):
+                    _sdpa.set_pv16_mode(mode)
+                    assert _config.config_dict()["int8_pv"] == key
+                    assert attncore._call.modes(attncore._call.policy(
+                        (np.float32,) * 3, ("q", "k", "v"), "int8"), 64).bf16dot == (
+                        {"native": 3, "emulate": 4, "off": 0}[mode])
+                    attncore.show_config()
+                    assert _config._INT8_PV_LINES[key] in capsys.readouterr().out
+        if "avx512" in PATHS:
+            with _kernels.forced_kernel_path("avx512"):
+                _sdpa.set_int8_mode("emulate")
+                _sdpa.set_pv16_mode("emulate")
+                md = attncore._call.modes(attncore._call.policy(
+                    (np.float32,) * 3, ("q", "k", "v"), "int8"), 64)
+                assert md.bf16dot in (0, 1, 2)
+    finally:
+        _sdpa.set_pv16_mode(prev)
+        _sdpa.set_int8_mode(prev8)

@@ -267,6 +267,35 @@ def set_int8_mode(mode):
     return prev
 
 
+# int16 P.V under the avx2 path's int8 Q.K^T (precision="int8", codes 4 -
+# 6), the kernel's bf16dot codes there: 3 vpdpwssd (AVX-VNNI), 4 the same
+# int32 sums in AVX2 (vpmaddwd + vpaddd: tests; no faster than float32 FMAs),
+# 0 float32 P.V.  The default takes vpdpwssd where the CPU has AVX-VNNI
+# (twice the products per instruction of a float32 FMA).
+_PV16_DEFAULT = 3 if ac_cpu_avxvnni() and ac_best_path >= AC_PATH_AVX2 else 0
+_pv16_mode = _PV16_DEFAULT
+
+
+def pv16_mode():
+    """The int16 P.V code of the avx2 path's int8 Q.K^T: 0 float32 P.V,
+    3 vpdpwssd (AVX-VNNI), 4 its AVX2 spelling (tests)."""
+    return _pv16_mode
+
+
+def set_pv16_mode(mode):
+    """Private, process-wide (tests and benchmarks): 'native' (vpdpwssd,
+    needs AVX-VNNI), 'emulate' (the same sums in AVX2), 'off' (float32
+    P.V), or None (the default: 'native' where the CPU has AVX-VNNI, else
+    'off').  Returns the previous mode's name."""
+    global _pv16_mode
+    prev = {0: "off", 3: "native", 4: "emulate"}[_pv16_mode]
+    _pv16_mode = _mode_code(
+        mode, "pv16", {"native": 3 if _PV16_DEFAULT == 3 else None,
+                       "emulate": 4 if ac_best_path >= AC_PATH_AVX2 else None, "off": 0},
+        _PV16_DEFAULT)
+    return prev
+
+
 cdef int _check_rows3(const Py_buffer *bx, int fmt, str who) except -1:
     """x of int8_quantize / int8_col_stats: 3-D (nh, R, D) float32 (fmt 0)
     or 16-bit bits, its last axis contiguous, strides whole elements."""
@@ -1098,7 +1127,9 @@ def sdpa(call, out, weights=None, lse=None):
         _fill_offsets(bv, nd, shp, group, offs + 2 * nb)
         p.N = N
         p.M = M
-        if bf16dot not in (0, 1, 2) or (bf16dot == 1 and not ac_cpu_bf16_dot()):
+        if (bf16dot not in (0, 1, 2, 3, 4) or (bf16dot == 1 and not ac_cpu_bf16_dot())
+                or (bf16dot == 3 and not ac_cpu_avxvnni())
+                or (bf16dot in (3, 4) and qk8 not in (4, 5, 6))):
             raise ValueError("invalid bf16dot")
         ac_size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt,
                         0 if is64 else bf16dot, qk8)

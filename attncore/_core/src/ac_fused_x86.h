@@ -260,6 +260,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 }
 
 #define AC_BF16_PANEL 1
+#define AC_PV16_PANEL 0
 /* int8 Q.K^T: vpdpbusd (1) or its AVX-512BW spelling (2), 32 lanes */
 #define AC_I8(c) ((c) == 1 || (c) == 2)
 #define AC_I8_PACK(mode, ...) ac_i8_pack_panel(__VA_ARGS__)
@@ -289,6 +290,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define AC_KU AC_KU512H
 #define VPACK ac_pack16_avx512
 #define AC_BF16_PANEL 0
+#define AC_PV16_PANEL 0
 #define AC_I8(c) 0
 #define AC_I8_PACK(...) ((void)0)
 #define AC_I8_SCORES(...) ((void)0)
@@ -484,6 +486,8 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 }
 
 #define AC_BF16_PANEL 0
+/* int16 P.V under int8 Q.K^T (bt mode 3 / 4; ac_int8dot.h) */
+#define AC_PV16_PANEL 1
 /* int8 Q.K^T: the sign trick, AVX-VNNI or its AVX2 spelling, 16 lanes */
 #define AC_I8(c) AC_QK8_AVX2(c)
 #define AC_I8_PACK ac_i8_pack_panel16
@@ -505,6 +509,8 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #undef AC_RU
 #undef AC_PV5
 #define AC_PV5 0
+#undef AC_PV16_PANEL
+#define AC_PV16_PANEL 0
 #define AC_ISA avx2h
 #define AC_P (AC_PANEL_ROWS_AVX2 / 2)
 #define AC_RU 4 /* 8 rows: two micro-tiles of 4 */
@@ -548,7 +554,7 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
         return ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
                                          acc, m, l, bad, QT, state, phase, kc, vc, bt);
     return ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
-                                   acc, m, l, bad, QT, state, phase, kc, vc, NULL);
+                                   acc, m, l, bad, QT, state, phase, kc, vc, bt);
 }
 
 /* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
@@ -574,11 +580,15 @@ static AC_FUSED_RANGE_F32
     }
     int processed = 0;
     /* bfloat16 dot products: the AVX-512 panels, chunks shared by a block */
-    const int bfm = p->bf16dot && ac_kernel_path == AC_PATH_AVX512;
+    const int bfm = (p->bf16dot == 1 || p->bf16dot == 2) && ac_kernel_path == AC_PATH_AVX512;
+    /* int16 P.V under int8 Q.K^T: the AVX2 panels, value chunks shared
+       by a block */
+    const int pvm = (p->bf16dot == 3 || p->bf16dot == 4) && ac_kernel_path == AC_PATH_AVX2 &&
+                    AC_QK8_AVX2(p->qk8);
     /* int8 Q.K^T reads its int8 keys in place */
     const int i8 = p->qk8 == 1 || p->qk8 == 2 || AC_QK8_AVX2(p->qk8);
     const int kconv = (p->kq8 && !i8) || p->kh, vconv = p->vq8 || p->vh;
-    const int convert = kconv || vconv || bfm;
+    const int convert = kconv || vconv || bfm || pvm;
     if (!convert || nq <= P) {
         float state[64];
         /* a last panel of a few rows (50 = 3 x 16 + 2 on AVX2) would cost
@@ -668,6 +678,14 @@ static AC_FUSED_RANGE_F32
     bt.vi = VI;
     bt.pt2 = VI + (ptrdiff_t)(AC_BK / 2 + 1) * Dv;
     bt.vfin = 0;
+    bt.vcs = NULL;
+    if (pvm) {
+        /* int16 chunk: VI (AC_BK / 2 + 1 pairs), PT, column scales */
+        const ptrdiff_t ld = AC_PV16_LD(Dv);
+        bt.vi = K16;
+        bt.pt2 = K16 + (AC_BK / 2 + 1) * ld;
+        bt.vcs = (const float *)(const void *)(bt.pt2 + (ptrdiff_t)(AC_BK / 2 + 2) * 16);
+    }
     const ptrdiff_t per = AC_FUSED_PANEL_STATE(D); /* a panel's QT and state */
     float *mp = scratch + p->mp_off;
     ptrdiff_t c0 = kst;
@@ -698,6 +716,11 @@ static AC_FUSED_RANGE_F32
                 ac_pack_pairs_keys(vsrc, vrs, nk, Dv, VI);
                 bt.vfin = !ac_rows_nonfinite_f32(vsrc, nk, Dv, vrs);
             }
+            if (pvm) {
+                const float *vsrc = vconv ? VC : v + c0 * p->v_rs;
+                bt.vfin = ac_pv16_pack_values(vsrc, vconv ? Dv : p->v_rs, nk, Dv,
+                                              (uint32_t *)bt.vi, (float *)bt.vcs);
+            }
         }
         const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);
         for (int r0 = 0, pn = 0; r0 < nq; r0 += P, pn++) {
@@ -706,7 +729,7 @@ static AC_FUSED_RANGE_F32
             processed |= ac_fused_panel_call(
                 p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, c0, c1, scratch,
                 acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, QT, QT + (ptrdiff_t)D * 32,
-                phase, kconv ? KC : NULL, vconv ? VC : NULL, bfm ? &bt : NULL);
+                phase, kconv ? KC : NULL, vconv ? VC : NULL, (bfm || pvm) ? &bt : NULL);
         }
         c0 = c1;
     } while (c0 < ken);

@@ -36,6 +36,7 @@
 #include <string.h>
 #include "ac_cpu.h"
 #include "ac_half.h"
+#include "ac_bf16dot.h"
 
 /* row r of x (row stride x_rs elements; fmt 0 float32, else 16-bit bits
    converted into ybuf, D floats) as float32 */
@@ -1011,6 +1012,196 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
      : mode == AC_QK8_AVXVNNI ? ac_i8_scores_small_avxvnni
                               : ac_i8_scores_small_avxvnni_emu)(nq, nk, D, scale, q, q_rs, sq,
                                                                 k, k_rs, ks, ks_rs, S, ldS);
+}
+#endif /* AC_HAVE_X86 */
+
+/*
+ * int16 P.V on the AVX2 panel (under int8 Q.K^T; ac_params.bf16dot 3:
+ * AVX-VNNI vpdpwssd, 4: the same sums in AVX2, vpmaddwd + vpaddd).
+ *
+ * The probabilities of a tile, 2^(s - m) <= 1 against the running max,
+ * become integers round(p AC_PV16_P) (12 bits); a key chunk's values
+ * become round(v AC_PV16_V / c_d) with c_d the largest |v| of column d
+ * over the chunk's keys (12 bits, signed).  Both are paired along the
+ * keys, (key 2t, key 2t+1) in the two 16-bit halves of a 32-bit word, so
+ * one vpdpwssd adds two keys' products per int32 lane.  The sums of a
+ * tile are exact in int32: at most (AC_BK + 1) AC_PV16_P AC_PV16_V <
+ * 2^31.  Each tile's int32 sums are scaled once per column, c_d /
+ * (AC_PV16_P AC_PV16_V), and added to the float32 accumulator (rescaled by
+ * the online softmax as usual).  The rounding adds at most 1 / (2
+ * AC_PV16_P) of the row's largest probability to each probability and
+ * c_d / (2 AC_PV16_V) to each value.
+ */
+#define AC_PV16_P 4095.0f
+#define AC_PV16_V 2047.0f
+/* words per key pair of a chunk's paired values: Dv rounded up to 16 (the
+   columns beyond Dv are zero) */
+#define AC_PV16_LD(Dv) (((ptrdiff_t)(Dv) + 15) / 16 * 16)
+/* 32-bit words of the packed chunk: the value pairs (AC_BK / 2 + 1 pairs),
+   a tile's probability pairs (AC_BK / 2 + 2 pairs x 16 rows) and the
+   column scales (floats) */
+#define AC_PV16_CHUNK(Dv)                                                  \
+    ((AC_BK / 2 + 1) * AC_PV16_LD(Dv) + (ptrdiff_t)(AC_BK / 2 + 2) * 16 + \
+     AC_PV16_LD(Dv))
+
+#if AC_HAVE_X86
+/* VI[t][d] = (q[2t][d], q[2t + 1][d]) (16-bit halves; a missing last key
+ * 0), q[j][d] = round(v[j][d] AC_PV16_V / c_d), for the nk <= AC_BK + 1
+ * rows of v (row stride rs) and columns d < Dv (0 up to AC_PV16_LD(Dv));
+ * cs[d] = c_d / (AC_PV16_P AC_PV16_V).  Returns 0 (nothing packed) if a
+ * value is not finite. */
+static AC_TGT_AVX2 int ac_pv16_pack_values(const float *v, ptrdiff_t rs, int nk, int Dv,
+                                           uint32_t *VI, float *cs)
+{
+    const ptrdiff_t ld = AC_PV16_LD(Dv);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 bad = _mm256_setzero_ps();
+    for (int d = 0; d < ld; d += 8) {
+        const int n = Dv - d >= 8 ? 8 : (Dv - d > 0 ? Dv - d : 0);
+        const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 c = _mm256_setzero_ps();
+        for (int j = 0; j < nk; j++) {
+            const __m256 x = _mm256_maskload_ps(v + (ptrdiff_t)j * rs + d, lm);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(),
+                                                  _CMP_NEQ_UQ));
+            c = _mm256_max_ps(c, _mm256_andnot_ps(sign, x));
+        }
+        _mm256_storeu_ps(cs + d, c);
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    for (int d = 0; d < ld; d += 8) {
+        const int n = Dv - d >= 8 ? 8 : (Dv - d > 0 ? Dv - d : 0);
+        const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 c = _mm256_loadu_ps(cs + d);
+        /* AC_PV16_V / c_d, 0 for an all-zero column */
+        const __m256 f = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(AC_PV16_V), c),
+                                       _mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_GT_OQ));
+        for (int t = 0; 2 * t < nk; t++) {
+            const float *a = v + (ptrdiff_t)(2 * t) * rs + d;
+            const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a, lm), f));
+            __m256i qb = _mm256_setzero_si256();
+            if (2 * t + 1 < nk)
+                qb = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a + rs, lm), f));
+            _mm256_storeu_si256((__m256i *)(void *)(VI + (ptrdiff_t)t * ld + d),
+                                _mm256_blend_epi16(qa, _mm256_slli_epi32(qb, 16), 0xAA));
+        }
+        _mm256_storeu_ps(cs + d, _mm256_mul_ps(c, _mm256_set1_ps(1.0f / (AC_PV16_P * AC_PV16_V))));
+    }
+    return 1;
+}
+
+/* PT[t][r] = (round(P[first + 2t][r] AC_PV16_P), round(P[first + 2t +
+ * 1][r] AC_PV16_P)) for the 16 rows of the probability tile ST (ld 16),
+ * keys outside [0, nk) 0, t < npairs */
+static AC_TGT_AVX2 void ac_pv16_pack_probs(const float *ST, int first, int nk, uint32_t *PT,
+                                           int npairs)
+{
+    const __m256 s = _mm256_set1_ps(AC_PV16_P);
+    for (int t = 0; t < npairs; t++) {
+        const int ja = first + 2 * t, jb = ja + 1;
+        for (int h = 0; h < 16; h += 8) {
+            __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+            if (ja >= 0 && ja < nk)
+                a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(ST + (ptrdiff_t)ja * 16 + h), s));
+            if (jb >= 0 && jb < nk)
+                b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(ST + (ptrdiff_t)jb * 16 + h), s));
+            _mm256_storeu_si256((__m256i *)(void *)(PT + (ptrdiff_t)t * 16 + h),
+                                _mm256_or_si256(a, _mm256_slli_epi32(b, 16)));
+        }
+    }
+}
+
+static AC_TGT_AVXVNNI inline __m256i ac_pv16_dp(__m256i acc, __m256i a, __m256i b)
+{
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+}
+
+static AC_TGT_AVX2 inline __m256i ac_pv16_dp_emu(__m256i acc, __m256i a, __m256i b)
+{
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
+/* O[u][0 .. n) = alpha[u] O[u] + cs . sum_t PT[t][u] . VI[t][0 .. 16) for
+ * RU rows (O ld ldo, PT ld 16, VI ld ld words), n <= 16 columns */
+#define AC_DEF_PV16(RU, NAME, TGT, DP)                                                     \
+static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,           \
+                                 ptrdiff_t ld, float *O, ptrdiff_t ldo,                    \
+                                 const float *alpha, const float *cs, int n)               \
+{                                                                                          \
+    __m256i a[RU][2];                                                                      \
+    _Pragma("GCC unroll 8")                                                                \
+    for (int u = 0; u < RU; u++) a[u][0] = a[u][1] = _mm256_setzero_si256();               \
+    for (int t = 0; t < np; t++) {                                                         \
+        const uint32_t *vt = vi + (ptrdiff_t)t * ld;                                       \
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)vt);          \
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)(vt + 8));    \
+        const uint32_t *pt = PT + (ptrdiff_t)t * 16;                                       \
+        _Pragma("GCC unroll 8")                                                            \
+        for (int u = 0; u < RU; u++) {                                                     \
+            const __m256i b = _mm256_set1_epi32((int)pt[u]);                               \
+            a[u][0] = DP(a[u][0], b, x0);                                                  \
+            a[u][1] = DP(a[u][1], b, x1);                                                  \
+        }                                                                                  \
+    }                                                                                      \
+    const __m256 s0 = _mm256_loadu_ps(cs), s1 = _mm256_loadu_ps(cs + 8);                   \
+    const __m256i io = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                          \
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), io);                       \
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), io);                   \
+    _Pragma("GCC unroll 8")                                                                \
+    for (int u = 0; u < RU; u++) {                                                         \
+        float *o = O + (ptrdiff_t)u * ldo;                                                 \
+        const __m256 al = _mm256_set1_ps(alpha[u]);                                        \
+        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][0]), s0);                  \
+        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][1]), s1);                  \
+        if (n == 16) {                                                                     \
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(al, _mm256_loadu_ps(o), f0));              \
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(al, _mm256_loadu_ps(o + 8), f1));      \
+        } else {                                                                           \
+            _mm256_maskstore_ps(o, m0, _mm256_fmadd_ps(al, _mm256_maskload_ps(o, m0), f0)); \
+            _mm256_maskstore_ps(o + 8, m1,                                                 \
+                                _mm256_fmadd_ps(al, _mm256_maskload_ps(o + 8, m1), f1));   \
+        }                                                                                  \
+    }                                                                                      \
+}
+
+AC_DEF_PV16(6, ac_pv16_r6, AC_TGT_AVXVNNI, ac_pv16_dp)
+AC_DEF_PV16(5, ac_pv16_r5, AC_TGT_AVXVNNI, ac_pv16_dp)
+AC_DEF_PV16(4, ac_pv16_r4, AC_TGT_AVXVNNI, ac_pv16_dp)
+AC_DEF_PV16(2, ac_pv16_r2, AC_TGT_AVXVNNI, ac_pv16_dp)
+AC_DEF_PV16(1, ac_pv16_r1, AC_TGT_AVXVNNI, ac_pv16_dp)
+AC_DEF_PV16(6, ac_pv16_r6_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
+AC_DEF_PV16(5, ac_pv16_r5_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
+AC_DEF_PV16(4, ac_pv16_r4_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
+AC_DEF_PV16(2, ac_pv16_r2_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
+AC_DEF_PV16(1, ac_pv16_r1_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
+
+typedef void (*ac_pv16_fn)(const uint32_t *, int, const uint32_t *, ptrdiff_t, float *,
+                           ptrdiff_t, const float *, const float *, int);
+
+/* acc rows [0, nr) (nr <= 16, ld Dv) = alpha acc + P.V over np key pairs
+ * (PT: the tile's probability pairs, VI its value pairs, cs the chunk's
+ * column scales), mode 3 vpdpwssd, 4 its AVX2 spelling: micro-tiles of 6
+ * rows (16 = 6 + 5 + 5), 16 columns */
+static void ac_pv16_rows(int mode, const uint32_t *PT, int np, const uint32_t *vi, int Dv,
+                         float *acc, const float *alpha, const float *cs, int nr)
+{
+    static const ac_pv16_fn fn[2][7] = {
+        {NULL, ac_pv16_r1, ac_pv16_r2, NULL, ac_pv16_r4, ac_pv16_r5, ac_pv16_r6},
+        {NULL, ac_pv16_r1_emu, ac_pv16_r2_emu, NULL, ac_pv16_r4_emu, ac_pv16_r5_emu,
+         ac_pv16_r6_emu}};
+    const ac_pv16_fn *f = fn[mode == 3 ? 0 : 1];
+    const ptrdiff_t ld = AC_PV16_LD(Dv);
+    /* the micro-tile rows for the rows left (16 = 6 + 5 + 5, 8 = 4 + 4) */
+    static const int8_t ru_of[17] = {0, 1, 2, 2, 4, 5, 6, 5, 4, 5, 5, 6, 6, 6, 6, 6, 6};
+    for (int r = 0; r < nr;) {
+        const int ru = ru_of[nr - r > 16 ? 16 : nr - r];
+        for (int c0 = 0; c0 < Dv; c0 += 16)
+            f[ru](PT + r, np, vi + c0, ld, acc + (ptrdiff_t)r * Dv + c0, Dv, alpha + r, cs + c0,
+                  Dv - c0 < 16 ? Dv - c0 : 16);
+        r += ru;
+    }
 }
 #endif /* AC_HAVE_X86 */
 

@@ -84,7 +84,10 @@ typedef struct {
                                  softmax denominator; -inf for none       */
     int bf16dot;              /* fused AVX-512 kernel with bfloat16 dot
                                  products: 1 vdpbf16ps, 2 the same in
-                                 AVX-512F (tests), 0 float32 products      */
+                                 AVX-512F (tests), 0 float32 products; on
+                                 the AVX2 path under int8 Q.K^T (qk8 4 -
+                                 6), int16 P.V: 3 vpdpwssd (AVX-VNNI), 4
+                                 the same sums in AVX2 (ac_int8dot.h)      */
     ptrdiff_t bf_off;         /* offset in the score scratch of the packed
                                  bfloat16 chunk (ac_bf16dot.h)            */
     int qk8;                  /* precision="int8": the q pointer points at
@@ -299,7 +302,7 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
     if (bf16dot) {
         /* the packed bfloat16 chunk: K16, VI and the probability pairs */
         p->bf_off = p->s_len;
-        p->s_len += AC_ROUND16(AC_BF16_CHUNK(D, Dv));
+        p->s_len += AC_ROUND16(bf16dot >= 3 ? AC_PV16_CHUNK(Dv) : AC_BF16_CHUNK(D, Dv));
     }
     p->kvcopy = 0;
     p->mp_off = 0;
