@@ -691,6 +691,11 @@ def describe(chk: Checked) -> Call:
     qk8 = md.qk8
     if qk8:
         q, k, ks, fmts, qk8, q_scales, q_mu, D = _int8_stage(chk, q, k, ks, fmts, md)
+    if md.bf16dot in (3, 4) and qk8 not in (4, 5, 6):
+        # the int16 P.V runs under the avx2 path's int8 scores only (a call
+        # the int8 stage sent to float products -- a soft cap, sinks, an
+        # inf query -- takes float32 P.V)
+        md = md._replace(bf16dot=0)
     conv = conversion(md, qk8, fmts, ks, vs)
     # strided float32 keys / values: copied a block at a time by the fused
     # kernel (plain float32 operands, the copy within COPIED_KV_BYTES);

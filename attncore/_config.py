@@ -93,8 +93,8 @@ _INT8_LINES = {
 _INT8_PV_LINES = {
     "float32": "in float32",
     "bfloat16": "as bfloat16 pairs (AVX512_BF16)",
-    "int16": "as 12-bit integer pairs on vpdpwssd (AVX-VNNI)",
-    "int16-emulated": "as 12-bit integer pairs, vpdpwssd's sums spelled in AVX2 (forced)",
+    "int16": "as 16-bit integer pairs on vpdpwssd (AVX-VNNI)",
+    "int16-emulated": "as 16-bit integer pairs, vpdpwssd's sums spelled in AVX2 (forced)",
 }
 
 

@@ -176,6 +176,12 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
     fmts = (half_code(qa.dtype), 0 if ks is not None else half_code(ka.dtype),
             0 if vs is not None else half_code(va.dtype))
     qa = _call.blas_rows(qa if (fmts[0] or qa.dtype == cdt) else qa.astype(cdt))
+    # the kernels' row axis of q is its tokens' (axis 0: BLAS's leading
+    # dimension of a prompt chunk); blas_rows checked the heads' (axis 1)
+    st0 = qa.strides[0]
+    if qa.shape[0] > 1 and (st0 < qa.shape[2] * qa.itemsize or st0 % qa.itemsize
+                            or st0 // qa.itemsize > INT32_MAX):
+        qa = np.ascontiguousarray(qa)
     if ks is None:
         ka = ka if (fmts[1] or ka.dtype == cdt) else ka.astype(cdt)
         va = va if (fmts[2] or va.dtype == cdt) else va.astype(cdt)

@@ -27,7 +27,7 @@ an AVX-512 one) and times, per prefill case (1x8x1024^2 x 64 / x 128,
 causal too), float32 against ``precision="int8"`` under each int8 mode of
 that path (``_sdpa.set_int8_mode``: ``avx2`` vpmaddubsw with the sign trick,
 ``avxvnni`` where the CPU has AVX-VNNI), P.V in float32, and ``avxvnni+pv16``:
-AVX-VNNI with P.V as 12-bit integer pairs on vpdpwssd (``_sdpa.set_pv16_mode``):
+AVX-VNNI with P.V as 16-bit integer pairs on vpdpwssd (``_sdpa.set_pv16_mode``):
 the measurements behind ``_sdpa.INT8_AVX2_DEFAULTS`` and the int16 P.V default.  A benchmark, never a test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
 command that runs this script.
 """

@@ -726,7 +726,8 @@ def test_int8_column_statistics(path, fmt, D, centered):
 
 # ---------------------------------------------------------------------------
 # int16 P.V under the avx2 path's int8 Q.K^T (vpdpwssd, AVX-VNNI; its AVX2
-# spelling): 12-bit probabilities x 12-bit values per column of a key chunk
+# spelling): probabilities as 14-bit integers per row and key tile, values
+# as 10-bit integers per key row
 # ---------------------------------------------------------------------------
 PV16_MODES = ((["native"] if _sdpa.cpu_features()["avx_vnni"] else []) + ["emulate"]
               if "avx2" in PATHS else [])
@@ -766,22 +767,23 @@ def test_pv16_normal_inputs_bar(pv16_mode, D):
     out = sd(q, k, v, precision="int8")
     out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8"))
     assert _cos_err(out, sdpa_ref(q, k, v)) <= 1e-4
-    # 12-bit probabilities and values: a visible, small difference
+    # integer probabilities and values: a visible, small difference
     assert 1e-10 < _cos_err(out, out32) < 2e-6
 
 
 def test_pv16_matches_a_model_of_its_integers(pv16_mode):
-    """One key chunk (M <= 128 keys): each row's probabilities against its
-    max, round(p 4095), times the values round(v 2047 / c_d) (c_d: the
-    largest |v| of column d), scaled back, over the float sum of p -- in
-    float64 from the very int8 rows the call multiplies.  A probability may
-    round a step the other way (float32 exp2 against float64): the bound is
-    a few steps' worth."""
+    """One key tile (M <= 128 keys): each value row as round(v 1015 / s_j)
+    (s_j: the row's largest |v|), each probability times its key's s_j as
+    round(p' 16383 / M_r) (M_r: the row's largest p'), the integer
+    products scaled back, over the float sum of p -- in float64 from the
+    very int8 rows the call multiplies.  A probability may round a step
+    the other way (float32 exp2 against float64): the bound is a few
+    steps' worth."""
     from attncore import _int8
     B, H, N, M, D, Dv = 2, 2, 64, 100, 40, 37
     q, v = rand((B, H, N, D), 0), rand((B, H, M, Dv), 2)
     k = _offset_keys((B, H, M, D))
-    v[0, 0, :, 3] = 0.0                     # an all-zero column
+    v[0, 0, 3, :] = 0.0                     # an all-zero value row
     v[1, 1, 7, :] *= 50                     # one large value row
     out = sd(q, k, v, precision="int8")
     ops = _int8.quantize(q, 0, k, 0, None, None, (B, H), 1, 1)
@@ -789,14 +791,61 @@ def test_pv16_matches_a_model_of_its_integers(pv16_mode):
     kd = ops.k8[..., :D] * ops.k_pairs[..., 0][..., None].astype(np.float64)
     s_ = qd @ np.swapaxes(kd, -1, -2) / np.sqrt(D)
     p = np.exp(s_ - s_.max(-1, keepdims=True))
-    c = np.abs(v.astype(np.float64)).max(-2, keepdims=True)
-    vq = np.round(v * np.where(c > 0, 2047 / np.where(c > 0, c, 1), 0))
-    model = (np.round(p * 4095) @ vq) * (c / (2047 * 4095)) / p.sum(-1, keepdims=True)
-    step = c / 4095 / p.sum(-1, keepdims=True)       # one probability step's worth
+    sv = np.abs(v.astype(np.float64)).max(-1)                    # (B, H, M)
+    vq = np.round(v * np.where(sv > 0, 1015 / np.where(sv > 0, sv, 1), 0)[..., None])
+    pp = p * sv[..., None, :]
+    mr = pp.max(-1, keepdims=True)
+    model = (np.round(pp * 16383 / mr) @ vq) * (mr / (16383 * 1015)) / p.sum(-1, keepdims=True)
+    step = mr / 16383 / p.sum(-1, keepdims=True)     # one probability step's worth
     assert np.all(np.abs(out - model) <= 3 * step + 1e-5)
     # and it is the int16 P.V: float32 P.V is off the model by more
     out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8"))
     assert np.abs(out32 - model).max() > 10 * np.abs(out - model).max()
+
+
+def test_pv16_long_tail_and_masked_outliers(pv16_mode):
+    """The cases fixed-point probabilities and shared value scales get
+    wrong: a dominant key (an attention sink, score gap 9.5) over a long
+    tail of 1023 keys each below 1e-4 of it -- the tail carries 7 % of the
+    mass and all of the output --; and a masked key whose values are 1e6
+    (another key's scale must not see it).  Both as close to float64 as
+    the float32-P.V call."""
+    H, N, M, D = 4, 64, 1024, 64
+    rng = np.random.default_rng(0)
+    q = np.zeros((H, N, D), np.float32)
+    q[..., 0] = 1.0
+    q += 0.001 * rng.standard_normal(q.shape).astype(np.float32)
+    k = np.zeros((H, M, D), np.float32)
+    k[:, 0, 0] = 9.5 * np.sqrt(D)
+    v = np.ones((H, M, D), np.float32)
+    v[:, 0] = 0.0
+    ref = sdpa_ref(q, k, v)
+    out = sd(q, k, v, precision="int8")
+    out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8"))
+    assert np.abs(out - ref).max() <= max(2 * np.abs(out32 - ref).max(), 1e-5)
+    q, k, v = (rng.standard_normal((4, n, 64)).astype(np.float32) for n in (64, 256, 256))
+    v[:, 5] = 1e6
+    mask = np.ones((64, 256), bool)
+    mask[:, 5] = False
+    ref = sdpa_ref(q, k, v, attn_mask=mask)
+    out = sd(q, k, v, attn_mask=mask, precision="int8")
+    out32 = _with_float32_pv(lambda: sd(q, k, v, attn_mask=mask, precision="int8"))
+    assert np.linalg.norm(out - ref) <= 1.2 * np.linalg.norm(out32 - ref)
+
+
+@pytest.mark.parametrize("case", ["softcap", "sinks", "inf query"])
+def test_pv16_with_float_scores(pv16_mode, case):
+    """Calls whose int8 stage takes float products (a soft cap, sinks, an
+    inf in a query row) take float32 P.V too: the same result as with the
+    int16 P.V off, no error."""
+    q, k, v = (rand((1, 2, 40, 64), s) for s in range(3))
+    kw = dict(softcap=30.0) if case == "softcap" else \
+        dict(sinks=np.zeros(2, np.float32)) if case == "sinks" else {}
+    if case == "inf query":
+        q[0, 0, 2, 1] = np.inf
+    out = sd(q, k, v, precision="int8", **kw)
+    out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8", **kw))
+    np.testing.assert_array_equal(out, out32)
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "bool", "float", "window", "lse"])

@@ -563,3 +563,34 @@ def test_paged_negative_seq_len_is_named():
     pool = np.ones((2, 4, 1, 4), np.float32)
     with pytest.raises(ValueError, match=r"seq_lens must be >= 0, got seq_lens\[0\] = -1"):
         paged_attention(q, pool, pool, block_table=[[0]], seq_lens=[-1])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("view", ["reversed", "broadcast", "overlapping"])
+def test_query_token_stride_any(dtype, view):
+    """Query rows whose token stride (axis 0, the kernels' row axis of a
+    prompt chunk) is negative, zero or below a row: read as a copy, the
+    same answer as contiguous queries (they went to BLAS as an illegal
+    leading dimension), on every path."""
+    from numpy.lib.stride_tricks import as_strided
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 64, 1, 8)).astype(dtype)
+    v = rng.standard_normal((1, 64, 1, 8)).astype(dtype)
+    base = rng.standard_normal((40, 1, 8)).astype(dtype)
+    if view == "reversed":
+        q = base[::-1]
+    elif view == "broadcast":
+        q = np.broadcast_to(base[:1], (40, 1, 8))
+    else:  # token rows one element apart (overlapping)
+        q = as_strided(base, (33, 1, 8), (base.itemsize, 8 * base.itemsize, base.itemsize))
+    n = q.shape[0]
+    kw = dict(block_table=[[0]], seq_lens=[64], cu_seqlens_q=[0, n], num_threads=1)
+    for path in attncore._kernels.available_kernel_paths():
+        with attncore._kernels.forced_kernel_path(path):
+            want = attncore.paged_attention(np.ascontiguousarray(q), k, v, **kw)
+            got = attncore.paged_attention(q, k, v, **kw)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            got = attncore.varlen_attention(q, k[0], v[0], [0, n], [0, 64], num_threads=1)
+            want = attncore.varlen_attention(np.ascontiguousarray(q), k[0], v[0], [0, n], [0, 64],
+                                             num_threads=1)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -39,7 +39,7 @@ typedef struct {
     uint32_t *pt2;       /* a tile's probability pairs (scratch)          */
     int vfin;            /* every value of the chunk is finite            */
     const float *vcs;    /* int16 P.V (AVX2, mode 3 / 4): the chunk's
-                            column scales (ac_int8dot.h, AC_PV16_*)      */
+                            keys' value scales (ac_int8dot.h, AC_PV16_*) */
 } ac_bf16_chunk;
 
 /* float -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN) */

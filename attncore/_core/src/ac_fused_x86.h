@@ -680,7 +680,8 @@ static AC_FUSED_RANGE_F32
     bt.vfin = 0;
     bt.vcs = NULL;
     if (pvm) {
-        /* int16 chunk: VI (AC_BK / 2 + 1 pairs), PT, column scales */
+        /* int16 chunk: VI (AC_BK / 2 + 1 pairs), PT, the keys' scales
+           (then the rows', the panel's: AC_PV16_CHUNK) */
         const ptrdiff_t ld = AC_PV16_LD(Dv);
         bt.vi = K16;
         bt.pt2 = K16 + (AC_BK / 2 + 1) * ld;

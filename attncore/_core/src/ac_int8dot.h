@@ -1019,98 +1019,133 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
  * int16 P.V on the AVX2 panel (under int8 Q.K^T; ac_params.bf16dot 3:
  * AVX-VNNI vpdpwssd, 4: the same sums in AVX2, vpmaddwd + vpaddd).
  *
- * The probabilities of a tile, 2^(s - m) <= 1 against the running max,
- * become integers round(p AC_PV16_P) (12 bits); a key chunk's values
- * become round(v AC_PV16_V / c_d) with c_d the largest |v| of column d
- * over the chunk's keys (12 bits, signed).  Both are paired along the
- * keys, (key 2t, key 2t+1) in the two 16-bit halves of a 32-bit word, so
- * one vpdpwssd adds two keys' products per int32 lane.  The sums of a
- * tile are exact in int32: at most (AC_BK + 1) AC_PV16_P AC_PV16_V <
- * 2^31.  Each tile's int32 sums are scaled once per column, c_d /
- * (AC_PV16_P AC_PV16_V), and added to the float32 accumulator (rescaled by
- * the online softmax as usual).  The rounding adds at most 1 / (2
- * AC_PV16_P) of the row's largest probability to each probability and
- * c_d / (2 AC_PV16_V) to each value.
+ * A key chunk's value rows become integers q_j = round(v_j AC_PV16_V /
+ * s_j), s_j the largest |v| of row j (per key, so that a value never
+ * scales another key's: a masked key's outlier stays out).  A tile's
+ * probabilities take the key's scale, p'_j = p_j s_j, and become, per
+ * query row, round(p'_j AC_PV16_P / M_r) with M_r the row's largest p' in
+ * the tile (14 bits relative to the tile: a dominant key -- an attention
+ * sink -- costs the precision of its own tile only).  Both are paired
+ * along the keys, (key 2t, key 2t+1) in the 16-bit halves of a 32-bit
+ * word, so one vpdpwssd adds two keys' products per int32 lane, exactly:
+ * a tile's sums stay below (AC_BK + 1) AC_PV16_P AC_PV16_V < 2^31.  They
+ * are scaled back per row, M_r / (AC_PV16_P AC_PV16_V), and added to the
+ * float32 accumulator (rescaled by the online softmax as usual).
  */
-#define AC_PV16_P 4095.0f
-#define AC_PV16_V 2047.0f
+#define AC_PV16_P 16383.0f
+#define AC_PV16_V 1015.0f
 /* words per key pair of a chunk's paired values: Dv rounded up to 16 (the
    columns beyond Dv are zero) */
 #define AC_PV16_LD(Dv) (((ptrdiff_t)(Dv) + 15) / 16 * 16)
 /* 32-bit words of the packed chunk: the value pairs (AC_BK / 2 + 1 pairs),
-   a tile's probability pairs (AC_BK / 2 + 2 pairs x 16 rows) and the
-   column scales (floats) */
+   a tile's probability pairs (AC_BK / 2 + 2 pairs x 16 rows), the keys'
+   scales (AC_BK + 2 floats) and the rows' (16 floats) */
 #define AC_PV16_CHUNK(Dv)                                                  \
     ((AC_BK / 2 + 1) * AC_PV16_LD(Dv) + (ptrdiff_t)(AC_BK / 2 + 2) * 16 + \
-     AC_PV16_LD(Dv))
+     (AC_BK + 2) + 16)
+/* scales below this (a key's largest |v|, a row's largest p') take
+   float32 P.V: their reciprocals would leave the float range */
+#define AC_PV16_TINY 1e-30f
 
 #if AC_HAVE_X86
 /* VI[t][d] = (q[2t][d], q[2t + 1][d]) (16-bit halves; a missing last key
- * 0), q[j][d] = round(v[j][d] AC_PV16_V / c_d), for the nk <= AC_BK + 1
- * rows of v (row stride rs) and columns d < Dv (0 up to AC_PV16_LD(Dv));
- * cs[d] = c_d / (AC_PV16_P AC_PV16_V).  Returns 0 (nothing packed) if a
- * value is not finite. */
+ * 0), q[j][d] = round(v[j][d] AC_PV16_V / s_j), sv[j] = s_j = max_d
+ * |v[j][d]|, for the nk <= AC_BK rows of v (row stride rs) and columns d
+ * < Dv (0 up to AC_PV16_LD(Dv)).  Returns 0 (nothing usable) if a value is
+ * not finite or a row's s_j is below AC_PV16_TINY but not 0. */
 static AC_TGT_AVX2 int ac_pv16_pack_values(const float *v, ptrdiff_t rs, int nk, int Dv,
-                                           uint32_t *VI, float *cs)
+                                           uint32_t *VI, float *sv)
 {
     const ptrdiff_t ld = AC_PV16_LD(Dv);
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 bad = _mm256_setzero_ps();
-    for (int d = 0; d < ld; d += 8) {
-        const int n = Dv - d >= 8 ? 8 : (Dv - d > 0 ? Dv - d : 0);
-        const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 c = _mm256_setzero_ps();
-        for (int j = 0; j < nk; j++) {
-            const __m256 x = _mm256_maskload_ps(v + (ptrdiff_t)j * rs + d, lm);
+    const __m256i io = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int ok = 1;
+    for (int j = 0; j < nk && ok; j++) {
+        const float *vj = v + (ptrdiff_t)j * rs;
+        __m256 c = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int d = 0; d < Dv; d += 8) {
+            const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(Dv - d), io);
+            const __m256 x = _mm256_maskload_ps(vj + d, lm);
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(),
                                                   _CMP_NEQ_UQ));
             c = _mm256_max_ps(c, _mm256_andnot_ps(sign, x));
         }
-        _mm256_storeu_ps(cs + d, c);
+        float cm[8];
+        _mm256_storeu_ps(cm, c);
+        float m = 0.0f;
+        for (int i = 0; i < 8; i++) m = cm[i] > m ? cm[i] : m;
+        sv[j] = m;
+        ok = !_mm256_movemask_ps(bad) && !(m > 0.0f && m < AC_PV16_TINY);
     }
-    if (_mm256_movemask_ps(bad)) return 0;
-    for (int d = 0; d < ld; d += 8) {
-        const int n = Dv - d >= 8 ? 8 : (Dv - d > 0 ? Dv - d : 0);
-        const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 c = _mm256_loadu_ps(cs + d);
-        /* AC_PV16_V / c_d, 0 for an all-zero column */
-        const __m256 f = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(AC_PV16_V), c),
-                                       _mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_GT_OQ));
-        for (int t = 0; 2 * t < nk; t++) {
-            const float *a = v + (ptrdiff_t)(2 * t) * rs + d;
-            const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a, lm), f));
+    if (!ok) return 0;
+    for (int t = 0; 2 * t < nk; t++) {
+        const float *a = v + (ptrdiff_t)(2 * t) * rs;
+        const int two = 2 * t + 1 < nk;
+        const __m256 fa = _mm256_set1_ps(sv[2 * t] > 0.0f ? AC_PV16_V / sv[2 * t] : 0.0f);
+        const __m256 fb = _mm256_set1_ps(two && sv[2 * t + 1] > 0.0f ? AC_PV16_V / sv[2 * t + 1]
+                                                                       : 0.0f);
+        for (int d = 0; d < ld; d += 8) {
+            const int n = Dv - d;
+            const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n > 0 ? n : 0), io);
+            const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a + d, lm), fa));
             __m256i qb = _mm256_setzero_si256();
-            if (2 * t + 1 < nk)
-                qb = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a + rs, lm), f));
+            if (two)
+                qb = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a + rs + d, lm), fb));
             _mm256_storeu_si256((__m256i *)(void *)(VI + (ptrdiff_t)t * ld + d),
                                 _mm256_blend_epi16(qa, _mm256_slli_epi32(qb, 16), 0xAA));
         }
-        _mm256_storeu_ps(cs + d, _mm256_mul_ps(c, _mm256_set1_ps(1.0f / (AC_PV16_P * AC_PV16_V))));
     }
     return 1;
 }
 
-/* PT[t][r] = (round(P[first + 2t][r] AC_PV16_P), round(P[first + 2t +
- * 1][r] AC_PV16_P)) for the 16 rows of the probability tile ST (ld 16),
- * keys outside [0, nk) 0, t < npairs */
-static AC_TGT_AVX2 void ac_pv16_pack_probs(const float *ST, int first, int nk, uint32_t *PT,
-                                           int npairs)
+/* PT[t][r] = (round(p'[first + 2t][r] AC_PV16_P / M_r), the same for key
+ * first + 2t + 1) for the 16 rows of the probability tile ST (ld 16),
+ * p'[j][r] = P[j][r] sv[j], M_r = max_j p'[j][r] over j < nk (keys
+ * outside [0, nk) 0), t < npairs; rsc[r] = M_r / (AC_PV16_P AC_PV16_V).
+ * Returns 0 (nothing packed: float32 P.V) if some M_r is below
+ * AC_PV16_TINY but not 0. */
+static AC_TGT_AVX2 int ac_pv16_pack_probs(const float *ST, int first, int nk, const float *sv,
+                                          uint32_t *PT, int npairs, float *rsc)
 {
-    const __m256 s = _mm256_set1_ps(AC_PV16_P);
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    for (int j = 0; j < nk; j++) {
+        const __m256 s = _mm256_set1_ps(sv[j]);
+        m0 = _mm256_max_ps(m0, _mm256_mul_ps(_mm256_loadu_ps(ST + (ptrdiff_t)j * 16), s));
+        m1 = _mm256_max_ps(m1, _mm256_mul_ps(_mm256_loadu_ps(ST + (ptrdiff_t)j * 16 + 8), s));
+    }
+    const __m256 tiny = _mm256_set1_ps(AC_PV16_TINY), zero = _mm256_setzero_ps();
+    const __m256 small = _mm256_or_ps(
+        _mm256_and_ps(_mm256_cmp_ps(m0, tiny, _CMP_LT_OQ), _mm256_cmp_ps(m0, zero, _CMP_GT_OQ)),
+        _mm256_and_ps(_mm256_cmp_ps(m1, tiny, _CMP_LT_OQ), _mm256_cmp_ps(m1, zero, _CMP_GT_OQ)));
+    if (_mm256_movemask_ps(small)) return 0;
+    const __m256 P = _mm256_set1_ps(AC_PV16_P);
+    /* AC_PV16_P / M_r, 0 for a row with nothing in the tile */
+    const __m256 r0 = _mm256_and_ps(_mm256_div_ps(P, m0), _mm256_cmp_ps(m0, zero, _CMP_GT_OQ));
+    const __m256 r1 = _mm256_and_ps(_mm256_div_ps(P, m1), _mm256_cmp_ps(m1, zero, _CMP_GT_OQ));
+    const __m256 back = _mm256_set1_ps(1.0f / (AC_PV16_P * AC_PV16_V));
+    _mm256_storeu_ps(rsc, _mm256_mul_ps(m0, back));
+    _mm256_storeu_ps(rsc + 8, _mm256_mul_ps(m1, back));
     for (int t = 0; t < npairs; t++) {
         const int ja = first + 2 * t, jb = ja + 1;
-        for (int h = 0; h < 16; h += 8) {
-            __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-            if (ja >= 0 && ja < nk)
-                a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(ST + (ptrdiff_t)ja * 16 + h), s));
-            if (jb >= 0 && jb < nk)
-                b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(ST + (ptrdiff_t)jb * 16 + h), s));
-            _mm256_storeu_si256((__m256i *)(void *)(PT + (ptrdiff_t)t * 16 + h),
-                                _mm256_or_si256(a, _mm256_slli_epi32(b, 16)));
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+        if (ja >= 0 && ja < nk) {
+            const __m256 s = _mm256_set1_ps(sv[ja]);
+            const float *sr = ST + (ptrdiff_t)ja * 16;
+            a0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr), s), r0));
+            a1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + 8), s), r1));
         }
+        if (jb >= 0 && jb < nk) {
+            const __m256 s = _mm256_set1_ps(sv[jb]);
+            const float *sr = ST + (ptrdiff_t)jb * 16;
+            b0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr), s), r0));
+            b1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + 8), s), r1));
+        }
+        _mm256_storeu_si256((__m256i *)(void *)(PT + (ptrdiff_t)t * 16),
+                            _mm256_or_si256(a0, _mm256_slli_epi32(b0, 16)));
+        _mm256_storeu_si256((__m256i *)(void *)(PT + (ptrdiff_t)t * 16 + 8),
+                            _mm256_or_si256(a1, _mm256_slli_epi32(b1, 16)));
     }
+    return 1;
 }
 
 static AC_TGT_AVXVNNI inline __m256i ac_pv16_dp(__m256i acc, __m256i a, __m256i b)
@@ -1123,12 +1158,12 @@ static AC_TGT_AVX2 inline __m256i ac_pv16_dp_emu(__m256i acc, __m256i a, __m256i
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
-/* O[u][0 .. n) = alpha[u] O[u] + cs . sum_t PT[t][u] . VI[t][0 .. 16) for
- * RU rows (O ld ldo, PT ld 16, VI ld ld words), n <= 16 columns */
+/* O[u][0 .. n) = alpha[u] O[u] + rsc[u] sum_t PT[t][u] . VI[t][0 .. 16)
+ * for RU rows (O ld ldo, PT ld 16, VI ld ld words), n <= 16 columns */
 #define AC_DEF_PV16(RU, NAME, TGT, DP)                                                     \
 static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,           \
                                  ptrdiff_t ld, float *O, ptrdiff_t ldo,                    \
-                                 const float *alpha, const float *cs, int n)               \
+                                 const float *alpha, const float *rsc, int n)              \
 {                                                                                          \
     __m256i a[RU][2];                                                                      \
     _Pragma("GCC unroll 8")                                                                \
@@ -1145,16 +1180,15 @@ static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,
             a[u][1] = DP(a[u][1], b, x1);                                                  \
         }                                                                                  \
     }                                                                                      \
-    const __m256 s0 = _mm256_loadu_ps(cs), s1 = _mm256_loadu_ps(cs + 8);                   \
     const __m256i io = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                          \
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), io);                       \
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), io);                   \
     _Pragma("GCC unroll 8")                                                                \
     for (int u = 0; u < RU; u++) {                                                         \
         float *o = O + (ptrdiff_t)u * ldo;                                                 \
-        const __m256 al = _mm256_set1_ps(alpha[u]);                                        \
-        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][0]), s0);                  \
-        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][1]), s1);                  \
+        const __m256 al = _mm256_set1_ps(alpha[u]), s = _mm256_set1_ps(rsc[u]);            \
+        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][0]), s);                   \
+        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][1]), s);                   \
         if (n == 16) {                                                                     \
             _mm256_storeu_ps(o, _mm256_fmadd_ps(al, _mm256_loadu_ps(o), f0));              \
             _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(al, _mm256_loadu_ps(o + 8), f1));      \
@@ -1181,11 +1215,11 @@ typedef void (*ac_pv16_fn)(const uint32_t *, int, const uint32_t *, ptrdiff_t, f
                            ptrdiff_t, const float *, const float *, int);
 
 /* acc rows [0, nr) (nr <= 16, ld Dv) = alpha acc + P.V over np key pairs
- * (PT: the tile's probability pairs, VI its value pairs, cs the chunk's
- * column scales), mode 3 vpdpwssd, 4 its AVX2 spelling: micro-tiles of 6
+ * (PT: the tile's probability pairs, rsc their rows' scales, VI the
+ * values' pairs), mode 3 vpdpwssd, 4 its AVX2 spelling: micro-tiles of 6
  * rows (16 = 6 + 5 + 5), 16 columns */
 static void ac_pv16_rows(int mode, const uint32_t *PT, int np, const uint32_t *vi, int Dv,
-                         float *acc, const float *alpha, const float *cs, int nr)
+                         float *acc, const float *alpha, const float *rsc, int nr)
 {
     static const ac_pv16_fn fn[2][7] = {
         {NULL, ac_pv16_r1, ac_pv16_r2, NULL, ac_pv16_r4, ac_pv16_r5, ac_pv16_r6},
@@ -1198,7 +1232,7 @@ static void ac_pv16_rows(int mode, const uint32_t *PT, int np, const uint32_t *v
     for (int r = 0; r < nr;) {
         const int ru = ru_of[nr - r > 16 ? 16 : nr - r];
         for (int c0 = 0; c0 < Dv; c0 += 16)
-            f[ru](PT + r, np, vi + c0, ld, acc + (ptrdiff_t)r * Dv + c0, Dv, alpha + r, cs + c0,
+            f[ru](PT + r, np, vi + c0, ld, acc + (ptrdiff_t)r * Dv + c0, Dv, alpha + r, rsc + r,
                   Dv - c0 < 16 ? Dv - c0 : 16);
         r += ru;
     }
