@@ -709,10 +709,14 @@ def describe(chk: Checked) -> Call:
         v = _dense_rows(v)
     if HALF_BF16 in fmts:
         q, k, v = bits(q, fmts[0]), bits(k, fmts[1]), bits(v, fmts[2])
+    if q_mu is not None:
+        # (the row terms of a huge scale may leave the float32 range: the
+        # call's float64 re-run handles it, NumPy need not warn)
+        with np.errstate(over="ignore"):
+            q_mu = np.float32(scale) * q_mu
     return Call(q, k, v, m, mask_kind, bshape, group, N, M, D, Dv, causal, scale, window,
                 softcap, ks, vs, q_scales, fmts, slopes, sinks, md.bf16dot if pl.fused else 0,
-                qk8, pl, cdt, need_w, need_lse,
-                None if q_mu is None else np.float32(scale) * q_mu)
+                qk8, pl, cdt, need_w, need_lse, q_mu)
 
 
 # --------------------------------------------------------------------------
