@@ -565,13 +565,14 @@ def test_paged_negative_seq_len_is_named():
         paged_attention(q, pool, pool, block_table=[[0]], seq_lens=[-1])
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("view", ["reversed", "broadcast", "overlapping"])
-def test_query_token_stride_any(dtype, view):
+def test_query_token_stride_any(dtype, view, causal):
     """Query rows whose token stride (axis 0, the kernels' row axis of a
     prompt chunk) is negative, zero or below a row: read as a copy, the
-    same answer as contiguous queries (they went to BLAS as an illegal
-    leading dimension), on every path."""
+    float64 reference's answer on every path (they went to BLAS as an
+    illegal leading dimension: wrong answers)."""
     from numpy.lib.stride_tricks import as_strided
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, 64, 1, 8)).astype(dtype)
@@ -584,13 +585,18 @@ def test_query_token_stride_any(dtype, view):
     else:  # token rows one element apart (overlapping)
         q = as_strided(base, (33, 1, 8), (base.itemsize, 8 * base.itemsize, base.itemsize))
     n = q.shape[0]
-    kw = dict(block_table=[[0]], seq_lens=[64], cu_seqlens_q=[0, n], num_threads=1)
+    kw = dict(block_table=[[0]], seq_lens=[64], cu_seqlens_q=[0, n], is_causal=causal,
+              num_threads=1)
+    # float64 reference of the same rows: (n, 1, 8) as one head's (1, n, 8);
+    # the n queries are the last n of the 64 tokens (lower-right causal)
+    want = sdpa_ref(np.asarray(q, np.float64).transpose(1, 0, 2), k[0].transpose(1, 0, 2),
+                    v[0].transpose(1, 0, 2),
+                    is_causal="lower_right" if causal else False).transpose(1, 0, 2)
+    tol = 1e-12 if dtype == np.float64 else 2e-6
     for path in attncore._kernels.available_kernel_paths():
         with attncore._kernels.forced_kernel_path(path):
-            want = attncore.paged_attention(np.ascontiguousarray(q), k, v, **kw)
             got = attncore.paged_attention(q, k, v, **kw)
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-            got = attncore.varlen_attention(q, k[0], v[0], [0, n], [0, 64], num_threads=1)
-            want = attncore.varlen_attention(np.ascontiguousarray(q), k[0], v[0], [0, n], [0, 64],
-                                             num_threads=1)
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+            got = attncore.varlen_attention(q, k[0], v[0], [0, n], [0, 64], is_causal=causal,
+                                            num_threads=1)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
