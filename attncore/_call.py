@@ -268,7 +268,7 @@ class Modes(NamedTuple):
     """The kernel's mode codes of a call's dtype policy."""
 
     bf16dot: int   #: bfloat16 dot products: 0 none, 1 vdpbf16ps, 2 emulated; int16 P.V
-    #: under the avx2 path's int8 Q.K^T: 3 vpdpwssd, 4 emulated (_sdpa.pv16_mode)
+    #: under int8 Q.K^T: 3 vpdpwssd, 4 emulated (_sdpa.pv16_code)
     qk8: int       #: int8 Q.K^T: 0 none, 1 vpdpbusd, 2 emulated, 3 dequantized rows,
     #: 4 vpmaddubsw (AVX2), 5 AVX-VNNI, 6 AVX-VNNI emulated (_sdpa.int8_mode)
 
@@ -316,9 +316,10 @@ def modes(pol: Policy, D: int) -> Modes:
     qk8 = int8_products(D) if pol.products == "int8" else 0
     # (bfloat16 P.V under int8 Q.K^T: the AVX-512 panel's, codes 1 / 2)
     bf = pol.products == "bfloat16" or (qk8 in (1, 2, 3) and _sdpa.bf16_mode() != 0)
-    if qk8 in (4, 5, 6) and _sdpa.pv16_mode():
-        # (int16 P.V under the avx2 path's int8 Q.K^T: codes 3 / 4)
-        return Modes(_sdpa.pv16_mode(), qk8)
+    pv = _sdpa.pv16_code(qk8) if qk8 else 0
+    if pv and not bf:
+        # (int16 P.V under the int8 Q.K^T of either path's panel: codes 3 / 4)
+        return Modes(pv, qk8)
     return Modes(_sdpa.bf16_mode() if bf else 0, qk8)
 
 
@@ -603,7 +604,7 @@ def conversion(md: Modes, qk8: int, fmts: tuple, ks, vs) -> int:
     its int8 keys in place: only the values convert.)"""
     if (md.bf16dot or qk8 in (1, 2)) and _sdpa.kernel_path() == "avx512":
         return 2
-    if md.bf16dot in (3, 4):  # int16 value pairs of the AVX2 panels
+    if md.bf16dot in (3, 4):  # int16 value pairs of the AVX2 / AVX-512 panels
         return 2
     if qk8:
         return int(bool(fmts[2] or vs is not None or md.bf16dot))
@@ -691,8 +692,8 @@ def describe(chk: Checked) -> Call:
     qk8 = md.qk8
     if qk8:
         q, k, ks, fmts, qk8, q_scales, q_mu, D = _int8_stage(chk, q, k, ks, fmts, md)
-    if md.bf16dot in (3, 4) and qk8 not in (4, 5, 6):
-        # the int16 P.V runs under the avx2 path's int8 scores only (a call
+    if md.bf16dot in (3, 4) and qk8 not in (1, 2, 4, 5, 6):
+        # the int16 P.V runs under the panels' int8 scores only (a call
         # the int8 stage sent to float products -- a soft cap, sinks, an
         # inf query -- takes float32 P.V)
         md = md._replace(bf16dot=0)

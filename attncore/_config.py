@@ -68,11 +68,14 @@ def config_dict() -> dict:
         if mode in (4, 5, 6) and path == "avx2"
         else "dequantized" if mode == 3 else "float32")
     info["int8_mode"] = _sdpa.int8_mode_name() or "auto"
-    # P.V under the avx2 path's int8 Q.K^T: int16 pairs (vpdpwssd, AVX-VNNI)
-    info["int8_pv"] = ({3: "int16", 4: "int16-emulated"}.get(_sdpa.pv16_mode(), "float32")
-                       if info["int8_products"].startswith("int8-") else
-                       "bfloat16" if info["int8_products"] == "int8"
-                       and info["bf16_products"] != "float32" else "float32")
+    # P.V under int8 Q.K^T: bfloat16 pairs where the avx512 path's bfloat16
+    # products are on, else int16 pairs (vpdpwssd: AVX-VNNI on the avx2
+    # path, AVX512_VNNI on the avx512 one) or float32
+    on_path = info["int8_products"] not in ("float32", "dequantized")
+    info["int8_pv"] = ("bfloat16" if info["int8_products"] == "int8"
+                       and info["bf16_products"] != "float32" else
+                       {3: "int16", 4: "int16-emulated"}.get(
+                           _sdpa.pv16_code(mode) if on_path else 0, "float32"))
     return info
 
 
@@ -93,8 +96,10 @@ _INT8_LINES = {
 _INT8_PV_LINES = {
     "float32": "in float32",
     "bfloat16": "as bfloat16 pairs (AVX512_BF16)",
-    "int16": "as 16-bit integer pairs on vpdpwssd (AVX-VNNI)",
-    "int16-emulated": "as 16-bit integer pairs, vpdpwssd's sums spelled in AVX2 (forced)",
+    "int16": "as 16-bit integer pairs on vpdpwssd (AVX-VNNI on the avx2 path, AVX512_VNNI "
+             "on the avx512 path)",
+    "int16-emulated": "as 16-bit integer pairs, vpdpwssd's sums spelled in AVX2 / AVX-512BW "
+                      "(forced)",
 }
 
 

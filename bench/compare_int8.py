@@ -28,8 +28,13 @@ causal too), float32 against ``precision="int8"`` under each int8 mode of
 that path (``_sdpa.set_int8_mode``: ``avx2`` vpmaddubsw with the sign trick,
 ``avxvnni`` where the CPU has AVX-VNNI), P.V in float32, and ``avxvnni+pv16``:
 AVX-VNNI with P.V as 16-bit integer pairs on vpdpwssd (``_sdpa.set_pv16_mode``):
-the measurements behind ``_sdpa.INT8_AVX2_DEFAULTS`` and the int16 P.V default.  A benchmark, never a test.  For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the
-command that runs this script.
+the measurements behind ``_sdpa.INT8_AVX2_DEFAULTS`` and the int16 P.V default.
+``--avx512-modes`` does the same on the avx512 path (a CPU with AVX512_VNNI):
+``vnni`` (vpdpbusd scores, P.V in float32) and ``vnni+pv16`` (P.V as 16-bit
+integer pairs on zmm vpdpwssd), and ``vnni+bf16`` (P.V as bfloat16 pairs)
+where the CPU has AVX512_BF16.  A benchmark, never a test.  For
+benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command that
+runs this script.
 """
 from __future__ import annotations
 
@@ -120,19 +125,28 @@ AVX2_CASES = [
 ]
 
 
-def run_avx2_modes(threads, repeats, clock=None):
-    """float32 against precision="int8" under each avx2-path int8 mode,
-    the avx2 kernel path forced."""
+def run_avx2_modes(threads, repeats, clock=None, path="avx2"):
+    """float32 against precision="int8" under each int8 mode of the kernel
+    path ``path`` (forced)."""
     from attncore._core import _sdpa
 
     sd = attncore.scaled_dot_product_attention
-    # label: (int8 mode, int16 P.V mode); P.V in float32 but for "+pv16"
-    modes = {"avx2": ("avx2", "off")}
-    if _sdpa.cpu_features()["avx_vnni"]:
-        modes.update({"avxvnni": ("avxvnni", "off"), "avxvnni+pv16": ("avxvnni", "native")})
+    feats = _sdpa.cpu_features()
+    # label: (int8 mode, int16 P.V mode, bfloat16 mode); P.V in float32 but
+    # for "+pv16" / "+bf16"
+    if path == "avx2":
+        modes = {"avx2": ("avx2", "off", "off")}
+        if feats["avx_vnni"]:
+            modes.update({"avxvnni": ("avxvnni", "off", "off"),
+                          "avxvnni+pv16": ("avxvnni", "native", "off")})
+    else:
+        modes = {"vnni": ("native", "off", "off"), "vnni+pv16": ("native", "native", "off")}
+        if feats["bf16_dot"]:
+            modes["vnni+bf16"] = ("native", "off", "native")
     rows = []
-    prev_path = attncore._kernels.set_kernel_path("avx2")
+    prev_path = attncore._kernels.set_kernel_path(path)
     prev, prev16 = _sdpa.set_int8_mode(None), _sdpa.set_pv16_mode(None)
+    prevbf = _sdpa.set_bf16_mode(None)
     try:
         for name, N, D, causal in AVX2_CASES:
             q, k, v = _inputs(1, 8, N, N, D, np.float32)
@@ -140,6 +154,7 @@ def run_avx2_modes(threads, repeats, clock=None):
             def call(mode, q=q, k=k, v=v, c=causal):
                 _sdpa.set_int8_mode(modes[mode][0])
                 _sdpa.set_pv16_mode(modes[mode][1])
+                _sdpa.set_bf16_mode(modes[mode][2])
                 return sd(q, k, v, precision="int8", is_causal=c, num_threads=threads)
 
             fns = {"f32": lambda q=q, k=k, v=v, c=causal: sd(q, k, v, is_causal=c,
@@ -153,6 +168,7 @@ def run_avx2_modes(threads, repeats, clock=None):
     finally:
         _sdpa.set_int8_mode(prev)
         _sdpa.set_pv16_mode(prev16)
+        _sdpa.set_bf16_mode(prevbf)
         attncore._kernels.set_kernel_path(prev_path)
     return rows
 
@@ -164,20 +180,26 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--avx2-modes", action="store_true",
                     help="the avx2 path's int8 modes against float32 (avx2 path forced)")
+    ap.add_argument("--avx512-modes", action="store_true",
+                    help="the avx512 path's int8 P.V modes against float32 (AVX512_VNNI)")
     ap.add_argument("--cpu-time", action="store_true",
-                    help="with --avx2-modes: the process's CPU seconds (time.process_time: "
+                    help="with --avx2-modes / --avx512-modes: the process's CPU seconds (time.process_time: "
                          "steadier on a busy machine; all threads' time, spinning included)")
     args = ap.parse_args(argv)
     feats = attncore._core._sdpa.cpu_features()
     print(header() + f"\nint8 dot products (AVX512_VNNI): {'yes' if feats['int8_dot'] else 'no'}"
           f", AVX-VNNI: {'yes' if feats['avx_vnni'] else 'no'}")
     rows = []
-    if args.avx2_modes:
+    if args.avx2_modes or args.avx512_modes:
         import time
-        print("avx2 kernel path forced; medians of interleaved repeats, ms (f32 / int8)"
+        path = "avx2" if args.avx2_modes else "avx512"
+        if path == "avx512" and not feats["int8_dot"]:
+            ap.error("--avx512-modes needs a CPU with AVX512_VNNI")
+        print(f"{path} kernel path forced; medians of interleaved repeats, ms (f32 / int8)"
               + (", CPU time" if args.cpu_time else ", wall time"))
         for t in args.threads:
-            rows += run_avx2_modes(t, args.repeats, time.process_time if args.cpu_time else None)
+            rows += run_avx2_modes(t, args.repeats, time.process_time if args.cpu_time else None,
+                                   path)
         return rows
     for d in args.dtype:
         for t in args.threads:

@@ -11,6 +11,7 @@ AVX-512 CPU, and the dequantized rows of the other paths; on the avx2
 path vpmaddubsw with the sign trick, AVX-VNNI's vpdpbusd where the CPU has
 it and that layout spelled in AVX2.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -37,8 +38,8 @@ I8_MODES = (["native"] if _sdpa.cpu_features()["int8_dot"] else []) + \
 @pytest.fixture(autouse=True)
 def float32_pv():
     """P.V in float32 (the method model's and the float64 references of
-    the int8 rows assume it): int16 P.V, the default under the avx2 path's
-    int8 Q.K^T where the CPU has AVX-VNNI, is tested on its own
+    the int8 rows assume it): int16 P.V, the default under int8 Q.K^T where
+    the CPU has AVX-VNNI / AVX512_VNNI, is tested on its own
     (``pv16_mode``)."""
     prev = _sdpa.set_pv16_mode("off")
     try:
@@ -725,30 +726,48 @@ def test_int8_column_statistics(path, fmt, D, centered):
 
 
 # ---------------------------------------------------------------------------
-# int16 P.V under the avx2 path's int8 Q.K^T (vpdpwssd, AVX-VNNI; its AVX2
-# spelling): probabilities as 14-bit integers per row and key tile, values
+# int16 P.V under int8 Q.K^T (vpdpwssd: AVX-VNNI on the avx2 path's 16-row
+# panel, AVX512_VNNI on the avx512 path's 32-row one; their AVX2 / AVX-512BW
+# spellings): probabilities as 14-bit integers per row and key tile, values
 # as 10-bit integers per key row
 # ---------------------------------------------------------------------------
-PV16_MODES = ((["native"] if _sdpa.cpu_features()["avx_vnni"] else []) + ["emulate"]
-              if "avx2" in PATHS else [])
+_FEATS = _sdpa.cpu_features()
+# (path, int16 P.V mode): the native instruction where the CPU has it
+PV16_CASES = ([("avx2", m) for m in (["native"] if _FEATS["avx_vnni"] else []) + ["emulate"]]
+              if "avx2" in PATHS else []) + \
+    ([("avx512", m) for m in (["native"] if _FEATS["int8_dot"] else []) + ["emulate"]]
+     if "avx512" in PATHS else [])
+# the int8 Q.K^T mode each path's int16 P.V runs under in these tests
+PV16_INT8 = {"avx2": "avxvnni-emulate", "avx512": "native" if _FEATS["int8_dot"] else "emulate"}
 
 
-@pytest.fixture(params=PV16_MODES or ["none"])
-def pv16_mode(request):
-    """An int16 P.V mode under the AVX-VNNI layout's int8 Q.K^T (its AVX2
-    spelling: the same int32 sums on any AVX2 CPU), the avx2 path forced."""
-    if request.param == "none":
-        pytest.skip("needs the avx2 path")
-    if FORCED_PATH not in (None, "avx2"):
-        pytest.skip(f"ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
-    prev8 = _sdpa.set_int8_mode("avxvnni-emulate")
-    prev = _sdpa.set_pv16_mode(request.param)
+@contextlib.contextmanager
+def _pv16_modes(path, mode):
+    """int8 Q.K^T of ``path``'s panel (AVX-VNNI's layout in its AVX2
+    spelling on the avx2 path: the same int32 sums on any AVX2 CPU), int16
+    P.V mode ``mode`` (bfloat16 P.V off), the path forced."""
+    prev8 = _sdpa.set_int8_mode(PV16_INT8[path])
+    prev = _sdpa.set_pv16_mode(mode)
+    prevbf = _sdpa.set_bf16_mode("off")
     try:
-        with _kernels.forced_kernel_path("avx2"):
-            yield request.param
+        with _kernels.forced_kernel_path(path):
+            yield mode
     finally:
         _sdpa.set_int8_mode(prev8)
         _sdpa.set_pv16_mode(prev)
+        _sdpa.set_bf16_mode(prevbf)
+
+
+@pytest.fixture(params=PV16_CASES or [("none", "none")], ids="-".join)
+def pv16_mode(request):
+    """An int16 P.V mode on a kernel path (see _pv16_modes)."""
+    path, mode = request.param
+    if path == "none":
+        pytest.skip("needs the avx2 or the avx512 path")
+    if FORCED_PATH not in (None, path):
+        pytest.skip(f"ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
+    with _pv16_modes(path, mode):
+        yield mode
 
 
 def _with_float32_pv(fn):
@@ -874,25 +893,19 @@ def test_pv16_combinations(pv16_mode, case, Dv):
     assert _cos_err(out, ref) < 1e-3
 
 
-def test_pv16_spellings_agree():
-    """vpdpwssd and its AVX2 spelling sum the same integers: the same bits,
-    on every thread count."""
-    if "native" not in PV16_MODES or FORCED_PATH not in (None, "avx2"):
-        pytest.skip("needs AVX-VNNI and the avx2 path")
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_pv16_spellings_agree(path):
+    """vpdpwssd and its AVX2 / AVX-512BW spelling sum the same integers:
+    the same bits, on every thread count."""
+    if (path, "native") not in PV16_CASES or FORCED_PATH not in (None, path):
+        pytest.skip(f"needs the {path} path's vpdpwssd")
     q, k, v = rand((1, 3, 300, 72), 0), rand((1, 3, 333, 72), 1), rand((1, 3, 333, 50), 2)
     mask = np.random.default_rng(5).random((300, 333)) > 0.2
     outs = {}
-    prev8, prev = _sdpa.set_int8_mode("avxvnni"), _sdpa.set_pv16_mode(None)
-    try:
-        with _kernels.forced_kernel_path("avx2"):
-            for mode in ("native", "emulate"):
-                _sdpa.set_pv16_mode(mode)
-                outs[mode] = [sd(q, k, v, is_causal=True, precision="int8", num_threads=t)
-                              for t in (1, 2, 3)] + [sd(q, k, v, attn_mask=mask,
-                                                        precision="int8")]
-    finally:
-        _sdpa.set_int8_mode(prev8)
-        _sdpa.set_pv16_mode(prev)
+    for mode in ("native", "emulate"):
+        with _pv16_modes(path, mode):
+            outs[mode] = [sd(q, k, v, is_causal=True, precision="int8", num_threads=t)
+                          for t in (1, 2, 3)] + [sd(q, k, v, attn_mask=mask, precision="int8")]
     for a, b in zip(outs["native"], outs["emulate"]):
         np.testing.assert_array_equal(a, b)
     for a in outs["native"][1:3]:
@@ -925,38 +938,47 @@ def test_pv16_inputs_not_modified(pv16_mode):
 
 
 def test_pv16_mode_choice_and_config(capsys):
-    """The default takes vpdpwssd where the CPU has AVX-VNNI, else float32
-    P.V; show_config says which; unknown modes are refused; the AVX-512
-    path's int8 codes never take it."""
+    """The default takes vpdpwssd where the CPU has AVX-VNNI or
+    AVX512_VNNI, else float32 P.V; each path's panel takes the native
+    instruction only where the CPU has its own; bfloat16 P.V, where its
+    products are on, comes first on the avx512 path; show_config says
+    which; unknown modes are refused."""
     from attncore import _config
-    prev, prev8 = _sdpa.set_pv16_mode(None), _sdpa.set_int8_mode(None)
+    prev, prev8, prevbf = (_sdpa.set_pv16_mode(None), _sdpa.set_int8_mode(None),
+                           _sdpa.set_bf16_mode(None))
     try:
-        vnni = _sdpa.cpu_features()["avx_vnni"] and "avx2" in PATHS
-        assert _sdpa.pv16_mode() == (3 if vnni else 0)
+        vnni2 = _FEATS["avx_vnni"] and "avx2" in PATHS
+        vnni512 = _FEATS["int8_dot"] and "avx512" in PATHS
+        assert _sdpa.pv16_mode() == (3 if vnni2 or vnni512 else 0)
         with pytest.raises(ValueError, match="pv16 mode"):
             _sdpa.set_pv16_mode("fast")
-        if "avx2" in PATHS:
-            with _kernels.forced_kernel_path("avx2"):
-                _sdpa.set_int8_mode("avxvnni-emulate")
-                for mode, key in (("emulate", "int16-emulated"), ("off", "float32")) + (
-                        (("native", "int16"),) if vnni else ()):
+        for path, i8, native in (("avx2", "avxvnni-emulate", _FEATS["avx_vnni"]),
+                                 ("avx512", "emulate", _FEATS["int8_dot"])):
+            if path not in PATHS:
+                continue
+            with _kernels.forced_kernel_path(path):
+                _sdpa.set_int8_mode(i8)
+                _sdpa.set_bf16_mode("off")
+                for mode in ("emulate", "off") + (("native",) if vnni2 or vnni512 else ()):
                     _sdpa.set_pv16_mode(mode)
+                    code = {"native": 3 if native else 0, "emulate": 4, "off": 0}[mode]
+                    key = {3: "int16", 4: "int16-emulated", 0: "float32"}[code]
                     assert _config.config_dict()["int8_pv"] == key
                     assert attncore._call.modes(attncore._call.policy(
-                        (np.float32,) * 3, ("q", "k", "v"), "int8"), 64).bf16dot == (
-                        {"native": 3, "emulate": 4, "off": 0}[mode])
+                        (np.float32,) * 3, ("q", "k", "v"), "int8"), 64).bf16dot == code
                     attncore.show_config()
                     assert _config._INT8_PV_LINES[key] in capsys.readouterr().out
-        if "avx512" in PATHS:
-            with _kernels.forced_kernel_path("avx512"):
-                _sdpa.set_int8_mode("emulate")
-                _sdpa.set_pv16_mode("emulate")
-                md = attncore._call.modes(attncore._call.policy(
-                    (np.float32,) * 3, ("q", "k", "v"), "int8"), 64)
-                assert md.bf16dot in (0, 1, 2)
+                if path == "avx512":
+                    _sdpa.set_bf16_mode("emulate")
+                    _sdpa.set_pv16_mode("emulate")
+                    md = attncore._call.modes(attncore._call.policy(
+                        (np.float32,) * 3, ("q", "k", "v"), "int8"), 64)
+                    assert md.bf16dot == 2
+                    assert _config.config_dict()["int8_pv"] == "bfloat16"
     finally:
         _sdpa.set_pv16_mode(prev)
         _sdpa.set_int8_mode(prev8)
+        _sdpa.set_bf16_mode(prevbf)
 
 
 def test_huge_scale_warns_nothing(i8mode):

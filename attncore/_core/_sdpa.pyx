@@ -267,26 +267,43 @@ def set_int8_mode(mode):
     return prev
 
 
-# int16 P.V under the avx2 path's int8 Q.K^T (precision="int8", codes 4 -
-# 6), the kernel's bf16dot codes there: 3 vpdpwssd (AVX-VNNI), 4 the same
-# int32 sums in AVX2 (vpmaddwd + vpaddd: tests; no faster than float32 FMAs),
-# 0 float32 P.V.  The default takes vpdpwssd where the CPU has AVX-VNNI
-# (twice the products per instruction of a float32 FMA).
-_PV16_DEFAULT = 3 if ac_cpu_avxvnni() and ac_best_path >= AC_PATH_AVX2 else 0
+# int16 P.V under int8 Q.K^T (precision="int8"), the kernel's bf16dot codes
+# there: 3 vpdpwssd -- on ymm (AVX-VNNI) under the avx2 path's int8 scores
+# (codes 4 - 6), on zmm (AVX512_VNNI) under the avx512 path's (codes 1 / 2)
+# --, 4 the same int32 sums in AVX2 / AVX-512BW (vpmaddwd + vpaddd: tests; no
+# faster than float32 FMAs), 0 float32 P.V.  The default takes vpdpwssd
+# where the CPU has either (twice the products per instruction of a
+# float32 FMA); under the avx512 path's scores bfloat16 P.V, where its
+# products are on (bf16_mode), comes first.
+_PV16_DEFAULT = 3 if ((ac_cpu_avxvnni() and ac_best_path >= AC_PATH_AVX2)
+                      or (ac_cpu_vnni() and ac_best_path == AC_PATH_AVX512)) else 0
 _pv16_mode = _PV16_DEFAULT
 
 
 def pv16_mode():
-    """The int16 P.V code of the avx2 path's int8 Q.K^T: 0 float32 P.V,
-    3 vpdpwssd (AVX-VNNI), 4 its AVX2 spelling (tests)."""
+    """The int16 P.V mode set: 0 float32 P.V, 3 vpdpwssd (AVX-VNNI or
+    AVX512_VNNI), 4 its AVX2 / AVX-512BW spelling (tests)."""
+    return _pv16_mode
+
+
+def pv16_code(int qk8):
+    """The kernel's bf16dot code for int16 P.V under the int8 Q.K^T code
+    qk8: the mode set, where qk8's panel has it (codes 1 / 2: the AVX-512
+    panel, native needing AVX512_VNNI; 4 - 6: the AVX2 panel, native
+    needing AVX-VNNI), else 0 (float32 P.V)."""
+    if _pv16_mode == 0 or qk8 not in (1, 2, 4, 5, 6):
+        return 0
+    if _pv16_mode == 3 and not (ac_cpu_vnni() if qk8 <= 2 else ac_cpu_avxvnni()):
+        return 0
     return _pv16_mode
 
 
 def set_pv16_mode(mode):
     """Private, process-wide (tests and benchmarks): 'native' (vpdpwssd,
-    needs AVX-VNNI), 'emulate' (the same sums in AVX2), 'off' (float32
-    P.V), or None (the default: 'native' where the CPU has AVX-VNNI, else
-    'off').  Returns the previous mode's name."""
+    needs AVX-VNNI or AVX512_VNNI; a path whose instruction the CPU lacks
+    takes float32 P.V), 'emulate' (the same sums in AVX2 / AVX-512BW),
+    'off' (float32 P.V), or None (the default: 'native' where the CPU has
+    either, else 'off').  Returns the previous mode's name."""
     global _pv16_mode
     prev = {0: "off", 3: "native", 4: "emulate"}[_pv16_mode]
     _pv16_mode = _mode_code(
@@ -1128,8 +1145,8 @@ def sdpa(call, out, weights=None, lse=None):
         p.N = N
         p.M = M
         if (bf16dot not in (0, 1, 2, 3, 4) or (bf16dot == 1 and not ac_cpu_bf16_dot())
-                or (bf16dot == 3 and not ac_cpu_avxvnni())
-                or (bf16dot in (3, 4) and qk8 not in (4, 5, 6))):
+                or (bf16dot == 3 and not (ac_cpu_vnni() if qk8 in (1, 2) else ac_cpu_avxvnni()))
+                or (bf16dot in (3, 4) and qk8 not in (1, 2, 4, 5, 6))):
             raise ValueError("invalid bf16dot")
         ac_size_scratch(&p, D, Dv, Bq, Bk, is64, have_ks, have_vs, q_fmt, k_fmt, v_fmt,
                         0 if is64 else bf16dot, qk8)

@@ -33,13 +33,13 @@
 /* one key chunk's bfloat16 operands (see ac_fused_range_f32) */
 typedef struct {
     int mode;            /* 1: vdpbf16ps, 2: its AVX-512F spelling; 3 /
-                            4: int16 P.V on the AVX2 panel (ac_int8dot.h) */
+                            4: int16 P.V (ac_int8dot.h)                 */
     const uint32_t *k16; /* K16 of the chunk's keys (ld (D + 1) / 2)      */
     const uint32_t *vi;  /* VI of the chunk's key pairs (ld Dv)           */
     uint32_t *pt2;       /* a tile's probability pairs (scratch)          */
     int vfin;            /* every value of the chunk is finite            */
-    const float *vcs;    /* int16 P.V (AVX2, mode 3 / 4): the chunk's
-                            keys' value scales (ac_int8dot.h, AC_PV16_*) */
+    const float *vcs;    /* int16 P.V (mode 3 / 4): the chunk's keys'
+                            value scales (ac_int8dot.h, AC_PV16_*)      */
 } ac_bf16_chunk;
 
 /* float -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN) */

@@ -260,7 +260,10 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 }
 
 #define AC_BF16_PANEL 1
-#define AC_PV16_PANEL 0
+/* int16 P.V under int8 Q.K^T (bt mode 3 / 4; ac_int8dot.h) */
+#define AC_PV16_PANEL 1
+#define AC_PV16_PACK ac_pv16_pack_probs32
+#define AC_PV16_RUN ac_pv16_rows32
 /* int8 Q.K^T: vpdpbusd (1) or its AVX-512BW spelling (2), 32 lanes */
 #define AC_I8(c) ((c) == 1 || (c) == 2)
 #define AC_I8_PACK(mode, ...) ac_i8_pack_panel(__VA_ARGS__)
@@ -290,6 +293,7 @@ static AC_TGT inline __m512 ac_zero_ninf_avx512(__m512 x)
 #define AC_KU AC_KU512H
 #define VPACK ac_pack16_avx512
 #define AC_BF16_PANEL 0
+#undef AC_PV16_PANEL
 #define AC_PV16_PANEL 0
 #define AC_I8(c) 0
 #define AC_I8_PACK(...) ((void)0)
@@ -488,6 +492,8 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #define AC_BF16_PANEL 0
 /* int16 P.V under int8 Q.K^T (bt mode 3 / 4; ac_int8dot.h) */
 #define AC_PV16_PANEL 1
+#define AC_PV16_PACK ac_pv16_pack_probs
+#define AC_PV16_RUN ac_pv16_rows
 /* int8 Q.K^T: the sign trick, AVX-VNNI or its AVX2 spelling, 16 lanes */
 #define AC_I8(c) AC_QK8_AVX2(c)
 #define AC_I8_PACK ac_i8_pack_panel16
@@ -581,15 +587,19 @@ static AC_FUSED_RANGE_F32
     int processed = 0;
     /* bfloat16 dot products: the AVX-512 panels, chunks shared by a block */
     const int bfm = (p->bf16dot == 1 || p->bf16dot == 2) && ac_kernel_path == AC_PATH_AVX512;
-    /* int16 P.V under int8 Q.K^T: the AVX2 panels, value chunks shared
-       by a block */
-    const int pvm = (p->bf16dot == 3 || p->bf16dot == 4) && ac_kernel_path == AC_PATH_AVX2 &&
-                    AC_QK8_AVX2(p->qk8);
+    /* int16 P.V under int8 Q.K^T: the AVX2 and the AVX-512 panels, value
+       chunks shared by a block */
+    const int pvm = (p->bf16dot == 3 || p->bf16dot == 4) &&
+                    ((ac_kernel_path == AC_PATH_AVX2 && AC_QK8_AVX2(p->qk8)) ||
+                     (ac_kernel_path == AC_PATH_AVX512 && (p->qk8 == 1 || p->qk8 == 2)));
     /* int8 Q.K^T reads its int8 keys in place */
     const int i8 = p->qk8 == 1 || p->qk8 == 2 || AC_QK8_AVX2(p->qk8);
     const int kconv = (p->kq8 && !i8) || p->kh, vconv = p->vq8 || p->vh;
     const int convert = kconv || vconv || bfm || pvm;
-    if (!convert || nq <= P) {
+    /* (a block of one panel or less takes the chunks too under the int16
+       P.V: P.V in int16 or float32 must not depend on how the rows were
+       split into blocks -- the thread count) */
+    if (!convert || (nq <= P && !pvm)) {
         float state[64];
         /* a last panel of a few rows (50 = 3 x 16 + 2 on AVX2) would cost
            a whole panel's products: its rows come back bad = -1, for the
@@ -685,7 +695,7 @@ static AC_FUSED_RANGE_F32
         const ptrdiff_t ld = AC_PV16_LD(Dv);
         bt.vi = K16;
         bt.pt2 = K16 + (AC_BK / 2 + 1) * ld;
-        bt.vcs = (const float *)(const void *)(bt.pt2 + (ptrdiff_t)(AC_BK / 2 + 2) * 16);
+        bt.vcs = AC_PV16_VCS(bt.pt2);
     }
     const ptrdiff_t per = AC_FUSED_PANEL_STATE(D); /* a panel's QT and state */
     float *mp = scratch + p->mp_off;
