@@ -552,6 +552,31 @@ def _layout(chk: Checked):
 # avx2 path (AVX-VNNI), against 1.19-1.33x threaded (Zen 5, quiet machine)
 INT8_QUANT_THREADED = 1 << 19
 
+# precision="int8" with float keys quantizes them on every call: two passes
+# over the keys (their statistics, then their int8 rows), the same for the
+# queries, and a fixed part in Python of about 0.3 ms.  Under the default
+# int8 mode a call where that cannot pay takes float32 products instead
+# (more accurate, never slower): fewer than INT8_MIN_ROWS query or key
+# rows, or less than INT8_MIN_WORK multiply-adds per thread (N M (D + Dv)
+# per batch element).  Measured (Xeon, AVX512_VNNI, and its avx2 path
+# with AVX-VNNI; float32 / int8 time, 8 heads, D 64 / 128): N 64 over
+# 4096 keys 0.80-0.87 (the keys' quantization is paid for 64 rows), N 128
+# 1.13-1.28; N = M = 256: 0.64-0.90 (below the work per thread), 384 at
+# D 64 1.08 at one thread and 0.85 at two, 512 1.26-1.40.  Decoding over
+# float keys (N 1) took 3.4-14x the float32 call's time.  Int8 keys
+# given (quantize_kv) are not quantized again: their calls keep the int8
+# products at any size.
+INT8_MIN_ROWS = 128
+INT8_MIN_WORK = 100_000_000
+
+
+def int8_pays(N: int, M: int, D: int, Dv: int, nb: int, nthreads: int,
+              causal: bool = False) -> bool:
+    """Whether precision="int8" on float keys repays quantizing them (see
+    INT8_MIN_ROWS; a causal call does half the work)."""
+    work = N * M * (D + Dv) * nb // (2 if causal else 1)
+    return min(N, M) >= INT8_MIN_ROWS and work >= INT8_MIN_WORK * max(1, nthreads)
+
 
 def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
     """int8 Q.K^T (attncore._int8): the operands quantized once per call.
@@ -688,6 +713,11 @@ def describe(chk: Checked) -> Call:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     q, k, v, ks, vs, m, fmts, aliased = _layout(chk)
     md = modes(pol, D)
+    if (md.qk8 and ks is None and _sdpa.int8_mode_name() is None
+            and not int8_pays(N, M, D, Dv, math.prod(bshape), nthreads, bool(causal))):
+        # float keys too few, or too little work, to repay their
+        # quantization: float32 products (INT8_MIN_ROWS)
+        md = modes(pol._replace(products="float32"), D)
     q_scales = q_mu = None
     qk8 = md.qk8
     if qk8:

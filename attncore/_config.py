@@ -130,6 +130,8 @@ def _bf16_line(info: dict) -> str:
 
 def show_config() -> None:
     """Print versions, OpenMP on/off and thread counts, and scipy's BLAS."""
+    from . import _call
+
     info = config_dict()
     print("attncore configuration")
     print("----------------------")
@@ -145,7 +147,11 @@ def show_config() -> None:
     print(f"{'precision=int8':>16}: "
           + _INT8_LINES[info["int8_products"]]
           + ("" if info["int8_products"] in ("float32", "dequantized")
-             else "; P.V " + _INT8_PV_LINES[info["int8_pv"]]))
+             else "; P.V " + _INT8_PV_LINES[info["int8_pv"]]
+             + ("" if info["int8_mode"] != "auto" else
+                f"; calls on float keys with fewer than {_call.INT8_MIN_ROWS} query or key "
+                f"rows, or below {_call.INT8_MIN_WORK:.0e} multiply-adds per thread, take "
+                "float32 products (quantizing the keys would cost more than it saves)")))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

@@ -104,6 +104,20 @@ def int8_in_use():
             or (mode in (4, 5, 6) and path == "avx2"))
 
 
+@contextlib.contextmanager
+def int8_forced():
+    """This CPU and path's default int8 kernel, forced: the default mode
+    gives calls too small to repay quantizing their float keys float32
+    products (attncore._call.INT8_MIN_ROWS); tests of small calls that
+    need the int8 products force the mode."""
+    code = _sdpa.int8_mode()
+    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code] if code else None)
+    try:
+        yield
+    finally:
+        _sdpa.set_int8_mode(prev)
+
+
 def method_model(q, k, v, group=1, **kw):
     """The documented method in plain float64 NumPy: keys minus their mean
     over the keys, channel c balanced by s_c = sqrt(a(k_c - mu_c) / a(q_c))
@@ -435,7 +449,8 @@ def test_layer_precision():
     rng = np.random.default_rng(0)
     mha = attncore.MultiHeadAttention(64, 4, precision="int8", rng=rng)
     x = rand((2, 90, 64))
-    out8 = mha(x, x, x, is_causal=True)[0]
+    with int8_forced():
+        out8 = mha(x, x, x, is_causal=True)[0]
     mha.precision = None
     out32 = mha(x, x, x, is_causal=True)[0]
     assert _cos_err(out8, out32) < 1e-4
@@ -992,3 +1007,49 @@ def test_huge_scale_warns_nothing(i8mode):
         warnings.simplefilter("error")
         out = sd(q, k, v, scale=1e38, precision="int8")
     assert np.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------
+# the default mode's size rule: float keys quantized per call must repay it
+# ---------------------------------------------------------------------------
+def test_int8_pays_rule():
+    """attncore._call.int8_pays, the documented rule: at least
+    INT8_MIN_ROWS query and key rows, and INT8_MIN_WORK multiply-adds
+    (N M (D + Dv) per batch element, half of it for a causal call) per
+    thread."""
+    from attncore import _call
+    assert _call.INT8_MIN_ROWS == 128 and _call.INT8_MIN_WORK == 10 ** 8
+    pays = _call.int8_pays
+    assert not pays(1, 32768, 64, 64, 8, 1)              # a decoding step
+    assert not pays(127, 4096, 64, 64, 8, 1) and pays(128, 4096, 64, 64, 8, 1)
+    assert not pays(4096, 127, 64, 64, 8, 1) and pays(4096, 128, 64, 64, 8, 1)
+    assert pays(512, 512, 64, 64, 8, 1)                  # 2.7e8 multiply-adds
+    assert pays(512, 512, 64, 64, 8, 2) and not pays(512, 512, 64, 64, 8, 3)
+    assert not pays(512, 512, 64, 64, 8, 2, causal=True)
+    assert not pays(256, 256, 64, 64, 8, 1) and pays(256, 256, 64, 64, 16, 1)
+
+
+def test_small_calls_take_float32_products():
+    """Under the default int8 mode a call on float keys below the rule
+    (too few query rows: decoding, a short prompt over a long context)
+    takes float32 products -- the float32 call's bits --; a forced int8
+    mode, and int8 keys given (quantize_kv: nothing to quantize), keep the
+    int8 products at any size; a call above the rule takes them."""
+    if not int8_in_use():
+        pytest.skip("no int8 kernel on this CPU and path")
+    prev = _sdpa.set_int8_mode(None)
+    try:
+        q, k, v = rand((1, 2, 16, 64), 0), rand((1, 2, 600, 64), 1), rand((1, 2, 600, 64), 2)
+        for qq in (q, q[:, :, :1]):
+            np.testing.assert_array_equal(sd(qq, k, v, precision="int8"), sd(qq, k, v))
+        out32 = sd(q, k, v)
+        with int8_forced():
+            out8 = sd(q, k, v, precision="int8")
+        assert 1e-9 < _cos_err(out8, out32) < 1e-4
+        k8, v8 = attncore.quantize_kv(k), attncore.quantize_kv(v)
+        assert 1e-9 < _cos_err(sd(q, k8, v8, precision="int8"), sd(q, k8, v8)) < 1e-4
+        q, k, v = (rand((1, 8, 512, 64), s) for s in range(3))
+        err = _cos_err(sd(q, k, v, precision="int8", num_threads=1), sd(q, k, v, num_threads=1))
+        assert 1e-9 < err < 1e-4
+    finally:
+        _sdpa.set_int8_mode(prev)

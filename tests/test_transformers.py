@@ -3,6 +3,8 @@
 References: the same models with transformers' own "sdpa" and "eager"
 attention.
 """
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,18 @@ def test_llama_logits_match_sdpa_and_eager(llamas):
     torch.testing.assert_close(logits["attncore"], logits["sdpa"], rtol=1e-4, atol=1e-4)
 
 
+@contextlib.contextmanager
+def _int8_forced():
+    """This CPU and path's default int8 kernel, forced (small calls too)."""
+    from attncore._core import _sdpa
+    code = _sdpa.int8_mode()
+    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code] if code else None)
+    try:
+        yield
+    finally:
+        _sdpa.set_int8_mode(prev)
+
+
 def test_register_precision(llamas):
     """register(name, precision=...) sets the precision of that name's
     calls; register(name) again restores the default."""
@@ -99,8 +113,11 @@ def test_register_precision(llamas):
             ref = m(ids, attention_mask=mask).logits[valid]
             act.register("attncore_prec", precision="int8")
             m.set_attn_implementation("attncore_prec")
-            out8 = m(ids, attention_mask=mask).logits[valid]
-            out8b = m(ids[:1]).logits                       # the lean path's calls too
+            # (the int8 kernel forced: the default mode gives calls this
+            # small float32 products, attncore._call.INT8_MIN_ROWS)
+            with _int8_forced():
+                out8 = m(ids, attention_mask=mask).logits[valid]
+                out8b = m(ids[:1]).logits                   # the lean path's calls too
             act.register("attncore_prec")
             out = m(ids, attention_mask=mask).logits[valid]
             outb = m(ids[:1]).logits
