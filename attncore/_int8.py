@@ -1,9 +1,11 @@
 """int8 Q.K^T (``precision="int8"``): the operands' quantization.
 
 The scores of ``precision="int8"`` are products of int8 query and key rows
-with an exact int32 sum (``vpdpbusd`` on AVX512_VNNI), scaled to float32
-before the float32 online softmax; P.V keeps the precision it has without
-this option.  Before quantizing:
+with an exact int32 sum (``vpdpbusd``: AVX512_VNNI, or AVX-VNNI on the
+AVX2 path), scaled to float32 before the float32 online softmax; P.V runs
+as 16-bit integer pairs where the CPU has ``vpdpwssd`` (the kernels:
+``ac_int8dot.h``).  Calls on float keys too small to repay quantizing them
+take float32 products (``attncore._call.int8_pays``).  Before quantizing:
 
 * **Smoothing.**  The keys' mean over the keys the call sees, per channel
   and per (batch element, key head), is subtracted from every key:

@@ -222,14 +222,21 @@ def scaled_dot_product_attention(
         ``'float32'``: float32 products for any float32 / float16 /
         bfloat16 input.  ``'bfloat16'``: bfloat16 products on such a CPU
         (float32 elsewhere: :func:`attncore.show_config` says which).
-        ``'int8'``: Q.K^T of int8 rows with exact int32 sums (vpdpbusd on
-        AVX512_VNNI; the dequantized rows' float products elsewhere): the
+        ``'int8'``: Q.K^T of int8 rows with exact int32 sums (vpdpbusd:
+        AVX512_VNNI on the AVX-512 path, AVX-VNNI on the AVX2 path;
+        float32 products on a CPU and path without such a kernel): the
         keys minus their mean over the keys, channels balanced between
         queries and keys, one symmetric scale per query row and per key
         row; int8 keys given as a ``(data, scales)`` pair are used as
-        they are.  P.V keeps the precision it has without the option; the
-        weights and the lse are those of the int8 scores.  Documented
-        error: 1 - cos about 4e-5 on N(0, 1) inputs (docs' variants page).
+        they are.  P.V: 16-bit integer pairs (per-key value scales,
+        per-row probability scales, exact int32 sums) where the CPU has
+        vpdpwssd, bfloat16 pairs where bfloat16 products are on, float32
+        otherwise.  A call on float keys with fewer than 128 query or key
+        rows, or below 1e8 multiply-adds per thread, takes float32
+        products: quantizing its keys would cost more than the int8
+        products save (int8 keys given keep them).  The weights and the
+        lse are those of the int8 scores.  Documented error: 1 - cos
+        about 4e-5 on N(0, 1) inputs (docs' variants page).
         The softmax and the accumulation are float32 in every case;
         float64 inputs take no reduced precision (ValueError).  See
         ``attncore.show_config()`` for what this CPU runs.

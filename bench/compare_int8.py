@@ -4,6 +4,8 @@ products and torch (``python bench/compare.py --precision int8``).
     python bench/compare_int8.py --threads 1 2 --repeats 7
     python bench/compare_int8.py --dtype bfloat16        # bf16 inputs
     python bench/compare_int8.py --avx2-modes            # the avx2 path's int8 kernels
+    python bench/compare_int8.py --avx512-modes          # the avx512 path's P.V modes
+    python bench/compare_int8.py --size-rule             # small calls: float32 products
 
 Every row is timed side by side in one process (``timing.interleaved_medians``:
 medians of interleaved repeats, the same thread count on every side):
@@ -32,7 +34,10 @@ the measurements behind ``_sdpa.INT8_AVX2_DEFAULTS`` and the int16 P.V default.
 ``--avx512-modes`` does the same on the avx512 path (a CPU with AVX512_VNNI):
 ``vnni`` (vpdpbusd scores, P.V in float32) and ``vnni+pv16`` (P.V as 16-bit
 integer pairs on zmm vpdpwssd), and ``vnni+bf16`` (P.V as bfloat16 pairs)
-where the CPU has AVX512_BF16.  A benchmark, never a test.  For
+where the CPU has AVX512_BF16.  ``--size-rule`` times the default mode's
+rule (``attncore._call.int8_pays``: calls on float keys too small to repay
+their quantization take float32 products) against float32 and against
+the int8 kernel forced, on both sides of its bounds.  A benchmark, never a test.  For
 benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command that
 runs this script.
 """
@@ -173,6 +178,53 @@ def run_avx2_modes(threads, repeats, clock=None, path="avx2"):
     return rows
 
 
+# name, N, M, D, causal: the default int8 mode's size rule
+# (attncore._call.int8_pays) on both sides of its bounds, 8 heads
+RULE_CASES = [
+    ("decode 1x8x1x32768x64", 1, 32768, 64, False),
+    ("16 rows over 2048 keys", 16, 2048, 64, False),
+    ("64 rows over 4096 keys", 64, 4096, 64, False),
+    ("128 rows over 4096 keys", 128, 4096, 64, False),
+    ("384^2 x 64", 384, 384, 64, False),
+    ("512^2 x 64", 512, 512, 64, False),
+    ("causal 512^2 x 64", 512, 512, 64, True),
+    ("causal 1024^2 x 64", 1024, 1024, 64, True),
+]
+
+
+def run_size_rule(threads, repeats):
+    """float32 against precision="int8" under the default mode (``auto``:
+    the size rule) and under this CPU's int8 kernel forced (``forced``)."""
+    from attncore._core import _sdpa
+
+    sd = attncore.scaled_dot_product_attention
+    code = _sdpa.int8_mode()
+    forced = _sdpa._INT8_NAMES[code] if code else None
+    rows = []
+    prev = _sdpa.set_int8_mode(None)
+    try:
+        for name, N, M, D, causal in RULE_CASES:
+            q, k, v = _inputs(1, 8, N, M, D, np.float32)
+
+            def call(mode, q=q, k=k, v=v, c=causal):
+                _sdpa.set_int8_mode(mode)
+                return sd(q, k, v, precision="int8", is_causal=c, num_threads=threads)
+
+            fns = {"f32": lambda q=q, k=k, v=v, c=causal: sd(q, k, v, is_causal=c,
+                                                                num_threads=threads),
+                   "auto": lambda: call(None), "forced": lambda: call(forced)}
+            ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats).items()}
+            _sdpa.set_int8_mode(None)
+            pays = attncore._call.int8_pays(N, M, D, D, 8, threads, causal)
+            print(f"{name:<26} {threads:>3} f32 {ms['f32']:8.3f}  auto {ms['auto']:8.3f} "
+                  f"({ms['f32'] / ms['auto']:.2f}x, {'int8' if pays else 'float32'})  forced "
+                  f"{ms['forced']:8.3f} ({ms['f32'] / ms['forced']:.2f}x)", flush=True)
+            rows.append({"case": name, "threads": threads, "ms": ms, "int8_pays": pays})
+    finally:
+        _sdpa.set_int8_mode(prev)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
@@ -182,6 +234,9 @@ def main(argv=None):
                     help="the avx2 path's int8 modes against float32 (avx2 path forced)")
     ap.add_argument("--avx512-modes", action="store_true",
                     help="the avx512 path's int8 P.V modes against float32 (AVX512_VNNI)")
+    ap.add_argument("--size-rule", action="store_true",
+                    help="the default mode's size rule (small calls: float32 products) "
+                         "against float32 and the int8 kernel forced")
     ap.add_argument("--cpu-time", action="store_true",
                     help="with --avx2-modes / --avx512-modes: the process's CPU seconds (time.process_time: "
                          "steadier on a busy machine; all threads' time, spinning included)")
@@ -190,6 +245,12 @@ def main(argv=None):
     print(header() + f"\nint8 dot products (AVX512_VNNI): {'yes' if feats['int8_dot'] else 'no'}"
           f", AVX-VNNI: {'yes' if feats['avx_vnni'] else 'no'}")
     rows = []
+    if args.size_rule:
+        print("default int8 mode (auto) and this CPU's int8 kernel forced, against float32; "
+              "medians of interleaved repeats, ms (f32 / int8)")
+        for t in args.threads:
+            rows += run_size_rule(t, args.repeats)
+        return rows
     if args.avx2_modes or args.avx512_modes:
         import time
         path = "avx2" if args.avx2_modes else "avx512"

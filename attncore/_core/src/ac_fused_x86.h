@@ -596,10 +596,12 @@ static AC_FUSED_RANGE_F32
     const int i8 = p->qk8 == 1 || p->qk8 == 2 || AC_QK8_AVX2(p->qk8);
     const int kconv = (p->kq8 && !i8) || p->kh, vconv = p->vq8 || p->vh;
     const int convert = kconv || vconv || bfm || pvm;
-    /* (a block of one panel or less takes the chunks too under the int16
-       P.V: P.V in int16 or float32 must not depend on how the rows were
-       split into blocks -- the thread count) */
-    if (!convert || (nq <= P && !pvm)) {
+    /* (a block of one panel or less takes the chunks too under bfloat16
+       or int16 products: the products must not depend on how the rows
+       were split into blocks -- the thread count; a single panel's block
+       took float32 products, 1e-2 off at 3 threads for precision=
+       "bfloat16" 1 x 4 x 64^2 x 64) */
+    if (!convert || (nq <= P && !pvm && !bfm)) {
         float state[64];
         /* a last panel of a few rows (50 = 3 x 16 + 2 on AVX2) would cost
            a whole panel's products: its rows come back bad = -1, for the
