@@ -408,7 +408,14 @@ def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
     slopes = None if alibi is None else per_batch(alibi, bshape, "alibi_slopes", cdt,
                                                   max_distance=max(N, M) - 1)
     sk = None if sinks is None else per_batch(sinks, bshape, "sinks", cdt, allow_neg_inf=True)
-    return Checked(q, k, v, k8, v8, m, mask_kind, pol, bshape, group, parse_causal(is_causal),
+    causal = parse_causal(is_causal)
+    if (pol.products == "int8" and k8 is None and _sdpa.int8_mode_name() is None
+            and not int8_pays(N, M, D, v.shape[-1], math.prod(bshape), bool(causal))):
+        # float keys too few, or too little work, to repay their
+        # quantization: float32 products for every route of the call
+        # (INT8_MIN_ROWS)
+        pol = pol._replace(products="float32")
+    return Checked(q, k, v, k8, v8, m, mask_kind, pol, bshape, group, causal,
                    parse_scale(scale, D), resolve_num_threads(num_threads), window, softcap,
                    slopes, sk, return_weights, return_lse)
 
@@ -557,25 +564,26 @@ INT8_QUANT_THREADED = 1 << 19
 # queries, and a fixed part in Python of about 0.3 ms.  Under the default
 # int8 mode a call where that cannot pay takes float32 products instead
 # (more accurate, never slower): fewer than INT8_MIN_ROWS query or key
-# rows, or less than INT8_MIN_WORK multiply-adds per thread (N M (D + Dv)
-# per batch element).  Measured (Xeon, AVX512_VNNI, and its avx2 path
-# with AVX-VNNI; float32 / int8 time, 8 heads, D 64 / 128): N 64 over
-# 4096 keys 0.80-0.87 (the keys' quantization is paid for 64 rows), N 128
-# 1.13-1.28; N = M = 256: 0.64-0.90 (below the work per thread), 384 at
-# D 64 1.08 at one thread and 0.85 at two, 512 1.26-1.40.  Decoding over
-# float keys (N 1) took 3.4-14x the float32 call's time.  Int8 keys
-# given (quantize_kv) are not quantized again: their calls keep the int8
-# products at any size.
+# rows, or fewer than INT8_MIN_WORK multiply-adds N M (D + Dv) over its
+# batch elements (half of it for a causal call).  The rule leaves out the
+# thread count, so that a call's result never depends on it (fewer
+# threads would repay the quantization sooner).  Measured (Xeon,
+# AVX512_VNNI, and its avx2 path with AVX-VNNI; float32 / int8 time, 8
+# heads, one / two threads, bench/compare_int8.py --size-rule): a decoding
+# step over 32768 float keys 0.29 / 0.25, N 64 over 4096 keys 0.83 /
+# 0.80 (the keys' quantization is paid for 64 rows), N 128 1.29 / 1.16;
+# N = M = 384 at D 64 (1.5e8) 1.08 / 0.85, 512 (2.7e8) 1.26 / 1.20;
+# causal 512^2 (1.3e8) 0.96 / 0.93.  Int8 keys given (quantize_kv) are
+# not quantized again: their calls keep the int8 products at any size.
 INT8_MIN_ROWS = 128
-INT8_MIN_WORK = 100_000_000
+INT8_MIN_WORK = 200_000_000
 
 
-def int8_pays(N: int, M: int, D: int, Dv: int, nb: int, nthreads: int,
-              causal: bool = False) -> bool:
+def int8_pays(N: int, M: int, D: int, Dv: int, nb: int, causal: bool = False) -> bool:
     """Whether precision="int8" on float keys repays quantizing them (see
-    INT8_MIN_ROWS; a causal call does half the work)."""
+    INT8_MIN_ROWS)."""
     work = N * M * (D + Dv) * nb // (2 if causal else 1)
-    return min(N, M) >= INT8_MIN_ROWS and work >= INT8_MIN_WORK * max(1, nthreads)
+    return min(N, M) >= INT8_MIN_ROWS and work >= INT8_MIN_WORK
 
 
 def _int8_stage(chk: Checked, q, k, ks, fmts, md: Modes):
@@ -713,11 +721,6 @@ def describe(chk: Checked) -> Call:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     q, k, v, ks, vs, m, fmts, aliased = _layout(chk)
     md = modes(pol, D)
-    if (md.qk8 and ks is None and _sdpa.int8_mode_name() is None
-            and not int8_pays(N, M, D, Dv, math.prod(bshape), nthreads, bool(causal))):
-        # float keys too few, or too little work, to repay their
-        # quantization: float32 products (INT8_MIN_ROWS)
-        md = modes(pol._replace(products="float32"), D)
     q_scales = q_mu = None
     qk8 = md.qk8
     if qk8:

@@ -150,8 +150,8 @@ def show_config() -> None:
              else "; P.V " + _INT8_PV_LINES[info["int8_pv"]]
              + ("" if info["int8_mode"] != "auto" else
                 f"; calls on float keys with fewer than {_call.INT8_MIN_ROWS} query or key "
-                f"rows, or below {_call.INT8_MIN_WORK:.0e} multiply-adds per thread, take "
-                "float32 products (quantizing the keys would cost more than it saves)")))
+                f"rows, or below {_call.INT8_MIN_WORK:.0e} multiply-adds, take float32 "
+                "products (quantizing the keys would cost more than it saves)")))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

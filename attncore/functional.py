@@ -232,9 +232,10 @@ def scaled_dot_product_attention(
         per-row probability scales, exact int32 sums) where the CPU has
         vpdpwssd, bfloat16 pairs where bfloat16 products are on, float32
         otherwise.  A call on float keys with fewer than 128 query or key
-        rows, or below 1e8 multiply-adds per thread, takes float32
-        products: quantizing its keys would cost more than the int8
-        products save (int8 keys given keep them).  The weights and the
+        rows, or below 2e8 multiply-adds (N M (D + Dv) over the batch,
+        half of it if causal), takes float32 products: quantizing its
+        keys would cost more than the int8 products save (int8 keys given
+        keep them).  The weights and the
         lse are those of the int8 scores.  Documented error: 1 - cos
         about 4e-5 on N(0, 1) inputs (docs' variants page).
         The softmax and the accumulation are float32 in every case;

@@ -215,7 +215,7 @@ def run_size_rule(threads, repeats):
                    "auto": lambda: call(None), "forced": lambda: call(forced)}
             ms = {key: 1e3 * s for key, s in interleaved_medians(fns, threads, repeats).items()}
             _sdpa.set_int8_mode(None)
-            pays = attncore._call.int8_pays(N, M, D, D, 8, threads, causal)
+            pays = attncore._call.int8_pays(N, M, D, D, 8, causal)
             print(f"{name:<26} {threads:>3} f32 {ms['f32']:8.3f}  auto {ms['auto']:8.3f} "
                   f"({ms['f32'] / ms['auto']:.2f}x, {'int8' if pays else 'float32'})  forced "
                   f"{ms['forced']:8.3f} ({ms['f32'] / ms['forced']:.2f}x)", flush=True)
