@@ -680,6 +680,17 @@ static AC_FUSED_RANGE_F32
     ptrdiff_t kst = ks, ken = ke;
     ac_band_keys(p, i0, nq, &kst, &ken);
     if (ken < kst) ken = kst;
+    /* int16 P.V: whole chunks on a grid of AC_BK keys from key 0 (within
+       [ks, ke)), whatever keys the block sees: the values' column scales
+       and a tile's probability scales are per chunk, and the block's keys
+       -- a window's left edge, a causal block's last key -- move with the
+       block, so with the thread count (they gave other scales per block
+       size); a panel skips the keys its rows do not see */
+    if (pvm) {
+        const ptrdiff_t a = kst / AC_BK * AC_BK, e = (ken + AC_BK - 1) / AC_BK * AC_BK;
+        kst = a > ks ? a : ks;
+        ken = e < ke ? e : ke;
+    }
     float *KC = scratch + p->dq_off, *VC = KC + (ptrdiff_t)AC_BK * D;
     /* bfloat16 chunk: K16 (AC_BK x (D+1)/2), VI (AC_BK/2 x Dv), PT2 */
     uint32_t *K16 = (uint32_t *)(void *)(scratch + p->bf_off);
@@ -692,11 +703,12 @@ static AC_FUSED_RANGE_F32
     bt.vfin = 0;
     bt.vcs = NULL;
     if (pvm) {
-        /* int16 chunk: VI (AC_BK / 2 + 1 pairs), PT, the keys' scales
-           (then the rows', the panel's: AC_PV16_CHUNK) */
+        /* int16 chunk: VI (AC_BK / 2 + 1 pairs, then the columns'
+           factors), PT, the keys' scales (then the rows', the panel's, and
+           the columns': AC_PV16_CHUNK) */
         const ptrdiff_t ld = AC_PV16_LD(Dv);
         bt.vi = K16;
-        bt.pt2 = K16 + (AC_BK / 2 + 1) * ld;
+        bt.pt2 = K16 + (AC_BK / 2 + 2) * ld;
         bt.vcs = AC_PV16_VCS(bt.pt2);
     }
     const ptrdiff_t per = AC_FUSED_PANEL_STATE(D); /* a panel's QT and state */
@@ -732,7 +744,10 @@ static AC_FUSED_RANGE_F32
             if (pvm) {
                 const float *vsrc = vconv ? VC : v + c0 * p->v_rs;
                 bt.vfin = ac_pv16_pack_values(vsrc, vconv ? Dv : p->v_rs, nk, Dv,
-                                              (uint32_t *)bt.vi, (float *)bt.vcs);
+                                              (uint32_t *)bt.vi, (float *)bt.vcs,
+                                              AC_PV16_CSC(bt.pt2),
+                                              (float *)(void *)(K16 + (AC_BK / 2 + 1) *
+                                                                          AC_PV16_LD(Dv)));
             }
         }
         const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);

@@ -1021,9 +1021,14 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
  * the 32-row AVX-512 panel (3: AVX512_VNNI vpdpwssd on zmm, 4: the same
  * sums in AVX-512BW; ac_pv16_pack_probs32, ac_pv16_rows32).
  *
- * A key chunk's value rows become integers q_j = round(v_j AC_PV16_V /
- * s_j), s_j the largest |v| of row j (per key, so that a value never
- * scales another key's: a masked key's outlier stays out).  A tile's
+ * A key chunk's value rows become integers q_jd = round(v_jd AC_PV16_V /
+ * (c_d s_j)): c_d the largest |v| of column d in the chunk, s_j the
+ * largest |v_jd| / c_d of row j (at most 1).  Per column first, so that a
+ * channel much larger than the others does not set their steps (with a
+ * row scale alone, a channel 1000x the others left them a few steps: 1 -
+ * cos 4e-2 on theirs); then per key, so that a value never coarsens
+ * another key's (a masked key's outlier sets a column's c_d, and every
+ * other key's s_j then takes its own values back to full range).  A tile's
  * probabilities take the key's scale, p'_j = p_j s_j, and become, per
  * query row, round(p'_j AC_PV16_P / M_r) with M_r the row's largest p' in
  * the tile (14 bits relative to the tile: a dominant key -- an attention
@@ -1031,8 +1036,9 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
  * along the keys, (key 2t, key 2t+1) in the 16-bit halves of a 32-bit
  * word, so one vpdpwssd adds two keys' products per int32 lane, exactly:
  * a tile's sums stay below (AC_BK + 1) AC_PV16_P AC_PV16_V < 2^31.  They
- * are scaled back per row, M_r / (AC_PV16_P AC_PV16_V), and added to the
- * float32 accumulator (rescaled by the online softmax as usual).
+ * are scaled back per row and column, c_d M_r / (AC_PV16_P AC_PV16_V), and
+ * added to the float32 accumulator (rescaled by the online softmax as
+ * usual).
  */
 #define AC_PV16_P 16383.0f
 #define AC_PV16_V 1015.0f
@@ -1043,49 +1049,76 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
    panel's (32, AVX-512; the 16-row AVX2 panel uses the first half) */
 #define AC_PV16_ROWS 32
 /* 32-bit words of the packed chunk: the value pairs (AC_BK / 2 + 1 pairs),
-   a tile's probability pairs (AC_BK / 2 + 2 pairs x AC_PV16_ROWS rows,
-   from pt2), the keys' scales (AC_BK + 2 floats, AC_PV16_VCS) and the
-   rows' (AC_PV16_ROWS floats, AC_PV16_RSC) */
+   the columns' factors while the pairs are made (AC_PV16_LD(Dv) floats), a
+   tile's probability pairs (AC_BK / 2 + 2 pairs x AC_PV16_ROWS rows,
+   from pt2), the keys' scales (AC_BK + 2 floats, AC_PV16_VCS), the rows'
+   (AC_PV16_ROWS floats, AC_PV16_RSC) and the columns' (AC_PV16_LD(Dv)
+   floats, AC_PV16_CSC) */
 #define AC_PV16_CHUNK(Dv)                                                            \
-    ((AC_BK / 2 + 1) * AC_PV16_LD(Dv) + (ptrdiff_t)(AC_BK / 2 + 2) * AC_PV16_ROWS + \
+    ((AC_BK / 2 + 3) * AC_PV16_LD(Dv) + (ptrdiff_t)(AC_BK / 2 + 2) * AC_PV16_ROWS + \
      (AC_BK + 2) + AC_PV16_ROWS)
 #define AC_PV16_VCS(pt2) ((float *)(void *)((pt2) + (ptrdiff_t)(AC_BK / 2 + 2) * AC_PV16_ROWS))
 #define AC_PV16_RSC(pt2) (AC_PV16_VCS(pt2) + AC_BK + 2)
+#define AC_PV16_CSC(pt2) (AC_PV16_RSC(pt2) + AC_PV16_ROWS)
 /* scales below this (a key's largest |v|, a row's largest p') take
    float32 P.V: their reciprocals would leave the float range */
 #define AC_PV16_TINY 1e-30f
 
 #if AC_HAVE_X86
 /* VI[t][d] = (q[2t][d], q[2t + 1][d]) (16-bit halves; a missing last key
- * 0), q[j][d] = round(v[j][d] AC_PV16_V / s_j), sv[j] = s_j = max_d
- * |v[j][d]|, for the nk <= AC_BK rows of v (row stride rs) and columns d
- * < Dv (0 up to AC_PV16_LD(Dv)).  Returns 0 (nothing usable) if a value is
- * not finite or a row's s_j is below AC_PV16_TINY but not 0. */
+ * 0), q[j][d] = round(u[j][d] AC_PV16_V / s_j) with u[j][d] = v[j][d] /
+ * c_d, cs[d] = c_d = max_j |v[j][d]| (at least AC_PV16_TINY where not 0)
+ * and sv[j] = s_j = max_d |u[j][d]|, for the nk <= AC_BK rows of v (row
+ * stride rs) and columns d < Dv (VI and cs 0 up to AC_PV16_LD(Dv); g:
+ * scratch of as many floats, the 1 / c_d).  Returns 0 (nothing usable)
+ * if a value is not finite or a row's s_j is below AC_PV16_TINY but not
+ * 0. */
 static AC_TGT_AVX2 int ac_pv16_pack_values(const float *v, ptrdiff_t rs, int nk, int Dv,
-                                           uint32_t *VI, float *sv)
+                                           uint32_t *VI, float *sv, float *cs, float *g)
 {
     const ptrdiff_t ld = AC_PV16_LD(Dv);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
     const __m256i io = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    int ok = 1;
-    for (int j = 0; j < nk && ok; j++) {
+    /* the columns' largest |v| (columns beyond Dv: 0), and whether every
+       value is finite */
+    for (int d = 0; d < ld; d += 8) _mm256_storeu_ps(cs + d, zero);
+    __m256 bad = zero;
+    for (int j = 0; j < nk; j++) {
         const float *vj = v + (ptrdiff_t)j * rs;
-        __m256 c = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         for (int d = 0; d < Dv; d += 8) {
             const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(Dv - d), io);
             const __m256 x = _mm256_maskload_ps(vj + d, lm);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(),
-                                                  _CMP_NEQ_UQ));
-            c = _mm256_max_ps(c, _mm256_andnot_ps(sign, x));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ));
+            _mm256_storeu_ps(cs + d, _mm256_max_ps(_mm256_loadu_ps(cs + d),
+                                                   _mm256_andnot_ps(sign, x)));
+        }
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    const __m256 tiny = _mm256_set1_ps(AC_PV16_TINY);
+    for (int d = 0; d < ld; d += 8) {
+        __m256 c = _mm256_loadu_ps(cs + d);
+        const __m256 pos = _mm256_cmp_ps(c, zero, _CMP_GT_OQ);
+        c = _mm256_blendv_ps(c, _mm256_max_ps(c, tiny), pos);
+        _mm256_storeu_ps(cs + d, c);
+        _mm256_storeu_ps(g + d, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), c), pos));
+    }
+    /* the rows' largest |u| */
+    for (int j = 0; j < nk; j++) {
+        const float *vj = v + (ptrdiff_t)j * rs;
+        __m256 c = zero;
+        for (int d = 0; d < Dv; d += 8) {
+            const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(Dv - d), io);
+            c = _mm256_max_ps(c, _mm256_andnot_ps(
+                                     sign, _mm256_mul_ps(_mm256_maskload_ps(vj + d, lm),
+                                                         _mm256_loadu_ps(g + d))));
         }
         float cm[8];
         _mm256_storeu_ps(cm, c);
         float m = 0.0f;
         for (int i = 0; i < 8; i++) m = cm[i] > m ? cm[i] : m;
         sv[j] = m;
-        ok = !_mm256_movemask_ps(bad) && !(m > 0.0f && m < AC_PV16_TINY);
+        if (m > 0.0f && m < AC_PV16_TINY) return 0;
     }
-    if (!ok) return 0;
     for (int t = 0; 2 * t < nk; t++) {
         const float *a = v + (ptrdiff_t)(2 * t) * rs;
         const int two = 2 * t + 1 < nk;
@@ -1095,10 +1128,13 @@ static AC_TGT_AVX2 int ac_pv16_pack_values(const float *v, ptrdiff_t rs, int nk,
         for (int d = 0; d < ld; d += 8) {
             const int n = Dv - d;
             const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(n > 0 ? n : 0), io);
-            const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a + d, lm), fa));
+            const __m256 gd = _mm256_loadu_ps(g + d);
+            const __m256i qa = _mm256_cvtps_epi32(
+                _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(a + d, lm), gd), fa));
             __m256i qb = _mm256_setzero_si256();
             if (two)
-                qb = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(a + rs + d, lm), fb));
+                qb = _mm256_cvtps_epi32(
+                    _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(a + rs + d, lm), gd), fb));
             _mm256_storeu_si256((__m256i *)(void *)(VI + (ptrdiff_t)t * ld + d),
                                 _mm256_blend_epi16(qa, _mm256_slli_epi32(qb, 16), 0xAA));
         }
@@ -1168,12 +1204,14 @@ static AC_TGT_AVX2 inline __m256i ac_pv16_dp_emu(__m256i acc, __m256i a, __m256i
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
-/* O[u][0 .. n) = alpha[u] O[u] + rsc[u] sum_t PT[t][u] . VI[t][0 .. 16)
- * for RU rows (O ld ldo, PT ld 16, VI ld ld words), n <= 16 columns */
+/* O[u][0 .. n) = alpha[u] O[u] + rsc[u] cs[..] sum_t PT[t][u] . VI[t][0 ..
+ * 16) for RU rows (O ld ldo, PT ld 16, VI ld ld words, cs: the columns'
+ * scales, 16 read), n <= 16 columns */
 #define AC_DEF_PV16(RU, NAME, TGT, DP)                                                     \
 static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,           \
                                  ptrdiff_t ld, float *O, ptrdiff_t ldo,                    \
-                                 const float *alpha, const float *rsc, int n)              \
+                                 const float *alpha, const float *rsc, const float *cs,    \
+                                 int n)                                                    \
 {                                                                                          \
     __m256i a[RU][2];                                                                      \
     _Pragma("GCC unroll 8")                                                                \
@@ -1193,12 +1231,13 @@ static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,
     const __m256i io = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                          \
     const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), io);                       \
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), io);                   \
+    const __m256 c0 = _mm256_loadu_ps(cs), c1 = _mm256_loadu_ps(cs + 8);                   \
     _Pragma("GCC unroll 8")                                                                \
     for (int u = 0; u < RU; u++) {                                                         \
         float *o = O + (ptrdiff_t)u * ldo;                                                 \
         const __m256 al = _mm256_set1_ps(alpha[u]), s = _mm256_set1_ps(rsc[u]);            \
-        const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][0]), s);                   \
-        const __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a[u][1]), s);                   \
+        const __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[u][0]), s), c0); \
+        const __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[u][1]), s), c1); \
         if (n == 16) {                                                                     \
             _mm256_storeu_ps(o, _mm256_fmadd_ps(al, _mm256_loadu_ps(o), f0));              \
             _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(al, _mm256_loadu_ps(o + 8), f1));      \
@@ -1222,14 +1261,15 @@ AC_DEF_PV16(2, ac_pv16_r2_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
 AC_DEF_PV16(1, ac_pv16_r1_emu, AC_TGT_AVX2, ac_pv16_dp_emu)
 
 typedef void (*ac_pv16_fn)(const uint32_t *, int, const uint32_t *, ptrdiff_t, float *,
-                           ptrdiff_t, const float *, const float *, int);
+                           ptrdiff_t, const float *, const float *, const float *, int);
 
 /* acc rows [0, nr) (nr <= 16, ld Dv) = alpha acc + P.V over np key pairs
  * (PT: the tile's probability pairs, rsc their rows' scales, VI the
- * values' pairs), mode 3 vpdpwssd, 4 its AVX2 spelling: micro-tiles of 6
- * rows (16 = 6 + 5 + 5), 16 columns */
+ * values' pairs, cs their columns' scales), mode 3 vpdpwssd, 4 its AVX2
+ * spelling: micro-tiles of 6 rows (16 = 6 + 5 + 5), 16 columns */
 static void ac_pv16_rows(int mode, const uint32_t *PT, int np, const uint32_t *vi, int Dv,
-                         float *acc, const float *alpha, const float *rsc, int nr)
+                         float *acc, const float *alpha, const float *rsc, const float *cs,
+                         int nr)
 {
     static const ac_pv16_fn fn[2][7] = {
         {NULL, ac_pv16_r1, ac_pv16_r2, NULL, ac_pv16_r4, ac_pv16_r5, ac_pv16_r6},
@@ -1243,7 +1283,7 @@ static void ac_pv16_rows(int mode, const uint32_t *PT, int np, const uint32_t *v
         const int ru = ru_of[nr - r > 16 ? 16 : nr - r];
         for (int c0 = 0; c0 < Dv; c0 += 16)
             f[ru](PT + r, np, vi + c0, ld, acc + (ptrdiff_t)r * Dv + c0, Dv, alpha + r, rsc + r,
-                  Dv - c0 < 16 ? Dv - c0 : 16);
+                  cs + c0, Dv - c0 < 16 ? Dv - c0 : 16);
         r += ru;
     }
 }
@@ -1311,7 +1351,7 @@ static AC_TGT_AVX512BW inline __m512i ac_pv16_dpz_emu(__m512i acc, __m512i a, __
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 }
 
-/* O[u][0 .. 16 CV) = alpha[u] O[u] + rsc[u] sum_t PT[t][u] . VI[t][..] for
+/* O[u][0 .. 16 CV) = alpha[u] O[u] + rsc[u] cs[..] sum_t PT[t][u] . VI[t][..] for
  * RU rows (O ld ldo, PT ld 32, VI ld ld words: zero beyond the value
  * columns, so read whole) and CV vectors of 16 columns, the last one's
  * columns those of the mask last; RU CV int32 accumulators (RU and CV
@@ -1319,7 +1359,8 @@ static AC_TGT_AVX512BW inline __m512i ac_pv16_dpz_emu(__m512i acc, __m512i a, __
 #define AC_DEF_PV16Z(RU, CV, NAME, TGT, DP)                                                \
 static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,           \
                                  ptrdiff_t ld, float *O, ptrdiff_t ldo,                    \
-                                 const float *alpha, const float *rsc, __mmask16 last)     \
+                                 const float *alpha, const float *rsc, const float *cs,    \
+                                 __mmask16 last)                                           \
 {                                                                                          \
     __m512i a[RU][CV];                                                                     \
     _Pragma("GCC unroll 8")                                                                \
@@ -1345,8 +1386,9 @@ static TGT AC_NOINLINE void NAME(const uint32_t *PT, int np, const uint32_t *vi,
         for (int c = 0; c < CV; c++) {                                                     \
             const __mmask16 k = c == CV - 1 ? last : (__mmask16)0xFFFF;                    \
             float *o = O + (ptrdiff_t)u * ldo + c * 16;                                    \
-            _mm512_mask_storeu_ps(o, k, _mm512_fmadd_ps(al, _mm512_maskz_loadu_ps(k, o),   \
-                                                        _mm512_mul_ps(_mm512_cvtepi32_ps(a[u][c]), s))); \
+            const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[u][c]), s),  \
+                                           _mm512_loadu_ps(cs + c * 16));                  \
+            _mm512_mask_storeu_ps(o, k, _mm512_fmadd_ps(al, _mm512_maskz_loadu_ps(k, o), f)); \
         }                                                                                  \
     }                                                                                      \
 }
@@ -1368,7 +1410,7 @@ AC_DEF_PV16Z_ALL(, AC_TGT_AVX512_VNNI, ac_pv16_dpz)
 AC_DEF_PV16Z_ALL(_emu, AC_TGT_AVX512BW, ac_pv16_dpz_emu)
 
 typedef void (*ac_pv16z_fn)(const uint32_t *, int, const uint32_t *, ptrdiff_t, float *,
-                            ptrdiff_t, const float *, const float *, __mmask16);
+                            ptrdiff_t, const float *, const float *, const float *, __mmask16);
 #define AC_PV16Z_ROW(RU, SUF) \
     {ac_pv16z_##RU##x1##SUF, ac_pv16z_##RU##x2##SUF, ac_pv16z_##RU##x3##SUF, ac_pv16z_##RU##x4##SUF}
 
@@ -1376,7 +1418,8 @@ typedef void (*ac_pv16z_fn)(const uint32_t *, int, const uint32_t *, ptrdiff_t, 
  * 32): micro-tiles of 4 rows x 64 columns; mode 3 vpdpwssd (AVX512_VNNI),
  * 4 its AVX-512BW spelling */
 static void ac_pv16_rows32(int mode, const uint32_t *PT, int np, const uint32_t *vi, int Dv,
-                           float *acc, const float *alpha, const float *rsc, int nr)
+                           float *acc, const float *alpha, const float *rsc, const float *cs,
+                           int nr)
 {
     static const ac_pv16z_fn fn[2][AC_PV16Z_RU][4] = {
         {AC_PV16Z_ROW(1, ), AC_PV16Z_ROW(2, ), AC_PV16Z_ROW(3, ), AC_PV16Z_ROW(4, )},
@@ -1391,7 +1434,7 @@ static void ac_pv16_rows32(int mode, const uint32_t *PT, int np, const uint32_t 
             const int cv = (w + 15) / 16, tail = w - 16 * (cv - 1);
             const __mmask16 last = (__mmask16)(tail == 16 ? 0xFFFFu : ((1u << tail) - 1u));
             f[ru - 1][cv - 1](PT + r, np, vi + c0, ld, acc + (ptrdiff_t)r * Dv + c0, Dv,
-                              alpha + r, rsc + r, last);
+                              alpha + r, rsc + r, cs + c0, last);
         }
     }
 }
