@@ -228,8 +228,8 @@ def scaled_dot_product_attention(
         keys minus their mean over the keys, channels balanced between
         queries and keys, one symmetric scale per query row and per key
         row; int8 keys given as a ``(data, scales)`` pair are used as
-        they are.  P.V: 16-bit integer pairs (per-key value scales,
-        per-row probability scales, exact int32 sums) where the CPU has
+        they are.  P.V: 16-bit integer pairs (values scaled per column and
+        per key, probabilities per row, exact int32 sums) where the CPU has
         vpdpwssd, bfloat16 pairs where bfloat16 products are on, float32
         otherwise.  A call on float keys with fewer than 128 query or key
         rows, or below 2e8 multiply-adds (N M (D + Dv) over the batch,

@@ -34,8 +34,12 @@ Model rows:
   the float32 model with int8 Q.K^T, and the model in bfloat16 (weights
   and activations, torch's sdpa) -- bar: int8 <= 2x bf16.
 
-The header names the CPU and its int8 dot-product flag.  Deterministic
-(fixed seeds).
+Every row forces this CPU's int8 kernel (``_sdpa.set_int8_mode``): under
+the default mode calls on float keys too small to repay their
+quantization take float32 products (``attncore._call.int8_pays``), and
+the 4x2x256x64 row or MiniLM's short sentences would measure float32.
+``--default-mode`` measures the default instead.  The header names the CPU, its int8
+dot-product flag and the P.V mode.  Deterministic (fixed seeds).
 """
 from __future__ import annotations
 
@@ -203,10 +207,25 @@ def smollm_rows(torch, max_tokens=1024):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--default-mode", action="store_true",
+                    help="model rows under the default int8 mode (its size rule) instead of "
+                         "this CPU's int8 kernel forced")
     args = ap.parse_args(argv)
-    feats = attncore._core._sdpa.cpu_features()
+    from attncore import _config
+    from attncore._core import _sdpa
+
+    feats = _sdpa.cpu_features()
+    info = _config.config_dict()
     print(f"cpu: {cpu_model()}; int8 dot products (AVX512_VNNI): "
-          f"{'yes' if feats['int8_dot'] else 'no'}; attncore {attncore.__version__}")
+          f"{'yes' if feats['int8_dot'] else 'no'}; kernel path {info['kernel_path']}, "
+          f"int8 products {info['int8_products']}, P.V {info['int8_pv']}; "
+          f"attncore {attncore.__version__}")
+    code = _sdpa.int8_mode()
+    if not args.default_mode and code:
+        _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code])
+        print(f"int8 mode {_sdpa._INT8_NAMES[code]!r} forced (every call, small ones too)")
+    else:
+        print("the default int8 mode (calls below its size rule: float32 products)")
     print(f"{'case':<52} {'1-cos':>9} {'max|err|':>9} {'bar':>6} {'torch bf16 1-cos':>17}")
     for name, c, e, bar, *tb in kernel_rows():
         tcol = f"{tb[0]:.2e}" if tb and tb[0] is not None else "-"
