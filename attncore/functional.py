@@ -311,11 +311,13 @@ def scaled_dot_product_attention(
     * The GIL is released while computing; calls from several Python
       threads at once are safe.
     """
-    if (attn_mask is None and window is None and softcap is None and precision is None
+    if (attn_mask is None and window is None and softcap is None
+            and (precision is None or precision == "int8")
             and alibi_slopes is None and sinks is None and return_weights is False
             and return_lse is False and type(query) is np.ndarray and type(key) is np.ndarray
             and type(value) is np.ndarray):
-        out = _plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads)
+        out = _plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads,
+                          precision)
         if out is not None:
             return out
     return_weights = parse_bool(return_weights, "return_weights")
@@ -345,9 +347,12 @@ _PLAIN_MAX = 256
 
 
 def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal, scale,
-                enable_gqa, num_threads) -> np.ndarray | None:
+                enable_gqa, num_threads, precision=None) -> np.ndarray | None:
     """A call without mask or options beyond ``is_causal`` / ``scale`` /
-    ``enable_gqa`` / ``num_threads`` on NumPy arrays, from its description
+    ``enable_gqa`` / ``num_threads`` on NumPy arrays (and ``precision=
+    "int8"`` where the size rule gives it float32 products: a call whose
+    products are int8 takes the general path, its int8 stage runs on
+    every call), from its description
     cached by the operands' metadata (shapes, strides, dtypes: everything
     :func:`attncore._call.check` and :func:`attncore._call.describe`
     decide from).  A small call's checks cost as much as its kernel, and
@@ -362,13 +367,14 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
     # general path, whose checks copy it)
     key_ = (query.shape, query.strides, query.dtype, key.shape, key.strides, key.dtype,
             value.shape, value.strides, value.dtype, type(is_causal), is_causal, type(scale),
-            scale, type(enable_gqa), enable_gqa, nt, _sdpa.call_state())
+            scale, type(enable_gqa), enable_gqa, nt, precision, _sdpa.call_state())
     try:
         hit = _PLAIN.get(key_)
     except TypeError:   # an unhashable argument: the general path says what it is
         return None
     if hit is None:
-        hit = _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads)
+        hit = _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads,
+                              precision)
         if hit is None:
             return None
         if len(_PLAIN) >= _PLAIN_MAX:
@@ -388,7 +394,8 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
     return out if rdt is None else cast(out, rdt, nthr)
 
 
-def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads):
+def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads,
+                    precision=None):
     """The cache entry of :func:`_plain_call` for these operands (their
     checks raise as the general call's would); None for misaligned
     operands (the checks copy them: nothing is cached for their
@@ -396,8 +403,10 @@ def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads
     if not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
         return None
     chk = _call.check(query, key, value, None, is_causal, scale,
-                      parse_bool(enable_gqa, "enable_gqa"), False, False, num_threads)
+                      parse_bool(enable_gqa, "enable_gqa"), False, False, num_threads,
+                      precision=precision)
     if (chk.empty or _broadcast_query(chk) or chk.q is not query or chk.k is not key
+            or chk.pol.products == "int8"
             or chk.v is not value):
         return False   # (operands converted by the checks: a byte order, say)
     rows = _call.grouped_rows(chk)

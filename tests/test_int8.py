@@ -1081,9 +1081,12 @@ def test_small_calls_take_float32_products():
         for qq in (q, q[:, :, :1]):
             np.testing.assert_array_equal(sd(qq, k, v, precision="int8"), sd(qq, k, v))
         out32 = sd(q, k, v)
+        # (a forced mode after a call of the same operands: the cached
+        # description of the plain call must not carry the rule over)
         with int8_forced():
             out8 = sd(q, k, v, precision="int8")
         assert 1e-9 < _cos_err(out8, out32) < 1e-4
+        np.testing.assert_array_equal(sd(q, k, v, precision="int8"), out32)
         k8, v8 = attncore.quantize_kv(k), attncore.quantize_kv(v)
         assert 1e-9 < _cos_err(sd(q, k8, v8, precision="int8"), sd(q, k8, v8)) < 1e-4
         q, k, v = (rand((1, 8, 512, 64), s) for s in range(3))

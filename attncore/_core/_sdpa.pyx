@@ -468,9 +468,10 @@ def kernel_path():
 
 def call_state():
     """The process-wide state a call's description depends on, as one int
-    (the kernel path in use and the bfloat16 mode): the key of the
-    descriptions cached by operand metadata (functional._plain_call)."""
-    return ac_kernel_path * 4 + _bf16_mode
+    (the kernel path in use, the bfloat16, int8 and int16 P.V modes): the
+    key of the descriptions cached by operand metadata
+    (functional._plain_call)."""
+    return ((ac_kernel_path * 4 + _bf16_mode) * 16 + _int8_mode + 1) * 8 + _pv16_mode
 
 
 class Misaligned(ValueError):
