@@ -396,21 +396,25 @@ def test_bf16_products_default_follows_the_cpu():
 
 
 @pytest.mark.parametrize("N", [1, 40, 64, 100])
-def test_bf16_products_do_not_depend_on_the_thread_count(path, N):
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"window": (20, 0)},
+                                {"window": (100, 100)}], ids=["causal", "window", "window2"])
+def test_bf16_products_do_not_depend_on_the_thread_count(path, N, kw):
     """A call's products (bfloat16 pairs or float32) must not depend on
     how its rows were split into blocks: a block of one panel took float32
     products where larger blocks took the bfloat16 ones, so 3 threads gave
-    another result than 1 (1e-2 at N 64 for float32 inputs).  At 1, 2 and
-    3 threads the same to float32 rounding (float32 inputs; the portable
+    another result than 1 (1e-2 at N 64 for float32 inputs), and under a
+    window the key chunks started at the block's first key (1.6e-3).  At
+    1, 2 and 3 threads the same to float32 rounding (float32 inputs; the portable
     path's BLAS tiles sum in another order per block size) or one
     bfloat16 rounding of the output (bfloat16 inputs), and near
     float64."""
     rng = np.random.default_rng(N)
-    q, k, v = (rng.standard_normal((1, 4, N, 64)).astype(np.float32) for _ in range(3))
-    ref = sdpa_ref(*_f64(q, k, v), is_causal=True)
+    q = rng.standard_normal((1, 4, N, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 4, 385, 64)).astype(np.float32) for _ in range(2))
+    ref = sdpa_ref(*_f64(q, k, v), **kw)
     for x, tol in (((q, k, v), 1e-5), (tuple(a.astype(BF16) for a in (q, k, v)), 2.0 ** -7)):
-        outs = [np.asarray(sd(*x, precision="bfloat16", is_causal=True, num_threads=t),
-                           np.float32) for t in (1, 2, 3)]
+        outs = [np.asarray(sd(*x, precision="bfloat16", num_threads=t, **kw), np.float32)
+                for t in (1, 2, 3)]
         for o in outs[1:]:
             np.testing.assert_allclose(o, outs[0], rtol=tol, atol=1e-6)
         assert np.abs(outs[0] - ref).max() < 0.05

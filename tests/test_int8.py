@@ -818,7 +818,8 @@ def test_pv16_matches_a_model_of_its_integers(pv16_mode):
     q, v = rand((B, H, N, D), 0), rand((B, H, M, Dv), 2)
     k = _offset_keys((B, H, M, D))
     v[0, 0, 3, :] = 0.0                     # an all-zero value row
-    v[1, 1, 7, :] *= 50                     # one large value row
+    v[1, 1, 7, :] *= 4                      # one large value row (50x: an outlier,
+    #                                         whose chunk takes float32 P.V)
     out = sd(q, k, v, precision="int8")
     ops = _int8.quantize(q, 0, k, 0, None, None, (B, H), 1, 1)
     qd = ops.q8.reshape(B, H, N, -1)[..., :D] * ops.q_scales.reshape(B, H, N, 1).astype(np.float64)
@@ -885,6 +886,29 @@ def test_pv16_value_outlier_channel(pv16_mode, big):
     assert _cos_err(out[..., rest], ref[..., rest]) <= 1.2 * _cos_err(out32[..., rest],
                                                                       ref[..., rest])
     assert _cos_err(out[..., 7], ref[..., 7]) <= 1.2 * _cos_err(out32[..., 7], ref[..., 7])
+
+
+@pytest.mark.parametrize("hide", ["mask", "causal", "window"])
+@pytest.mark.parametrize("big", [1e6, 1e35])
+def test_pv16_unseen_key_outlier_element(pv16_mode, hide, big):
+    """One value of 1e6 (1e35) in one column of a key that some rows do not
+    see (masked for all, beyond a causal row, out of a window): that
+    column's scale must not take the other keys' values of the column from
+    those rows (1 - cos 0.15-0.47 on it when it did: the chunk now takes
+    float32 P.V).  Against float64, as near as the float32-P.V call."""
+    N = M = 256
+    q, k, v = rand((1, 1, N, 64), 0), rand((1, 1, M, 64), 1), rand((1, 1, M, 32), 2)
+    j = {"mask": 100, "causal": 200, "window": 60}[hide]
+    v[0, 0, j, 0] = big
+    kw = ({"attn_mask": np.arange(M) != j} if hide == "mask" else
+          {"is_causal": True} if hide == "causal" else {"window": (8, 8)})
+    rows = (np.arange(N) < j if hide == "causal" else
+            np.abs(np.arange(N) - j) > 8 if hide == "window" else slice(None))
+    ref = sdpa_ref(q, k, v, **kw)[0, 0, rows]
+    out = sd(q, k, v, precision="int8", **kw)[0, 0, rows]
+    out32 = _with_float32_pv(lambda: sd(q, k, v, precision="int8", **kw))[0, 0, rows]
+    for c in (0, 1):
+        assert _cos_err(out[:, c], ref[:, c]) <= 1.2 * _cos_err(out32[:, c], ref[:, c]) + 1e-6
 
 
 @pytest.mark.parametrize("case", ["softcap", "sinks", "inf query"])

@@ -680,13 +680,15 @@ static AC_FUSED_RANGE_F32
     ptrdiff_t kst = ks, ken = ke;
     ac_band_keys(p, i0, nq, &kst, &ken);
     if (ken < kst) ken = kst;
-    /* int16 P.V: whole chunks on a grid of AC_BK keys from key 0 (within
-       [ks, ke)), whatever keys the block sees: the values' column scales
-       and a tile's probability scales are per chunk, and the block's keys
-       -- a window's left edge, a causal block's last key -- move with the
-       block, so with the thread count (they gave other scales per block
-       size); a panel skips the keys its rows do not see */
-    if (pvm) {
+    /* int16 P.V and bfloat16 products: whole chunks on a grid of AC_BK
+       keys from key 0 (within [ks, ke)), whatever keys the block sees:
+       the values' column scales, a tile's probability scales and the key
+       pairs are per chunk, and the block's keys -- a window's left edge, a
+       causal block's last key -- move with the block, so with the thread
+       count (they gave other results per block size: 1.6e-3 for
+       precision="bfloat16" under a window); a panel skips the keys its
+       rows do not see */
+    if (pvm || bfm) {
         const ptrdiff_t a = kst / AC_BK * AC_BK, e = (ken + AC_BK - 1) / AC_BK * AC_BK;
         kst = a > ks ? a : ks;
         ken = e < ke ? e : ke;

@@ -1063,6 +1063,10 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
 /* scales below this (a key's largest |v|, a row's largest p') take
    float32 P.V: their reciprocals would leave the float range */
 #define AC_PV16_TINY 1e-30f
+/* a chunk of nk keys takes float32 P.V where a column's largest |v| is
+   above this many times the column's mean |v| (N(0, 1) values: about 4 at
+   128 keys; one outlier among n keys: about n) */
+#define AC_PV16_OUTLIER(nk) ((nk) >= 128 ? 32.0f : (nk) >= 6 ? (float)(nk) / 4.0f : 1.5f)
 
 #if AC_HAVE_X86
 /* VI[t][d] = (q[2t][d], q[2t + 1][d]) (16-bit halves; a missing last key
@@ -1071,29 +1075,48 @@ static void ac_i8_scores_small16(int mode, int nq, int nk, int D, float scale,
  * and sv[j] = s_j = max_d |u[j][d]|, for the nk <= AC_BK rows of v (row
  * stride rs) and columns d < Dv (VI and cs 0 up to AC_PV16_LD(Dv); g:
  * scratch of as many floats, the 1 / c_d).  Returns 0 (nothing usable)
- * if a value is not finite or a row's s_j is below AC_PV16_TINY but not
- * 0. */
+ * if a value is not finite, a column has an outlier (AC_PV16_OUTLIER) or
+ * a row's s_j is below AC_PV16_TINY but not 0. */
 static AC_TGT_AVX2 int ac_pv16_pack_values(const float *v, ptrdiff_t rs, int nk, int Dv,
                                            uint32_t *VI, float *sv, float *cs, float *g)
 {
     const ptrdiff_t ld = AC_PV16_LD(Dv);
     const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
     const __m256i io = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    /* the columns' largest |v| (columns beyond Dv: 0), and whether every
-       value is finite */
-    for (int d = 0; d < ld; d += 8) _mm256_storeu_ps(cs + d, zero);
+    /* the columns' largest |v| (columns beyond Dv: 0) and their sums of
+       |v| (in g), and whether every value is finite */
+    for (int d = 0; d < ld; d += 8) {
+        _mm256_storeu_ps(cs + d, zero);
+        _mm256_storeu_ps(g + d, zero);
+    }
     __m256 bad = zero;
     for (int j = 0; j < nk; j++) {
         const float *vj = v + (ptrdiff_t)j * rs;
         for (int d = 0; d < Dv; d += 8) {
             const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(Dv - d), io);
             const __m256 x = _mm256_maskload_ps(vj + d, lm);
+            const __m256 ax = _mm256_andnot_ps(sign, x);
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ));
-            _mm256_storeu_ps(cs + d, _mm256_max_ps(_mm256_loadu_ps(cs + d),
-                                                   _mm256_andnot_ps(sign, x)));
+            _mm256_storeu_ps(cs + d, _mm256_max_ps(_mm256_loadu_ps(cs + d), ax));
+            _mm256_storeu_ps(g + d, _mm256_add_ps(_mm256_loadu_ps(g + d), ax));
         }
     }
     if (_mm256_movemask_ps(bad)) return 0;
+    /* a column whose largest |v| stands out of the rest (above
+       AC_PV16_OUTLIER(nk) times its mean |v|: a few keys' outliers) would
+       set the steps of every other key in it -- a key no row sees as well
+       (masked, beyond a causal row, out of a window), whose own
+       probabilities are 0: float32 P.V for the chunk */
+    {
+        const float t = AC_PV16_OUTLIER(nk) / (float)(nk > 0 ? nk : 1);
+        __m256 out = zero;
+        for (int d = 0; d < ld; d += 8)
+            out = _mm256_or_ps(out, _mm256_cmp_ps(_mm256_loadu_ps(cs + d),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(g + d),
+                                                                _mm256_set1_ps(t)),
+                                                  _CMP_GT_OQ));
+        if (_mm256_movemask_ps(out)) return 0;
+    }
     const __m256 tiny = _mm256_set1_ps(AC_PV16_TINY);
     for (int d = 0; d < ld; d += 8) {
         __m256 c = _mm256_loadu_ps(cs + d);
