@@ -12,6 +12,8 @@ the tests compare against.
 * :func:`allowed` -- the boolean "may attend" array of a mask, a causal
   mode and a window.
 """
+import contextlib
+
 import numpy as np
 
 
@@ -129,3 +131,20 @@ def lse_ref(q, k, mask=None, causal=0, scale=None, **kw):
     """The lse of :func:`sdpa_ref` alone (no values needed)."""
     v = np.zeros(np.shape(k)[:-1] + (0,))
     return sdpa_ref(q, k, v, mask, causal, scale, return_lse=True, **kw)[1]
+
+
+@contextlib.contextmanager
+def int8_forced():
+    """This CPU and path's default int8 kernel, forced (private
+    ``_sdpa.set_int8_mode``): the default mode gives calls on float keys
+    too small to repay their quantization float32 products
+    (``attncore._call.INT8_MIN_ROWS``); tests of small calls that need the
+    int8 products force the mode."""
+    from attncore._core import _sdpa
+
+    code = _sdpa.int8_mode()
+    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code] if code else None)
+    try:
+        yield
+    finally:
+        _sdpa.set_int8_mode(prev)

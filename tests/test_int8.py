@@ -20,7 +20,7 @@ import pytest
 import attncore
 from attncore import _kernels
 from attncore._core import _sdpa
-from reference import rand, sdpa_ref
+from reference import int8_forced, rand, sdpa_ref
 
 # the path a session is forced to (tests/conftest.py reads the same variable; a
 # module import of conftest would find docs/guide's when both folders run)
@@ -102,20 +102,6 @@ def int8_in_use():
     mode, path = _sdpa.int8_mode(), _sdpa.kernel_path()
     return (mode == 3 or (mode in (1, 2) and path == "avx512")
             or (mode in (4, 5, 6) and path == "avx2"))
-
-
-@contextlib.contextmanager
-def int8_forced():
-    """This CPU and path's default int8 kernel, forced: the default mode
-    gives calls too small to repay quantizing their float keys float32
-    products (attncore._call.INT8_MIN_ROWS); tests of small calls that
-    need the int8 products force the mode."""
-    code = _sdpa.int8_mode()
-    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code] if code else None)
-    try:
-        yield
-    finally:
-        _sdpa.set_int8_mode(prev)
 
 
 def method_model(q, k, v, group=1, **kw):

@@ -3,8 +3,6 @@
 References: the same models with transformers' own "sdpa" and "eager"
 attention.
 """
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,7 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  #
 
 import attncore.integrations.transformers as act  # noqa: E402
 from attncore.integrations.transformers import attention_forward  # noqa: E402
+from reference import int8_forced  # noqa: E402
 
 IMPLS = ("attncore", "sdpa", "eager")
 
@@ -89,18 +88,6 @@ def test_llama_logits_match_sdpa_and_eager(llamas):
     torch.testing.assert_close(logits["attncore"], logits["sdpa"], rtol=1e-4, atol=1e-4)
 
 
-@contextlib.contextmanager
-def _int8_forced():
-    """This CPU and path's default int8 kernel, forced (small calls too)."""
-    from attncore._core import _sdpa
-    code = _sdpa.int8_mode()
-    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code] if code else None)
-    try:
-        yield
-    finally:
-        _sdpa.set_int8_mode(prev)
-
-
 def test_register_precision(llamas):
     """register(name, precision=...) sets the precision of that name's
     calls; register(name) again restores the default."""
@@ -115,7 +102,7 @@ def test_register_precision(llamas):
             m.set_attn_implementation("attncore_prec")
             # (the int8 kernel forced: the default mode gives calls this
             # small float32 products, attncore._call.INT8_MIN_ROWS)
-            with _int8_forced():
+            with int8_forced():
                 out8 = m(ids, attention_mask=mask).logits[valid]
                 out8b = m(ids[:1]).logits                   # the lean path's calls too
             act.register("attncore_prec")
