@@ -312,7 +312,7 @@ def scaled_dot_product_attention(
       threads at once are safe.
     """
     if (attn_mask is None and window is None and softcap is None
-            and (precision is None or precision == "int8")
+            and (precision is None or (type(precision) is str and precision == "int8"))
             and alibi_slopes is None and sinks is None and return_weights is False
             and return_lse is False and type(query) is np.ndarray and type(key) is np.ndarray
             and type(value) is np.ndarray):

@@ -204,6 +204,10 @@ def test_precision_argument():
         sd(q, k, v, precision="fp8")
     with pytest.raises(TypeError, match="precision must be None"):
         sd(q, k, v, precision=16)
+    with pytest.raises(TypeError, match="precision must be None"):   # (not compared by value)
+        sd(q, k, v, precision=np.array(["int8", "int8"]))
+    with pytest.raises(ValueError, match="'int8' is for float32, float16 and bfloat16"):
+        sd(q.astype(np.float64), k, v, precision="int8")
     q64 = q.astype(np.float64)
     with pytest.raises(ValueError, match="precision='bfloat16' is for float32, float16 and bfloat16"):
         sd(q64, q64, q64, precision="bfloat16")
