@@ -68,6 +68,22 @@ PACKED_QUERY_ELEMS = 131072
 # copy of the whole operand before the call (_dense_rows)
 COPIED_KV_PANELS = 32
 COPIED_KV_BYTES = 2 << 20
+# float32 keys / values of the fused kernel over more than KCHUNK_BYTES per
+# head: query blocks of KCHUNK_PANELS panels that take turns over chunks of
+# KCHUNK_BYTES worth of keys (Plan.kchunk), each chunk read from memory or
+# L3 once for the block, then from L2 (a chunk is half of Zen 3's 512 KiB
+# of L2).  One thread, avx2 path, Emerald Rapids (2 MiB of L2), GFLOP/s
+# panel by panel -> chunked: 1 x 8 x 4096^2 x 64 64 -> 69-72, 1 x 16 x
+# 2048^2 x 128 69 -> 74; two threads 94 -> 121-132 and 100 -> 114-142;
+# the same on the avx512 path 131 -> 140 and 134 -> 147
+KCHUNK_BYTES = 256 << 10
+KCHUNK_PANELS = 8
+
+
+def kchunk_keys(D: int, Dv: int) -> int:
+    """Keys per chunk of :data:`KCHUNK_BYTES` float32 key and value rows
+    (the kernel rounds it up to its tile of keys)."""
+    return max(128, KCHUNK_BYTES // (4 * max(1, D + Dv)) // 128 * 128)
 
 
 # --------------------------------------------------------------------------
@@ -144,6 +160,7 @@ class Plan(NamedTuple):
     nthreads: int
     fused: bool
     kvcopy: bool = False      #: the fused kernel copies each block's strided K / V rows
+    kchunk: int = 0           #: float32 K / V: a block's panels take turns over chunks of this many keys
 
 
 def _blas_tiles(Bq: int, Bk: int, M: int, width: int, return_weights: bool,
@@ -184,7 +201,10 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     64 on the head views of 4 x 512 x 1536 projections, avx2 path: 21.1
     ms read in place, 19.3 ms copied per 32-panel block, 19.4 ms on
     contiguous operands; on 4 x 512 x (1536 + 16) (rows padded off the
-    1 KiB multiples) 20.1 ms in place, 19.0 contiguous.
+    1 KiB multiples) 20.1 ms in place, 19.0 contiguous.  Float32 keys /
+    values in place over more than :func:`kchunk_keys` keys: blocks of
+    ``KCHUNK_PANELS`` panels taking turns over chunks of that many keys
+    (``Plan.kchunk``; see ``KCHUNK_BYTES``).
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
@@ -203,6 +223,8 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
             Bq = max(4, min(32, PACKED_QUERY_ELEMS // max(D, 1) // panel)) * panel
         elif copied_kv:
             Bq = COPIED_KV_PANELS * panel
+        elif not converted_kv and M > kchunk_keys(D, Dv):
+            Bq = KCHUNK_PANELS * panel
         else:
             Bq = (4 if converted_kv else 2) * panel
         while Bq > panel and nb * -(-N // Bq) < 2 * nthreads:
@@ -223,7 +245,11 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         nsplit = -(-M // chunk)
     nthreads = max(1, min(nthreads, work * nsplit))
     kvcopy = bool(fused and copied_kv and Bq > _sdpa.PANEL_ROWS[kernel_path])
-    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused, kvcopy)
+    kchunk = 0
+    if fused and not converted_kv and Bq > _sdpa.PANEL_ROWS[kernel_path] and \
+            min(chunk, M) > kchunk_keys(D, Dv):
+        kchunk = kchunk_keys(D, Dv)
+    return Plan(Bq, Bk, nsplit, chunk, nthreads, fused, kvcopy, kchunk)
 
 
 def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int,

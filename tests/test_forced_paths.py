@@ -117,5 +117,9 @@ def test_constants_read_from_c():
     for path in PATHS[1:]:
         with _kernels.forced_kernel_path(path):
             assert _sdpa.cpu_features()["fused_panel_rows"] == _sdpa.PANEL_ROWS[path]
+            pl = functional.plan(np.float32, 1000, 400, 64, 64, 0, 1, 1)
+            assert pl.fused and pl.Bq == 2 * _sdpa.PANEL_ROWS[path] and pl.kchunk == 0
+            # over more than 256 KiB of float32 keys and values: blocks of
+            # 8 panels taking turns over chunks of 256 KiB of them
             pl = functional.plan(np.float32, 1000, 1000, 64, 64, 0, 1, 1)
-            assert pl.fused and pl.Bq == 2 * _sdpa.PANEL_ROWS[path]
+            assert pl.fused and pl.Bq == 8 * _sdpa.PANEL_ROWS[path] and pl.kchunk == 512

@@ -329,3 +329,37 @@ def test_linear(path, R, C, K, with_bias):
         expected += b
     for t in (1, 2):
         np.testing.assert_allclose(linear(x, w, b, num_threads=t), expected, rtol=3e-5, atol=3e-5)
+
+
+# ------------------------------------------------------------ key chunks
+@pytest.mark.parametrize("opts", [
+    {},
+    {"is_causal": True},
+    {"is_causal": "lower_right", "window": (333, 0)},
+    {"mask": True},
+    {"window": (210, 170), "softcap": 20.0},
+    {"alibi_slopes": np.array([0.5, 0.03])},
+])
+def test_key_chunks_change_no_result(path, opts):
+    # float32 keys / values over more than 256 KiB: a query block's panels
+    # take turns over chunks of keys (Plan.kchunk); the chunks cut no tile,
+    # so blocks of 8 panels (one thread) and of 2 (eight threads)
+    # and the direct loops give the same bits, and the float64 answer
+    opts = dict(opts)
+    B, H, N, M, D = 1, 2, 300, 1100, 64
+    q, k, v = rand((B, H, N, D), 11), rand((B, H, M, D), 12), rand((B, H, M, D), 13)
+    mask = None
+    if opts.pop("mask", False):
+        mask = np.random.default_rng(5).random((B, 1, N, M)) > 0.4
+    if path != "portable":
+        pl = _call.plan(np.float32, N, M, D, D, 0, B * H, 1, kernel_path=path)
+        assert pl.kchunk == 512 and pl.Bq == 8 * _sdpa.PANEL_ROWS[path]
+    outs = [sdpa(q, k, v, mask, num_threads=t, **opts) for t in (1, 3, 8)]
+    for o in outs[1:]:
+        if path == "portable":   # BLAS tiles sized by the thread count
+            np.testing.assert_allclose(o, outs[0], **TOL32)
+        else:
+            np.testing.assert_array_equal(o, outs[0])
+    causal = opts.pop("is_causal", False)
+    want = ref(q, k, v, mask, causal={False: 0, True: 1, "lower_right": 2}[causal], **opts)[0]
+    np.testing.assert_allclose(outs[0], want, **TOL32)

@@ -78,6 +78,21 @@ def test_against_reference_and_loop(path, causal, threads):
     np.testing.assert_allclose(out, loop(q, k, v, cq, ck, causal, num_threads=1), atol=2e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequences_key_chunks(path, causal):
+    # sequences over more than 256 KiB of float32 keys and values: query
+    # blocks of 8 panels take turns over chunks of keys (Plan.kchunk),
+    # varlen's ranges as the dense call's
+    lq, lk = [300, 40, 700], [1300, 900, 700]
+    q, k, v, cq, ck = packed(lq, lk, 2, 64, seed=3)
+    for win in (None, (400, 90)):
+        out = va(q, k, v, cq, ck, is_causal=causal, window=win, num_threads=2)
+        np.testing.assert_allclose(out, reference(q, k, v, cq, ck, causal=causal, window=win),
+                                   atol=3e-6, err_msg=str(win))
+    out = va(q, k, v, cq, ck, is_causal=causal, num_threads=2)
+    np.testing.assert_allclose(out, loop(q, k, v, cq, ck, causal, num_threads=1), atol=2e-6)
+
+
 def test_causal_rows_without_keys_are_zero(path):
     # flash-attention: query i sees keys j <= i + M - N; with N > M the
     # first N - M rows see none

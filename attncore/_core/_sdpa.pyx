@@ -58,6 +58,7 @@ cdef extern from "ac_sdpa.h" nogil:
         int qk8
         const float *qsc
         int kvcopy
+        int kchunk
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -962,13 +963,13 @@ cdef inline Py_ssize_t _row_stride(const Py_buffer *buf) noexcept nogil:
 CALL_FIELDS = ("q", "k", "v", "mask", "mask_kind", "bshape", "group", "N", "M", "D", "Dv",
                "causal", "scale", "window", "softcap", "k_scales", "v_scales", "q_scales",
                "fmts", "slopes", "sinks", "bf16dot", "qk8", "plan")
-PLAN_FIELDS = ("Bq", "Bk", "nsplit", "chunk", "nthreads", "fused", "kvcopy")
+PLAN_FIELDS = ("Bq", "Bk", "nsplit", "chunk", "nthreads", "fused", "kvcopy", "kchunk")
 cdef enum:
     _C_Q, _C_K, _C_V, _C_MASK, _C_MASK_KIND, _C_BSHAPE, _C_GROUP, _C_N, _C_M, _C_D, _C_DV
     _C_CAUSAL, _C_SCALE, _C_WINDOW, _C_SOFTCAP, _C_K_SCALES, _C_V_SCALES, _C_Q_SCALES
     _C_FMTS, _C_SLOPES, _C_SINKS, _C_BF16DOT, _C_QK8, _C_PLAN
 cdef enum:
-    _P_BQ, _P_BK, _P_NSPLIT, _P_CHUNK, _P_NTHREADS, _P_FUSED, _P_KVCOPY
+    _P_BQ, _P_BK, _P_NSPLIT, _P_CHUNK, _P_NTHREADS, _P_FUSED, _P_KVCOPY, _P_KCHUNK
 
 
 def sdpa(call, out, weights=None, lse=None):
@@ -1170,6 +1171,11 @@ def sdpa(call, out, weights=None, lse=None):
                 p.kvcopy |= 1
             if not have_ks and not k_fmt and p.k_rs != D:
                 p.kvcopy |= 2
+        # float32 keys / values over many keys: a block's panels take turns
+        # over chunks (plan.kchunk)
+        if fused and not is64 and not qk8 and not bf16dot and not have_ks and not have_vs \
+                and not k_fmt and not v_fmt:
+            p.kchunk = pl[_P_KCHUNK]
         ac_size_kvcopy(&p)
         # (the fused kernel's int8 products read per key (scale, 128 sum k8);
         # the direct loops of a few rows only the scale)
@@ -1868,6 +1874,12 @@ def sdpa_paged(call, out, lse=None):
             return True
         ac_size_scratch(&p, D, Dv, Bq, Bk, is64, bks != NULL, bvs != NULL, q_fmt, k_fmt,
                         v_fmt, 0 if is64 else call.bf16dot, 0)
+        # float32 keys / values over many keys: a block's panels take turns
+        # over chunks of each range (plan.kchunk)
+        if (pl.fused and not is64 and bks == NULL and bvs == NULL and not k_fmt and not v_fmt
+                and not call.bf16dot):
+            p.kchunk = pl.kchunk
+        ac_size_kvcopy(&p)
         p.N = 0
         p.M = 0
         p.q_rs = _stride(bq, 0)

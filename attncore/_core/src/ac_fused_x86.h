@@ -646,6 +646,53 @@ static AC_FUSED_RANGE_F32
                 vcp = VC;
             }
         }
+        /* float32 rows in place, a block of several panels over more keys
+           than p->kchunk (attncore._call.plan): the panels take turns over
+           chunks of p->kchunk keys (rounded up to AC_BK), so that a chunk
+           comes from memory or L3 once for the block and from L2 for its
+           other panels; panel by panel, each panel streamed every key of
+           the block again (one thread, 1 x 8 x 4096^2 x 64 on AVX2: 64 ->
+           72 GFLOP/s, Emerald Rapids; more on a core of 512 KiB of L2).
+           The chunks lie on a grid from key 0, and so do a panel's tiles
+           (ac_fused_panel): a tile never crosses a chunk's edge, so the
+           chunks change no tile, and no result */
+        ptrdiff_t kst = ks, ken = ke;
+        const ptrdiff_t ch = ((ptrdiff_t)p->kchunk + AC_BK - 1) / AC_BK * AC_BK;
+        if (ch > 0 && p->mp_off && nq > P) ac_band_keys(p, i0, nq, &kst, &ken);
+        if (ch > 0 && p->mp_off && nq > P && ken - kst > ch) {
+            const ptrdiff_t per = AC_FUSED_PANEL_STATE(D);
+            float *mp = scratch + p->mp_off;
+            ptrdiff_t c0 = kst;
+            do {
+                const ptrdiff_t e = (c0 / ch + 1) * ch, c1 = e < ken ? e : ken;
+                const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);
+                for (int r0 = 0, pn = 0; r0 < nq; r0 += P, pn++) {
+                    const int nr = (nq - r0 < P) ? nq - r0 : P;
+                    float *QT = mp + pn * per;
+                    const float *kcc = kcp ? kcp + (c0 - ks) * D : NULL;
+                    const float *vcc = vcp ? vcp + (c0 - ks) * Dv : NULL;
+                    if (half && nr <= H)
+                        processed |= (P == AC_PANEL_ROWS_AVX512 ? ac_fused_panel_f32_avx512h
+                                                                : ac_fused_panel_f32_avx2h)(
+                            p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, c0, c1, scratch,
+                            acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, QT,
+                            QT + (ptrdiff_t)D * 32, phase, kcc, vcc, NULL);
+                    else
+                        processed |= ac_fused_panel_call(
+                            p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, c0, c1, scratch,
+                            acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, QT,
+                            QT + (ptrdiff_t)D * 32, phase, kcc, vcc, NULL);
+                }
+                c0 = c1;
+            } while (c0 < ken);
+            /* (as after the converted chunks below) */
+            if (processed)
+                for (int r = 0; r < nq; r++)
+                    if (!bad[r] && m[r] == -INFINITY &&
+                        ac_row_attends_f32(p, mb, mf, i0 + r, kst, ken))
+                        bad[r] = -1;
+            return processed;
+        }
         /* bytes per query element: int8 / half / float32 rows */
         const int qes = p->qk8 ? 1 : p->qh ? 2 : 4;
         for (int r0 = 0; r0 < nq; r0 += P) {

@@ -111,6 +111,12 @@ typedef struct {
                                  head view of a projection): 1 the values,
                                  2 the keys (attncore._call.plan;
                                  ac_size_kvcopy)                          */
+    int kchunk;               /* float32 keys / values of the fused kernel:
+                                 > 0, a query block's panels take turns
+                                 over chunks of this many keys (each chunk
+                                 read from memory once for all of them,
+                                 then from L2); 0, each panel runs over
+                                 all the block's keys (ac_size_kvcopy)    */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
@@ -305,6 +311,7 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
         p->s_len += AC_ROUND16(bf16dot >= 3 ? AC_PV16_CHUNK(Dv) : AC_BF16_CHUNK(D, Dv));
     }
     p->kvcopy = 0;
+    p->kchunk = 0;
     p->mp_off = 0;
     if (!is64 && (conv || bf16dot)) {
         /* the fused kernel's panels sharing converted key / value tiles:
@@ -324,6 +331,14 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
 static AC_UNUSED void ac_size_kvcopy(ac_params *p)
 {
     if (p->dq_off || p->mp_off) p->kvcopy = 0; /* converted operands: not copied */
+    if (p->mp_off) p->kchunk = 0;
+    if (p->kchunk > 0) {
+        /* float32 chunks shared by a block's panels: each panel's packed
+           queries and running statistics between chunks */
+        p->mp_off = p->s_len;
+        p->s_len += (ptrdiff_t)((p->Bq + AC_PANEL_ROWS_AVX2 - 1) / AC_PANEL_ROWS_AVX2) *
+                    AC_FUSED_PANEL_STATE(p->D);
+    }
     if (!p->kvcopy) return;
     p->dq_off = p->s_len;
     p->s_len += AC_ROUND16((ptrdiff_t)p->M * p->D) + AC_ROUND16((ptrdiff_t)p->M * p->Dv);
