@@ -103,8 +103,10 @@ typedef struct {
                                  element (qk8)                             */
     ptrdiff_t mp_off;         /* offset in the score scratch of the fused
                                  kernel's per-panel state when a block's
-                                 panels share converted key / value tiles:
-                                 ceil(Bq / 16) x (32 D + 64) floats        */
+                                 panels share converted key / value tiles
+                                 or take turns over chunks of float32 keys
+                                 (kchunk): ceil(Bq / 16) x (32 D + 64)
+                                 floats                                    */
     int kvcopy;               /* the fused kernel copies the float32 rows
                                  of each query block once for all its
                                  panels, rows in place not contiguous (a
