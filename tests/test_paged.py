@@ -108,6 +108,30 @@ def test_float32_mixed_batch(path, name, threads):
     np.testing.assert_allclose(lse, rlse, atol=2e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "portable"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_window_results_do_not_depend_on_the_thread_count(path, dtype):
+    # a window's left edge starts each query block's keys elsewhere, and
+    # the block size follows the thread count (one sequence: query blocks
+    # of 128 - 32 rows at 1 - 3 threads; under 1024 keys, so no key
+    # splits): the fused
+    # kernel's tiles and chunks lie on a grid from the sequence's key 0
+    # (ac_params.kbase), so the bits do not move (they did at 2 and 3
+    # threads; with float16 caches before the chunks of keys too)
+    q, kc, vc, bt, lens, cq = make_batch([1000], [300], Hq=1, Hk=1, D=64, bs=64, dtype=dtype,
+                                         seed=4)
+    prev = _sdpa.set_kernel_path(path)
+    try:
+        for opts in (dict(window=(100, 0)), dict(is_causal=False, window=(250, 30))):
+            outs = [call(q, kc, vc, bt, lens, cq, num_threads=t, **opts) for t in (1, 2, 3)]
+            for o in outs[1:]:
+                np.testing.assert_array_equal(o, outs[0])
+            np.testing.assert_allclose(outs[0], paged_ref(q, kc, vc, bt, lens, cq, **opts)[0],
+                                       atol=2e-3 if dtype == np.float16 else 3e-6)
+    finally:
+        _sdpa.set_kernel_path(prev)
+
+
 def test_float64_and_dv():
     q, kc, vc, bt, lens, cq = make_batch(**MIXED, Dv=24, dtype=np.float64)
     out = call(q, kc, vc, bt, lens, cq, window=(30, 0), sinks=np.ones(8))

@@ -93,6 +93,23 @@ def test_long_sequences_key_chunks(path, causal):
     np.testing.assert_allclose(out, loop(q, k, v, cq, ck, causal, num_threads=1), atol=2e-6)
 
 
+@pytest.mark.parametrize("Hk,lq,lk,win", [
+    (1, 300, 1000, (20, 0)), (1, 300, 1000, (300, 40)), (2, 300, 1000, (20, 0)),
+    (2, 300, 1000, (300, 40)),
+])
+def test_window_results_do_not_depend_on_the_thread_count(path, Hk, lq, lk, win):
+    # (see test_paged's of the same name) one and two key heads side by
+    # side (under 1024 keys: no key splits)
+    if path == "portable":
+        pytest.skip("BLAS tiles sized by the thread count")
+    q, k, v, cq, ck = packed([lq], [lk], 2, 64, Hk=Hk, seed=6)
+    outs = [va(q, k, v, cq, ck, window=win, enable_gqa=True, num_threads=t) for t in (1, 2, 3)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    np.testing.assert_allclose(outs[0], reference(q, k, v, cq, ck, group=2 // Hk, window=win),
+                               atol=3e-6)
+
+
 def test_causal_rows_without_keys_are_zero(path):
     # flash-attention: query i sees keys j <= i + M - N; with N > M the
     # first N - M rows see none

@@ -59,6 +59,7 @@ cdef extern from "ac_sdpa.h" nogil:
         const float *qsc
         int kvcopy
         int kchunk
+        Py_ssize_t kbase
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -1510,6 +1511,7 @@ cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
                 tag.je = je
                 tag.cap = cap
         pc.M = <int>(pb.M - j)
+        pc.kbase = pb.kbase + j
         for t in range(nh):
             hk = hk0 + t
             if staged:

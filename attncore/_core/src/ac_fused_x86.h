@@ -613,7 +613,11 @@ static AC_FUSED_RANGE_F32
            loops: 50 = 32 + 16 + 2 on AVX-512; 32 x 1 x N x 50 x 256
            float32, one thread, Zen 5: N 50 0.59 -> 0.53 ms, 40 0.51 ->
            0.44, 16 0.23 -> 0.18) */
-        const int H = P / 2, half = !p->qk8 && !p->bf16dot;
+        /* (not for converted operands: a block of more than one panel
+           runs every panel whole on the shared chunks below, and a block
+           of one panel or less must compute its rows the same way -- the
+           block size follows the thread count) */
+        const int H = P / 2, half = !p->qk8 && !p->bf16dot && !convert;
         int direct = 0;
         if (nq > P && tail > 0 && tail <= AC_SMALL_ROWS && half)
             direct = tail;
@@ -653,9 +657,9 @@ static AC_FUSED_RANGE_F32
            other panels; panel by panel, each panel streamed every key of
            the block again (one thread, 1 x 8 x 4096^2 x 64 on AVX2: 64 ->
            72 GFLOP/s, Emerald Rapids; more on a core of 512 KiB of L2).
-           The chunks lie on a grid from key 0, and so do a panel's tiles
-           (ac_fused_panel): a tile never crosses a chunk's edge, so the
-           chunks change no tile, and no result */
+           The chunks lie on a grid from the sequence's key 0 (p->kbase),
+           and so do a panel's tiles (ac_fused_panel): a tile never crosses
+           a chunk's edge, so the chunks change no tile, and no result */
         ptrdiff_t kst = ks, ken = ke;
         const ptrdiff_t ch = ((ptrdiff_t)p->kchunk + AC_BK - 1) / AC_BK * AC_BK;
         if (ch > 0 && p->mp_off && nq > P) ac_band_keys(p, i0, nq, &kst, &ken);
@@ -664,7 +668,8 @@ static AC_FUSED_RANGE_F32
             float *mp = scratch + p->mp_off;
             ptrdiff_t c0 = kst;
             do {
-                const ptrdiff_t e = (c0 / ch + 1) * ch, c1 = e < ken ? e : ken;
+                const ptrdiff_t e = ((c0 + p->kbase) / ch + 1) * ch - p->kbase,
+                                c1 = e < ken ? e : ken;
                 const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);
                 for (int r0 = 0, pn = 0; r0 < nq; r0 += P, pn++) {
                     const int nr = (nq - r0 < P) ? nq - r0 : P;
@@ -736,7 +741,9 @@ static AC_FUSED_RANGE_F32
        precision="bfloat16" under a window); a panel skips the keys its
        rows do not see */
     if (pvm || bfm) {
-        const ptrdiff_t a = kst / AC_BK * AC_BK, e = (ken + AC_BK - 1) / AC_BK * AC_BK;
+        const ptrdiff_t kb = p->kbase;
+        const ptrdiff_t a = (kst + kb) / AC_BK * AC_BK - kb,
+                        e = (ken + kb + AC_BK - 1) / AC_BK * AC_BK - kb;
         kst = a > ks ? a : ks;
         ken = e < ke ? e : ke;
     }
@@ -764,7 +771,10 @@ static AC_FUSED_RANGE_F32
     float *mp = scratch + p->mp_off;
     ptrdiff_t c0 = kst;
     do {
-        const ptrdiff_t c1 = (ken - c0 < AC_BK) ? ken : c0 + AC_BK;
+        /* chunks on the grid of AC_BK keys from the sequence's key 0 (the
+           panels' tiles lie on it too: a chunk cuts none) */
+        const ptrdiff_t e = ((c0 + p->kbase) / AC_BK + 1) * AC_BK - p->kbase;
+        const ptrdiff_t c1 = e < ken ? e : ken;
         const int nk = (int)(c1 - c0);
         if (nk > 0) {
             if (i8)

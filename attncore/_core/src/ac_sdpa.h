@@ -119,6 +119,15 @@ typedef struct {
                                  read from memory once for all of them,
                                  then from L2); 0, each panel runs over
                                  all the block's keys (ac_size_kvcopy)    */
+    ptrdiff_t kbase;          /* the index of key 0 of k / v among the
+                                 keys of the sequence (a paged range: the
+                                 keys of [kbase, kbase + M) given from
+                                 there): the fused kernel's tiles and
+                                 chunks lie on a grid from the sequence's
+                                 key 0, so that where a range starts -- a
+                                 query block's first visible key, with the
+                                 block size (the thread count) -- changes
+                                 no result                                */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
@@ -314,6 +323,7 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
     }
     p->kvcopy = 0;
     p->kchunk = 0;
+    p->kbase = 0;
     p->mp_off = 0;
     if (!is64 && (conv || bf16dot)) {
         /* the fused kernel's panels sharing converted key / value tiles:
