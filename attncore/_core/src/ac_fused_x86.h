@@ -563,6 +563,19 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
                                    acc, m, l, bad, QT, state, phase, kc, vc, bt);
 }
 
+/* After chunks of keys taken in turn by a block's panels: a row whose
+   every score came out -inf although it attends some key of [kst, ken)
+   gets bad = -1 (see the end of ac_fused_range_f32) */
+static void ac_flag_unseen_rows(const ac_params *p, const uint8_t *mb, const float *mf,
+                                ptrdiff_t i0, int nq, ptrdiff_t kst, ptrdiff_t ken,
+                                const float *m, int *bad, int processed)
+{
+    if (processed)
+        for (int r = 0; r < nq; r++)
+            if (!bad[r] && m[r] == -INFINITY && ac_row_attends_f32(p, mb, mf, i0 + r, kst, ken))
+                bad[r] = -1;
+}
+
 /* Attention of query rows [i0, i0 + nq) over keys [ks, ke), panel by panel:
  * the same contract as ac_sdpa_range_f32, except that a row whose scores
  * (the scale, a float mask entry) are out of range for the base-2 units
@@ -691,11 +704,7 @@ static AC_FUSED_RANGE_F32
                 c0 = c1;
             } while (c0 < ken);
             /* (as after the converted chunks below) */
-            if (processed)
-                for (int r = 0; r < nq; r++)
-                    if (!bad[r] && m[r] == -INFINITY &&
-                        ac_row_attends_f32(p, mb, mf, i0 + r, kst, ken))
-                        bad[r] = -1;
+            ac_flag_unseen_rows(p, mb, mf, i0, nq, kst, ken, m, bad, processed);
             return processed;
         }
         /* bytes per query element: int8 / half / float32 rows */
@@ -827,11 +836,7 @@ static AC_FUSED_RANGE_F32
        over the block's keys (the row came back 0, a fully masked row's
        answer, for bfloat16 / float16 / int8 keys and values with all scores
        below -FLT_MAX). */
-    if (processed)
-        for (int r = 0; r < nq; r++)
-            if (!bad[r] && m[r] == -INFINITY &&
-                ac_row_attends_f32(p, mb, mf, i0 + r, kst, ken))
-                bad[r] = -1;
+    ac_flag_unseen_rows(p, mb, mf, i0, nq, kst, ken, m, bad, processed);
     return processed;
 }
 
