@@ -382,8 +382,10 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
         _PLAIN[key_] = hit
     if hit is False:
         return None
-    tail, qread, oshape, cdt, rdt, nthr = hit
+    tail, qread, oshape, cdt, rdt, nthr, bits = hit
     q = query if qread is None else query.reshape(qread)
+    if bits:   # bfloat16 operands: the kernel reads their bits (_call.bits)
+        q, key, value = (a.view(np.uint16) if b else a for a, b in zip((q, key, value), bits))
     try:
         # the description's fields with the operands in front
         out, finite = _call.launch_plain((q, key, value) + tail, oshape, cdt)
@@ -413,14 +415,26 @@ def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads
     c = _call.describe(chk if rows is None else rows)
     read = chk if rows is None else rows
     pl = c.plan
-    if (c.block_table is not None or c.mask is not None or c.q is not read.q or c.k is not chk.k
-            or c.v is not chk.v or not (pl.fused or c.N <= _SMALL_ROWS) or c.need_weights
+    ops = ((c.q, read.q), (c.k, chk.k), (c.v, chk.v))
+    if (c.block_table is not None or c.mask is not None
+            or not all(a is b or _bits_of(a, b) for a, b in ops)
+            or not (pl.fused or c.N <= _SMALL_ROWS) or c.need_weights
             or c.need_lse or c.lse_shift is not None):
         return False   # operands copied or converted, or the BLAS path
     qread = None if rows is None else rows.q.shape
     rdt = chk.pol.result
+    bits = tuple(a is not b for a, b in ops)
     return (tuple(c)[3:], qread, chk.bshape + (chk.q.shape[-2], c.Dv), c.compute,
-            None if rdt == c.compute else rdt, pl.nthreads)
+            None if rdt == c.compute else rdt, pl.nthreads, bits if any(bits) else None)
+
+
+def _bits_of(a, b) -> bool:
+    """Whether the kernel's operand ``a`` is the bits of the caller's
+    bfloat16 operand ``b`` (``_call.bits``: a uint16 view of the same
+    memory), which a plain call can take again from ``b``."""
+    return (isinstance(a, np.ndarray) and a.dtype == np.uint16 and is_bf16(b.dtype)
+            and a.shape == b.shape and a.strides == b.strides
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 def _dequantized(chk: _call.Checked) -> _call.Checked:

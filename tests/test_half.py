@@ -127,6 +127,34 @@ def test_half_long_rows_and_key_splits(dt, nthreads):
     assert err <= 1.5 * _torch_err(q, k, v, dt, rout) + 1e-7
 
 
+@pytest.mark.parametrize("D,Dv", [(8, 8), (16, 48), (24, 32), (40, 136), (64, 64),
+                                  (128, 128), (136, 200), (256, 16), (520, 40), (600, 256)])
+@pytest.mark.parametrize("N", [1, 2, 3, 5])
+@pytest.mark.parametrize("dt", HALF)
+def test_half_values_with_float32_queries_in_the_decode_loops(path, dt, D, Dv, N):
+    """The loops of a few query rows read 16-bit keys / values in place
+    (bfloat16 by pairs of vectors, the query rows and the P.V accumulators
+    held as even / odd columns): a float32 query gives a float32 result,
+    held to float32 rounding against float64 of the rounded inputs.  700
+    keys: more than one key tile (the accumulators leave and re-enter the
+    column order); strided key rows; grouped-query rows (a group of N
+    rows per key head)."""
+    rng = np.random.default_rng(D * 1000 + Dv + N)
+    B, Hk, M = 1, 2, 700
+    q = rand((B, 2 * Hk, N, D), rng)
+    kw = rand((B, Hk, M, D + 8), rng).astype(dt)
+    k = kw[..., 3:D + 3]                       # rows D + 8 elements apart, odd offset
+    v = rand((B, Hk, M, Dv), rng).astype(dt)
+    q0, k0, v0 = q.copy(), k.copy(), v.copy()
+    out = sd(q, k, v, enable_gqa=True, num_threads=1)
+    assert out.dtype == np.float32
+    kr, vr = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    rout = sdpa_ref(*_f64(q, kr, vr))
+    np.testing.assert_allclose(out, rout, rtol=2e-5, atol=2e-6)
+    for a, a0 in ((q, q0), (k, k0), (v, v0)):
+        assert np.array_equal(a.view(np.uint8), a0.view(np.uint8))
+
+
 @pytest.mark.parametrize("dt", HALF)
 def test_half_agrees_across_paths_and_threads(dt):
     rng = np.random.default_rng(3)

@@ -47,6 +47,33 @@ def test_new_data_same_metadata(path, fresh, dtype, shape):
     assert any(hit for hit in fresh.values()) != blas
 
 
+@pytest.mark.parametrize("qdt", ["bfloat16", np.float32])
+@pytest.mark.parametrize("shape", [(3, 2, 1, 7, 16), (2, 4, 6, 9, 8), (2, 2, 40, 33, 24)])
+def test_bfloat16_operands_are_cached_too(path, fresh, qdt, shape):
+    """bfloat16 operands (whose bits the kernel reads, a uint16 view) take
+    the cached description as the other dtypes do -- their checks cost
+    several times a small call's kernel -- and each call still reads its
+    own operands: new data each time, queries bfloat16 or float32, one or
+    two query heads per key head, against the reference of the rounded
+    inputs."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    qdt = bf if qdt == "bfloat16" else np.dtype(qdt)
+    B, H, N, M, D = shape
+    for seed in range(3):
+        for g in (1, 2):
+            q = rand((B, H * g, N, D), 10 * seed).astype(qdt)
+            k, v = (rand((B, H, M, D), 10 * seed + i).astype(bf) for i in (1, 2))
+            out = sdpa(q, k, v, is_causal="lower_right", enable_gqa=True)
+            assert out.dtype == qdt
+            ref = sdpa_ref(*(np.repeat(a.astype(np.float64), g if a is not q else 1, axis=1)
+                             for a in (q, k, v)), is_causal="lower_right")
+            tol = 1.01 * 2.0 ** -8 * np.abs(ref).max() + 1e-6 if qdt == bf else 3e-5
+            np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol, rtol=0)
+    blas = N > 4 and path == "portable"
+    assert any(hit for hit in fresh.values()) != blas
+
+
 def test_layouts_and_options_are_part_of_the_key(path, fresh):
     """One shape, other strides / options / threads / grouped heads: every
     call its own reference, whatever ran before it."""

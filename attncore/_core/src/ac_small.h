@@ -128,6 +128,62 @@ static AC_TGT_AVX2 AC_SINLINE void ac_st8_n(float *p, __m256 x, int n)
     memcpy(p, tmp, sizeof(float) * (size_t)n);
 }
 
+/* bfloat16 pairs: 2 x 16 / 2 x 8 elements at p as two vectors of floats,
+ * lo the even-numbered elements (0, 2, ...), hi the odd-numbered: a float
+ * is a bfloat16 in its high half, so one load, a shift (the even element
+ * of each 32-bit pair) and a mask (the odd one) -- no widening shuffle
+ * per vector (vpmovzxwd: a port-5 uop each on Intel, the bound of the
+ * AVX2 bfloat16 decode loops).  The query rows (scores) and the P.V
+ * accumulators (columns) are held in the same even / odd order
+ * (ac_deint* / ac_inter*), once per call / per chunk. */
+static AC_TGT_AVX512 AC_SINLINE void ac_ldbf2_16(const void *p, __m512 *lo, __m512 *hi)
+{
+    const __m512i x = _mm512_loadu_si512(p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static AC_TGT_AVX2 AC_SINLINE void ac_ldbf2_8(const void *p, __m256 *lo, __m256 *hi)
+{
+    const __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* the elements of (a, b) -- 2 W consecutive floats -- as (even, odd)
+ * vectors, and back */
+static AC_TGT_AVX512 AC_SINLINE void ac_deint16(__m512 a, __m512 b, __m512 *e, __m512 *o)
+{
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                         28, 30);
+    *e = _mm512_permutex2var_ps(a, ie, b);
+    *o = _mm512_permutex2var_ps(a, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), b);
+}
+
+static AC_TGT_AVX512 AC_SINLINE void ac_inter16(__m512 e, __m512 o, __m512 *a, __m512 *b)
+{
+    const __m512i ia = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                         23);
+    *a = _mm512_permutex2var_ps(e, ia, o);
+    *b = _mm512_permutex2var_ps(e, _mm512_add_epi32(ia, _mm512_set1_epi32(8)), o);
+}
+
+static AC_TGT_AVX2 AC_SINLINE void ac_deint8(__m256 a, __m256 b, __m256 *e, __m256 *o)
+{
+    /* shuffle: (a0 a2 b0 b2 | a4 a6 b4 b6); the 64-bit quarters 0 2 1 3 */
+    *e = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    *o = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+
+static AC_TGT_AVX2 AC_SINLINE void ac_inter8(__m256 e, __m256 o, __m256 *a, __m256 *b)
+{
+    const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+    *a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    *b = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+
 /* lane i of the result: the sum of a[i]'s lanes, for the 16 / 8 vectors
  * a[] of floats, or of int32 (ints: exact integer sums; the shuffles are
  * the same) -- a transposing tree of adds (45 shuffles / adds for 16 sums,
@@ -219,6 +275,9 @@ typedef void (*ac_pv_small_fn)(int nq, int nk, int Dv, const float *S, int ldS,
 #define SLDFN(fmt, p, n) ac_ld16_m((fmt), (p), (__mmask16)((1u << (n)) - 1u))
 #define SHSUM(a) ac_hsum16_avx512((a), 0)
 #define SREDUCE(x) _mm512_reduce_add_ps(x)
+#define SLDBF2(p, lo, hi) ac_ldbf2_16((p), (lo), (hi))
+#define SDEINT(a, b, e, o) ac_deint16((a), (b), (e), (o))
+#define SINTER(e, o, a, b) ac_inter16((e), (o), (a), (b))
 #define AC_SKEYMAJ(D) ((D) % 16 == 0 && (D) <= 128)
 #include "ac_small_impl.inc"
 
@@ -240,6 +299,9 @@ typedef void (*ac_pv_small_fn)(int nq, int nk, int Dv, const float *S, int ldS,
 #define SLDFN(fmt, p, n) ac_ld8_n((fmt), (p), (n))
 #define SHSUM(a) ac_hsum8_avx2((a), 0)
 #define SREDUCE(x) ac_hsum1_avx2(x)
+#define SLDBF2(p, lo, hi) ac_ldbf2_8((p), (lo), (hi))
+#define SDEINT(a, b, e, o) ac_deint8((a), (b), (e), (o))
+#define SINTER(e, o, a, b) ac_inter8((e), (o), (a), (b))
 #define AC_SKEYMAJ(D) 0
 #include "ac_small_impl.inc"
 
