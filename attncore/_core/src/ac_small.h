@@ -2,8 +2,9 @@
  * ac_small.h -- products for query blocks of a few rows (decoding, one
  * decoder step of a seq2seq model, a grouped-query head group) on the AVX2
  * and AVX-512 paths, keys and values read in place in every storage
- * format: float32, bfloat16 (a shift), float16 (F16C) and int8 (a sign
- * extension; the row's scale applied to the sum).
+ * format: float32, bfloat16 (a shift; by pairs of vectors, a shift and a
+ * mask), float16 (F16C) and int8 (a sign extension; the row's scale
+ * applied to the sum).
  *
  * At these sizes the work is streaming K and V once.  One body
  * (ac_small_impl.inc), instantiated per instruction set and parameterized
