@@ -76,7 +76,8 @@ def as_float_array(x: Any, name: str, mask_arg: Optional[str] = None,
     a = to_array(x, name, mask_arg)
     dt = a.dtype
     if allow_bf16 and is_bf16(dt):
-        return a
+        # (the kernels read a bfloat16's bits as a native uint16)
+        return a if dt.isnative else a.astype(dt.newbyteorder("="))
     if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
         allowed = "bfloat16, float16, float32 or float64" if allow_bf16 else \
             "float16, float32 or float64"

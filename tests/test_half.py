@@ -156,6 +156,36 @@ def test_half_values_with_float32_queries_in_the_decode_loops(path, dt, D, Dv, N
 
 
 @pytest.mark.parametrize("dt", HALF)
+def test_non_native_byte_order_half_operands(path, dt):
+    """16-bit operands of the other byte order (a file's big-endian data,
+    say) are read as the values they hold: the result of the native
+    operands, through every entry point that takes 16-bit arrays (an
+    adversarial run found bfloat16 ones read as swapped bits: a silent
+    wrong answer)."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rand(s, rng).astype(dt) for s in ((1, 2, 3, 64), (1, 2, 300, 64),
+                                                 (1, 2, 300, 64)))
+    sw = [a.astype(a.dtype.newbyteorder(">" if a.dtype.isnative and np.little_endian
+                                        else "<")) for a in (q, k, v)]
+    assert not any(a.dtype.isnative for a in sw)
+    want = sd(q, k, v, is_causal="lower_right")
+    for i in range(4):   # one operand swapped at a time, then all
+        ops = [sw[j] if i in (j, 3) else a for j, a in enumerate((q, k, v))]
+        for _ in range(2):   # the second call of the same metadata too
+            out = sd(*ops, is_causal="lower_right")
+            np.testing.assert_array_equal(out.astype(np.float32), want.astype(np.float32))
+    q32 = q.astype(np.float32)
+    np.testing.assert_array_equal(sd(q32, sw[1], sw[2]), sd(q32, k, v))
+    # packed sequences (varlen_attention: the paged kernel's operands)
+    cu = np.array([0, 120, 300], np.int32)
+    qp, kp, vp = (rand((300, 2, 64), rng).astype(dt) for _ in range(3))
+    swp = [a.astype(sw[0].dtype) for a in (qp, kp, vp)]
+    np.testing.assert_array_equal(
+        attncore.varlen_attention(*swp, cu, cu, is_causal=True).astype(np.float32),
+        attncore.varlen_attention(qp, kp, vp, cu, cu, is_causal=True).astype(np.float32))
+
+
+@pytest.mark.parametrize("dt", HALF)
 def test_half_agrees_across_paths_and_threads(dt):
     rng = np.random.default_rng(3)
     q, k, v = rand((2, 3, 50, 48), rng).astype(dt), rand((2, 3, 700, 48), rng).astype(dt), \
