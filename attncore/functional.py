@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 
 from . import _call
 from ._core import _sdpa
-from ._dtypes import HALF_BF16, cast, half_code, is_bf16
+from ._dtypes import _CAST_MIN, HALF_BF16, cast, half_code, is_bf16
 from ._interop import _to_numpy, foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
@@ -561,8 +561,10 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
     threads), or None where the call needs the general path.  ``bf16``: the CPU's
     bfloat16 products (bfloat16 operands take them, as the policy has it;
     float16 ones never)."""
+    # int16: bfloat16 bits (attention_prepared's bf16_bits)
+    fmt = HALF_BF16 if dt == np.int16 else half_code(dt)
     if (len(qshape) != 4 or len(kshape) != 4 or len(vshape) != 4
-            or not (dt == np.float32 or half_code(dt))):
+            or not (dt == np.float32 or fmt)):
         return None
     B, H, N, D = qshape
     Bk, Hk, M, Dk = kshape
@@ -579,7 +581,6 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
         sc = float(scale)
         if not (math.isfinite(sc) and sc > 0):
             return None
-    fmt = half_code(dt)
     if fmt != HALF_BF16:
         bf16 = 0
     oshape = (B, H, N, Dv)
@@ -615,7 +616,7 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
 
 def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
                        scale: float | None, nthreads: int, window: tuple[int, int] = (-1, -1),
-                       softcap: float = 0.0) -> np.ndarray | None:
+                       softcap: float = 0.0, bf16_bits: bool = False) -> np.ndarray | None:
     """Attention of already-checked operands, without the general call's
     argument handling (private: for integrations that call attncore per
     layer and per decoding step, where that handling costs as much as a
@@ -631,8 +632,17 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     output (B, H, L, Dv) in q's dtype, or None when the call needs the
     general path (other layouts or dtypes, the BLAS path, empty shapes):
     the caller then uses :func:`scaled_dot_product_attention`.
+
+    ``bf16_bits``: q, k and v are int16 arrays holding bfloat16 bits (a
+    bfloat16 tensor's ``view(torch.int16)``, no ml_dtypes needed); the
+    output then is an int16 array of bfloat16 bits too (rounded to
+    nearest, ties to even).  Each NumPy or torch operation of a call per
+    layer and step costs about a microsecond, more with cold caches: the
+    bits save the dtype views on both sides.
     """
     dt = q.dtype
+    if bf16_bits and dt != np.int16:
+        return None
     if (k.dtype != dt or v.dtype != dt
             or not (scale is None or type(scale) is float or type(scale) is int)):
         return None  # (any other scale, as the general call takes or refuses it)
@@ -644,7 +654,7 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     tail, qread, oshape, cdt, fmt, nthr = prep
     if qread is not None:
         q = q.reshape(qread)
-    if fmt == HALF_BF16:
+    if fmt == HALF_BF16 and not bf16_bits:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     try:
         # the description's fields with the operands in front
@@ -653,6 +663,10 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
         return None  # (the general call copies a misaligned operand)
     if not finite:
         return None  # an overflow or non-finite inputs: the general call decides
+    if bf16_bits:
+        bits = np.empty(oshape, np.int16)
+        _sdpa.cast_half(out, bits, HALF_BF16, nthr if out.size >= _CAST_MIN else 1)
+        return bits
     return cast(out, dt, nthr) if fmt else out
 
 

@@ -158,3 +158,41 @@ def test_prepared_equals_the_general_call(dtype, N):
     ref = sdpa(q, k, v, is_causal="lower_right", scale=0.3, enable_gqa=True, num_threads=1)
     assert out.dtype == ref.dtype
     np.testing.assert_array_equal(out.astype(np.float32), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("N", [1, 7])
+def test_prepared_bfloat16_bits(N):
+    """bfloat16 operands given as their int16 bits (``bf16_bits``, the
+    Hugging Face backend's lean path, no ml_dtypes needed) return the
+    output's bfloat16 bits: the float64 reference of the rounded inputs,
+    to bfloat16 rounding, and bit for bit the bfloat16-dtype call's
+    result; any other dtype given as bits is handed back (None)."""
+    from attncore.functional import attention_prepared
+
+    def bits_of(x):   # float32 -> bfloat16 bits, round to nearest even (a published rule)
+        u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.int16)
+
+    def float_of(b):  # bfloat16 bits -> float32, exact
+        return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    shapes = [(2, 8, N, 32), (2, 2, 45, 32), (2, 2, 45, 24)]
+    qb, kb, vb = (bits_of(rand(s, i + 50)) for i, s in enumerate(shapes))
+    q0, k0, v0 = (qb.copy(), kb.copy(), vb.copy())
+    out = attention_prepared(qb, kb, vb, 2, 0.3, 1, (-1, -1), 0.0, True)
+    if out is None:   # the BLAS path (portable, more than a few rows)
+        assert _kernels.kernel_path() == "portable" and N > _sdpa.SMALL_ROWS
+        return
+    assert out.dtype == np.int16 and out.shape == (2, 8, N, 24)
+    for a, b in ((qb, q0), (kb, k0), (vb, v0)):
+        np.testing.assert_array_equal(a, b)
+    ref = sdpa_ref(*(float_of(b).astype(np.float64) for b in (qb, kb, vb)),
+                   is_causal=2, scale=0.3, group=4)
+    np.testing.assert_allclose(float_of(out), ref, atol=1e-2, rtol=1e-2)
+    ml = pytest.importorskip("ml_dtypes")
+    same = attention_prepared(*(b.view(ml.bfloat16) for b in (qb, kb, vb)), 2, 0.3, 1)
+    np.testing.assert_array_equal(out, same.view(np.int16))
+    assert attention_prepared(qb.view(np.uint16), kb, vb, 2, 0.3, 1, (-1, -1), 0.0, True) is None
+    f = float_of(qb)
+    assert attention_prepared(f, float_of(kb), float_of(vb), 2, 0.3, 1, (-1, -1), 0.0,
+                              True) is None

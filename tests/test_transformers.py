@@ -513,15 +513,16 @@ def test_half_tensors_read_in_place_and_returned_in_their_dtype(monkeypatch, tdt
     real_fast = mod.attention_prepared
 
     def spy(q, k, v, *a, **kw):
-        seen.append((str(q.dtype), str(k.dtype)))
+        seen.append((str(q.dtype), str(k.dtype), q.ctypes.data, k.ctypes.data, v.ctypes.data))
         return real_fast(q, k, v, *a, **kw)
 
     monkeypatch.setattr(mod, "attention_prepared", spy)
     q, k, v = (t.to(tdt) for t in _inputs(L=L, S=S, D=16))
     with torch.no_grad():
         out, w = attention_forward(_Module(), q, k, v, None, scaling=0.3)
-    name = "bfloat16" if tdt is torch.bfloat16 else "float16"
-    assert seen == [(name, name)]          # the 16-bit tensors themselves, no float32 copy
+    # the 16-bit tensors themselves (bfloat16 as its int16 bits), no float32 copy
+    name = "int16" if tdt is torch.bfloat16 else "float16"
+    assert seen == [(name, name, q.data_ptr(), k.data_ptr(), v.data_ptr())]
     assert out.dtype is tdt and w is None and out.shape == (2, L, 4, 16)
     # against float64 of the rounded inputs, and torch's own error on the dtype
     kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))

@@ -57,7 +57,7 @@ import warnings
 
 import numpy as np
 
-from .._dtypes import bfloat16_available, bfloat16_dtype, parse_precision
+from .._dtypes import parse_precision
 from .._interop import numpy_to_torch, torch_to_numpy
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
@@ -246,12 +246,12 @@ def _as_numpy(t, name):
     return torch_to_numpy(t, name)[0]
 
 
-def _fast_numpy(t, bf16):
-    """A view of a CPU tensor of the model's own dtype (float32 / float16,
-    or bfloat16 read through int16 as ``bf16``), without the general
+def _fast_numpy(t, bits):
+    """A view of a CPU tensor of the model's own dtype (float32 / float16;
+    bfloat16 as its int16 bits where ``bits``), without the general
     conversion's checks and caching (one call per layer and step)."""
-    if bf16 is not None:
-        return t.detach().view(sys.modules["torch"].int16).numpy().view(bf16)
+    if bits:
+        t = t.view(sys.modules["torch"].int16)
     try:
         return t.numpy()
     except RuntimeError:    # a tensor that requires grad: its detached view
@@ -319,15 +319,14 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     compared)."""
     torch = sys.modules["torch"]
     dt = query.dtype
-    bf = None
-    if dt is torch.bfloat16:
-        if not bfloat16_available() or key.dtype is not dt or value.dtype is not dt:
+    bits = dt is torch.bfloat16  # read as int16 bits (no ml_dtypes views on either side)
+    if bits:
+        if key.dtype is not dt or value.dtype is not dt:
             return None
-        bf = bfloat16_dtype()
     elif dt is not torch.float32 and dt is not torch.float16:
         return None
     try:
-        q, k, v = _fast_numpy(query, bf), _fast_numpy(key, bf), _fast_numpy(value, bf)
+        q, k, v = _fast_numpy(query, bits), _fast_numpy(key, bits), _fast_numpy(value, bits)
     except (TypeError, RuntimeError, NotImplementedError):  # not a CPU strided tensor:
         return None  # the general path says why
     causal, win, mask = _sliding_window(module, is_causal, kwargs, q.shape[2], k.shape[2])
@@ -335,14 +334,13 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
         return None
     out = attention_prepared(q, k, v, 2 if causal else 0, scaling,
                              resolve_num_threads(torch.get_num_threads()), win or (-1, -1),
-                             parse_softcap(kwargs.get("softcap")))
+                             parse_softcap(kwargs.get("softcap")), bits)
     if out is None:
         return None
     B, H, L, Dv = out.shape
-    if bf is not None:
-        t = numpy_to_torch(out)
-    else:   # a fresh, writable float32 / float16 array
-        t = torch.from_numpy(out)
+    t = torch.from_numpy(out)  # a fresh, writable array
+    if bits:
+        t = t.view(torch.bfloat16)
     if L == 1:  # (B, H, 1, Dv) is (B, 1, H, Dv) in memory
         return t.view(B, 1, H, Dv)
     return t.transpose(1, 2).contiguous()
