@@ -59,6 +59,7 @@ def config_dict() -> dict:
     # bfloat16 products run on the avx512 path only
     info["bf16_products"] = ("float32", "bfloat16", "bfloat16-emulated")[
         _sdpa.bf16_mode() if info["kernel_path"] == "avx512" else 0]
+    info["decode_prefetch_l2_rows"] = _sdpa.cpu_features()["prefetch_l2_rows"]
     info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
     info["avx_vnni"] = _sdpa.cpu_features()["avx_vnni"]
     mode, path = _sdpa.int8_mode(), info["kernel_path"]
@@ -144,6 +145,11 @@ def show_config() -> None:
           f"{', '.join(info['kernel_paths_available'])})")
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
           + _BF16_LINES[_bf16_line(info)])
+    pf = info["decode_prefetch_l2_rows"]
+    if info["kernel_path"] != "portable":
+        print(f"{'decode prefetch':>16}: "
+              + (f"one query row's key / value rows of {pf} bytes or more into L2, "
+                 f"shorter ones into L1" if pf else "into L1"))
     print(f"{'precision=int8':>16}: "
           + _INT8_LINES[info["int8_products"]]
           + ("" if info["int8_products"] in ("float32", "dequantized")

@@ -18,15 +18,26 @@ float32 call of the same path (the bars: >= 1.7 for the 16-bit formats,
 
 For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
 that runs this script (``sdot`` is the stream reference).
+
+``--prefetch-ab [BYTES]``: instead, every case and format twice, the decode
+loops' rows prefetched into L1 (``set_prefetch_l2_rows(0)``) and rows of at
+least BYTES (default 256) bytes into L2 only, the two settings alternating
+call by call in one process, each timed call right after an untimed one of
+the same setting (medians of single calls); the ratio is L1 time / L2 time
+(> 1: the L2 prefetches are faster; rows shorter than BYTES run the same
+code both ways, so their ratios show the noise).  The setting this CPU uses is printed.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import statistics
 import sys
+import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -85,6 +96,50 @@ def run(path, threads, repeats, stream):
                   f"{sp:>6.2f}{'' if bar is None else f' (bar {bar})'}", flush=True)
 
 
+def run_prefetch_ab(path, threads, repeats, nbytes):
+    """L1 against L2 prefetches of the rows of at least ``nbytes`` bytes."""
+    from attncore._core import _sdpa
+
+    def setting(n, fn):
+        def call():
+            _sdpa.set_prefetch_l2_rows(n)
+            return fn()
+        return call
+
+    for B, H, M, D in CASES:
+        q, fmts = operands(B, H, M, D)
+        fns = {}
+        for f, ((k, v), _) in fmts.items():
+            qf = q.astype(k.dtype) if f in ("bfloat16", "float16") else q
+
+            def fn(qf=qf, k=k, v=v):
+                return attncore.scaled_dot_product_attention(qf, k, v, num_threads=threads)
+            fns[f, "L1"] = setting(0, fn)
+            fns[f, "L2"] = setting(nbytes, fn)
+        before = _sdpa.set_prefetch_l2_rows(0)
+        samples = {key: [] for key in fns}
+        keys = list(fns)
+        try:
+            with _kernels.forced_kernel_path(path), threadpool_limits(limits=threads):
+                for r in range(repeats):
+                    # every timed call right after an untimed one of the same
+                    # operands and setting (the caches as warm for both
+                    # settings), the order reversed every other round
+                    for key in keys if r % 2 == 0 else keys[::-1]:
+                        fns[key]()
+                        t0 = time.perf_counter()
+                        fns[key]()
+                        samples[key].append(time.perf_counter() - t0)
+        finally:
+            _sdpa.set_prefetch_l2_rows(before)
+        med = {key: statistics.median(t) for key, t in samples.items()}
+        for f, ((k, _v), _) in fmts.items():
+            rb = D * (k[0] if isinstance(k, tuple) else k).dtype.itemsize
+            print(f"{path:<8} {f'decode {B}x{H}x1x{M}x{D}':<24} {threads:>3} {f:<9} {rb:>5} "
+                  f"{1e3 * med[f, 'L1']:>8.3f} {1e3 * med[f, 'L2']:>8.3f} "
+                  f"{med[f, 'L1'] / med[f, 'L2']:>6.2f}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -92,10 +147,24 @@ def main(argv=None):
     ap.add_argument("--paths", nargs="+", default=None,
                     choices=["portable", "avx2", "avx512"],
                     help="kernel paths to force (default: every path this CPU runs but portable)")
+    ap.add_argument("--prefetch-ab", type=int, nargs="?", const=256, default=None,
+                    metavar="BYTES",
+                    help="time L1 against L2 prefetches of rows of at least BYTES bytes")
     args = ap.parse_args(argv)
     paths = args.paths or [p for p in _kernels.available_kernel_paths() if p != "portable"]
     print(f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"attncore {attncore.__version__}, numpy {np.__version__}")
+    if args.prefetch_ab is not None:
+        from attncore._core import _sdpa
+
+        print(f"this CPU prefetches rows of >= {_sdpa.cpu_features()['prefetch_l2_rows']} "
+              f"bytes into L2 (0: none); L1 vs rows of >= {args.prefetch_ab} bytes into L2")
+        print(f"{'path':<8} {'case (BxHxNxMxD)':<24} {'thr':>3} {'K/V':<9} {'row B':>5} "
+              f"{'ms L1':>8} {'ms L2':>8} {'L1/L2':>6}")
+        for threads in args.threads:
+            for path in paths:
+                run_prefetch_ab(path, threads, args.repeats, args.prefetch_ab)
+        return
     print(f"{'path':<8} {'case (BxHxNxMxD)':<24} {'thr':>3} {'K/V':<9} {'ms':>8} {'GB/s':>7} "
           f"{'/strm':>6} {'f32/x':>6}")
     for threads in args.threads:

@@ -105,6 +105,62 @@ def test_few_rows_value_chunks(path, N, Dv, fmt):
         np.testing.assert_allclose(out.astype(np.float64), want, **tol)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_prefetch_hints_change_no_result(path, fmt):
+    """The decode loops' rows prefetched into L1 or L2 (set_prefetch_l2_rows:
+    rows of 64 / 256 bytes or more, or none) give the same output, bit for
+    bit, and the float64 reference's; one and several query rows, rows of
+    64 to 1024 bytes, a stride of 2 KiB; the setting is restored and a
+    negative one refused."""
+    rng = np.random.default_rng(11)
+    if fmt == "bfloat16":
+        bf = pytest.importorskip("ml_dtypes").bfloat16
+    for N, D, stride in ((1, 64, 64), (1, 256, 256), (3, 128, 128), (1, 128, 512)):
+        q = rng.standard_normal((2, 2, N, D)).astype(np.float32)
+        kk = rng.standard_normal((2, 2, 600, stride)).astype(np.float32)[..., :D]
+        vv = rng.standard_normal((2, 2, 600, stride)).astype(np.float32)[..., :D]
+        if fmt == "int8":
+            kq, vq = attncore.quantize_kv(kk), attncore.quantize_kv(vv)
+            kd, vd = (a[0] * a[1][..., None].astype(np.float64) for a in (kq, vq))
+        elif fmt == "bfloat16":
+            kq, vq = kk.astype(bf), vv.astype(bf)
+            kd, vd = kq.astype(np.float64), vq.astype(np.float64)
+        else:
+            kq, vq, kd, vd = kk, vv, kk.astype(np.float64), vv.astype(np.float64)
+        outs = []
+        before = _sdpa.set_prefetch_l2_rows(0)
+        try:
+            for nbytes in (0, 64, 256, 0):
+                assert _sdpa.set_prefetch_l2_rows(nbytes) in (0, 64, 256)
+                outs.append(sdpa(q, kq, vq, num_threads=2))
+        finally:
+            assert _sdpa.set_prefetch_l2_rows(before) == 0
+        assert _sdpa.cpu_features()["prefetch_l2_rows"] == before
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+        tol = TOL32 if fmt != "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(outs[0], ref(q.astype(np.float64), kd, vd)[0], **tol)
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        _sdpa.set_prefetch_l2_rows(-1)
+    assert _sdpa.cpu_features()["prefetch_l2_rows"] == before
+
+
+def test_prefetch_default_by_vendor():
+    """Rows of 256 bytes or more go to L2 by default on Intel cores only
+    (the vendor read from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendors = {ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")}
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if len(vendors) != 1:
+        pytest.skip("no single vendor_id in /proc/cpuinfo")
+    if _sdpa.cpu_features()["best_path"] == "portable":
+        pytest.skip("built without the x86 kernels (or not an x86 CPU)")
+    want = 256 if vendors == {"GenuineIntel"} else 0
+    assert _sdpa.cpu_features()["prefetch_l2_rows"] == want
+
+
 # ------------------------------------------------------------ masks and causal
 MASKS = ["none", "bool_full", "bool_keypad", "bool_rows", "float_full", "float_keypad",
          "float_row_broadcast", "neg_inf_stretches"]

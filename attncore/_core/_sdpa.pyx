@@ -102,6 +102,7 @@ cdef extern from "ac_sdpa.h" nogil:
     Py_ssize_t ac_band_lo(const ac_params *p, Py_ssize_t i)
     void ac_cpu_init()
     int ac_avx512_ok
+    int ac_pf_l2_rows
     int ac_best_path
     int ac_kernel_path
     int ac_set_kernel_path(int path)
@@ -143,6 +144,20 @@ SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loo
 PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
 
 
+def set_prefetch_l2_rows(int nbytes):
+    """The decode loops' rows of at least ``nbytes`` bytes read are
+    prefetched into L2 only (0: none; set at import: 256 on Intel cores, 0
+    on others); returns the previous setting.  For benchmarks that compare
+    both settings in one process (bench/compare_decode.py --prefetch-ab):
+    a prefetch hint changes no result.  Process-wide, as the kernel path."""
+    global ac_pf_l2_rows
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    old = ac_pf_l2_rows
+    ac_pf_l2_rows = nbytes
+    return old
+
+
 def cpu_features():
     """Instruction-set paths chosen at run time."""
     return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
@@ -152,6 +167,7 @@ def cpu_features():
             "int8_dot": bool(ac_cpu_vnni()),
             "avx_vnni": bool(ac_cpu_avxvnni()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
+            "prefetch_l2_rows": ac_pf_l2_rows,
             "small_rows": AC_SMALL_ROWS}
 
 

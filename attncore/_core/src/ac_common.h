@@ -49,6 +49,8 @@ typedef struct {
     int kernel_path; /* the one in use                                   */
     int avx512_ok;   /* small-row AVX-512 loops on                       */
     unsigned ran;    /* compiled variants dispatched since the last reset */
+    int pf_l2_rows;  /* small-row loops: rows of at least this many bytes
+                        prefetched into L2 only (0: none; ac_small.h)     */
 } ac_state_t;
 
 #if defined(__GNUC__)
@@ -59,11 +61,12 @@ typedef struct {
 
 /* this extension's copy, and the one in use (the _sdpa extension's once
    ac_state_attach has run) */
-static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u};
+static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u, 0};
 static AC_UNUSED ac_state_t *ac_state = &ac_state_own;
 #define ac_best_path (ac_state->best_path)
 #define ac_kernel_path (ac_state->kernel_path)
 #define ac_avx512_ok (ac_state->avx512_ok)
+#define ac_pf_l2_rows (ac_state->pf_l2_rows)
 
 static AC_UNUSED void *ac_state_home(void) { return (void *)&ac_state_own; }
 static AC_UNUSED void ac_state_attach(void *home)

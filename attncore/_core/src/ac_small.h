@@ -63,14 +63,36 @@ static inline size_t ac_se_size(int fmt)
 #define AC_SMALL_PF_V 2048
 #endif
 
-/* the line at p, of a row `stride` bytes after the one before: into L1,
- * or only into L2 where rows a multiple of 2 KiB apart share the L1 sets
- * (the heads of a paged block, 4 KiB apart: prefetched into L1 they would
- * evict the rows in use) */
-static inline __attribute__((always_inline)) void ac_small_prefetch(const char *p,
-                                                                    ptrdiff_t stride)
+/* rows of at least ac_pf_l2_rows bytes read for one query row
+ * (ac_cpu_init: 256 on Intel cores, none elsewhere) are prefetched into L2
+ * only.  Emerald Rapids (family 6 model 207), decode 8x8x1x4096x128, both
+ * paths forced, the two settings alternating in one process
+ * (bench/compare_decode.py --prefetch-ab, whose rows below the threshold
+ * run one code both ways and showed a noise floor of 0.98-1.01 here),
+ * L1 time / L2 time: bf16 / f16 (256-byte rows) 1.06-1.12 at 1 thread,
+ * 1.01-1.09 at 2; float32 (512) 1.00-1.04 and 1.05-1.06.  The grouped rows
+ * of a GQA step (3 rows x 64 columns) gained nothing, and lost 3-10 % on
+ * float32 keys that the L3 holds (a 2048-token cache), so more than one
+ * row keeps L1 prefetches, as do shorter rows (bf16 / f16 at D 64: mixed).
+ * AMD's cores keep L1 prefetches: Zen 3's prefetcht1 fills L1 all the
+ * same, and Zen 4 / Zen 5 (where it fills L2 and may be dropped) were
+ * tuned with L1 prefetches.  _sdpa.set_prefetch_l2_rows changes it (A/B
+ * runs) */
+
+/* whether rows `stride` bytes apart, rb bytes of each read for nq query
+ * rows, are prefetched into L2 only: where rows a multiple of 2 KiB apart
+ * share the L1 sets (the heads of a paged block, 4 KiB apart: prefetched
+ * into L1 they would evict the rows in use), and rows of ac_pf_l2_rows
+ * bytes or more read for one query row */
+static inline int ac_small_pf_l2(ptrdiff_t stride, ptrdiff_t rb, int nq)
 {
-    if (stride % 2048 == 0)
+    return stride % 2048 == 0 || (nq == 1 && ac_pf_l2_rows > 0 && rb >= ac_pf_l2_rows);
+}
+
+/* the line at p: into L2 only where l2 (ac_small_pf_l2), else into L1 */
+static inline __attribute__((always_inline)) void ac_small_prefetch(const char *p, int l2)
+{
+    if (l2)
         _mm_prefetch(p, _MM_HINT_T1);
     else
         _mm_prefetch(p, _MM_HINT_T0);
