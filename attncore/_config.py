@@ -146,10 +146,9 @@ def show_config() -> None:
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
           + _BF16_LINES[_bf16_line(info)])
     pf = info["decode_prefetch_l2_rows"]
-    if info["kernel_path"] != "portable":
-        print(f"{'decode prefetch':>16}: "
-              + (f"one query row's key / value rows of {pf} bytes or more into L2, "
-                 f"shorter ones into L1" if pf else "into L1"))
+    if pf and info["kernel_path"] != "portable":   # (set for a benchmark)
+        print(f"{'decode prefetch':>16}: one query row's key / value rows of {pf} bytes "
+              f"or more into L2, shorter ones into L1")
     print(f"{'precision=int8':>16}: "
           + _INT8_LINES[info["int8_products"]]
           + ("" if info["int8_products"] in ("float32", "dequantized")

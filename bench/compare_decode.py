@@ -25,7 +25,8 @@ least BYTES (default 256) bytes into L2 only, the two settings alternating
 call by call in one process, each timed call right after an untimed one of
 the same setting (medians of single calls); the ratio is L1 time / L2 time
 (> 1: the L2 prefetches are faster; rows shorter than BYTES run the same
-code both ways, so their ratios show the noise).  The setting this CPU uses is printed.
+code both ways, so their ratios show the noise).  The setting in use is
+printed.
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def main(argv=None):
     if args.prefetch_ab is not None:
         from attncore._core import _sdpa
 
-        print(f"this CPU prefetches rows of >= {_sdpa.cpu_features()['prefetch_l2_rows']} "
+        print(f"attncore prefetches rows of >= {_sdpa.cpu_features()['prefetch_l2_rows']} "
               f"bytes into L2 (0: none); L1 vs rows of >= {args.prefetch_ab} bytes into L2")
         print(f"{'path':<8} {'case (BxHxNxMxD)':<24} {'thr':>3} {'K/V':<9} {'row B':>5} "
               f"{'ms L1':>8} {'ms L2':>8} {'L1/L2':>6}")

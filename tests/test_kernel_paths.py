@@ -145,22 +145,6 @@ def test_prefetch_hints_change_no_result(path, fmt):
     assert _sdpa.cpu_features()["prefetch_l2_rows"] == before
 
 
-def test_prefetch_default_by_vendor():
-    """Rows of 256 bytes or more go to L2 by default on Intel cores only
-    (the vendor read from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            vendors = {ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")}
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    if len(vendors) != 1:
-        pytest.skip("no single vendor_id in /proc/cpuinfo")
-    if _sdpa.cpu_features()["best_path"] == "portable":
-        pytest.skip("built without the x86 kernels (or not an x86 CPU)")
-    want = 256 if vendors == {"GenuineIntel"} else 0
-    assert _sdpa.cpu_features()["prefetch_l2_rows"] == want
-
-
 # ------------------------------------------------------------ masks and causal
 MASKS = ["none", "bool_full", "bool_keypad", "bool_rows", "float_full", "float_keypad",
          "float_row_broadcast", "neg_inf_stretches"]

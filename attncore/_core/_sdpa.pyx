@@ -145,9 +145,9 @@ PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fus
 
 
 def set_prefetch_l2_rows(int nbytes):
-    """The decode loops' rows of at least ``nbytes`` bytes read are
-    prefetched into L2 only (0: none; set at import: 256 on Intel cores, 0
-    on others); returns the previous setting.  For benchmarks that compare
+    """The decode loops' rows of at least ``nbytes`` bytes read for one
+    query row are prefetched into L2 only (0, the default: none, every row
+    into L1); returns the previous setting.  For benchmarks that compare
     both settings in one process (bench/compare_decode.py --prefetch-ab):
     a prefetch hint changes no result.  Process-wide, as the kernel path."""
     global ac_pf_l2_rows

@@ -70,11 +70,11 @@
 #define AC_VTGT_AVX2 AC_NOINLINE AC_TGT_AVX2
 #define AC_VTGT_AVX512 AC_NOINLINE AC_TGT_AVX512
 
-/* the decode loops' rows of at least this many bytes read are prefetched
- * into L2 only on Intel cores (ac_pf_l2_rows; ac_small.h says why), into
- * L1 on the others */
-#ifndef AC_PF_L2_ROWS_INTEL
-#define AC_PF_L2_ROWS_INTEL 256
+/* the decode loops' rows of at least this many bytes read for one query
+ * row are prefetched into L2 only (ac_pf_l2_rows; 0: none, all into L1;
+ * ac_small.h says why none by default) */
+#ifndef AC_PF_L2_ROWS
+#define AC_PF_L2_ROWS 0
 #endif
 
 /* the kernel-path state (ac_best_path, ac_kernel_path, ac_avx512_ok) is
@@ -96,7 +96,7 @@ static AC_UNUSED void ac_cpu_init(void)
         ac_best_path = AC_PATH_PORTABLE;
     ac_kernel_path = ac_best_path;
     ac_avx512_ok = ac_kernel_path == AC_PATH_AVX512;
-    ac_pf_l2_rows = __builtin_cpu_is("intel") ? AC_PF_L2_ROWS_INTEL : 0;
+    ac_pf_l2_rows = AC_PF_L2_ROWS;
 }
 
 /* whether the CPU has bfloat16 dot products (AVX512_BF16: vdpbf16ps) */

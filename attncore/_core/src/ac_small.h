@@ -63,21 +63,22 @@ static inline size_t ac_se_size(int fmt)
 #define AC_SMALL_PF_V 2048
 #endif
 
-/* rows of at least ac_pf_l2_rows bytes read for one query row
- * (ac_cpu_init: 256 on Intel cores, none elsewhere) are prefetched into L2
- * only.  Emerald Rapids (family 6 model 207), decode 8x8x1x4096x128, both
- * paths forced, the two settings alternating in one process
- * (bench/compare_decode.py --prefetch-ab, whose rows below the threshold
- * run one code both ways and showed a noise floor of 0.98-1.01 here),
- * L1 time / L2 time: bf16 / f16 (256-byte rows) 1.06-1.12 at 1 thread,
- * 1.01-1.09 at 2; float32 (512) 1.00-1.04 and 1.05-1.06.  The grouped rows
- * of a GQA step (3 rows x 64 columns) gained nothing, and lost 3-10 % on
- * float32 keys that the L3 holds (a 2048-token cache), so more than one
- * row keeps L1 prefetches, as do shorter rows (bf16 / f16 at D 64: mixed).
- * AMD's cores keep L1 prefetches: Zen 3's prefetcht1 fills L1 all the
- * same, and Zen 4 / Zen 5 (where it fills L2 and may be dropped) were
- * tuned with L1 prefetches.  _sdpa.set_prefetch_l2_rows changes it (A/B
- * runs) */
+/* rows of at least ac_pf_l2_rows bytes read for one query row are
+ * prefetched into L2 only (prefetcht1); by default none are (AC_PF_L2_ROWS
+ * 0), as the data said on Emerald Rapids (family 6 model 207), both paths
+ * forced, the two settings alternating in one process (rows below the
+ * threshold run one code both ways: a noise floor of 0.98-1.01), L1 time /
+ * L2 time for rows of 256 bytes or more:
+ *   - K/V streamed from beyond the L3 (calls of 134-268 MB): bf16 / f16 at
+ *     D 128 1.06-1.12 at 1 thread, 1.01-1.09 at 2; float32 1.00-1.06
+ *     (bench/compare_decode.py --prefetch-ab);
+ *   - K/V the L3 holds from call to call (32 MiB: 8x8x1x2048 x 64 float32,
+ *     x 128 bfloat16): 0.92-0.96, both paths and thread counts;
+ *   - the grouped rows of a GQA step: no gain, hence one row only.
+ * A rule by the call's K+V bytes against the L3 would take the gain
+ * without the loss; until one is measured on more machines, L1 it is.
+ * Zen 3's prefetcht1 fills L1 anyway; Zen 4 / Zen 5's fills L2 (and may be
+ * dropped).  _sdpa.set_prefetch_l2_rows changes the setting (A/B runs) */
 
 /* whether rows `stride` bytes apart, rb bytes of each read for nq query
  * rows, are prefetched into L2 only: where rows a multiple of 2 KiB apart
