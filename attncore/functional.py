@@ -641,8 +641,8 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     bits save the dtype views on both sides.
     """
     dt = q.dtype
-    if bf16_bits and dt != np.int16:
-        return None
+    if bf16_bits != (dt == np.int16):
+        return None  # bits only as int16, and int16 only as bits
     if (k.dtype != dt or v.dtype != dt
             or not (scale is None or type(scale) is float or type(scale) is int)):
         return None  # (any other scale, as the general call takes or refuses it)

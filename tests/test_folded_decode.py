@@ -193,6 +193,9 @@ def test_prepared_bfloat16_bits(N):
     same = attention_prepared(*(b.view(ml.bfloat16) for b in (qb, kb, vb)), 2, 0.3, 1)
     np.testing.assert_array_equal(out, same.view(np.int16))
     assert attention_prepared(qb.view(np.uint16), kb, vb, 2, 0.3, 1, (-1, -1), 0.0, True) is None
+    # int16 operands not given as bits are integers: the general call's (None)
+    ints = [np.abs(b) // 512 for b in (qb, kb, vb)]
+    assert attention_prepared(*ints, 2, 0.3, 1) is None
     f = float_of(qb)
     assert attention_prepared(f, float_of(kb), float_of(vb), 2, 0.3, 1, (-1, -1), 0.0,
                               True) is None
