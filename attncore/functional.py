@@ -314,8 +314,9 @@ def scaled_dot_product_attention(
     if (attn_mask is None and window is None and softcap is None
             and (precision is None or (type(precision) is str and precision == "int8"))
             and alibi_slopes is None and sinks is None and return_weights is False
-            and return_lse is False and type(query) is np.ndarray and type(key) is np.ndarray
-            and type(value) is np.ndarray):
+            and return_lse is False and type(query) is np.ndarray
+            and (type(key) is np.ndarray or _int8_pair(key))
+            and (type(value) is np.ndarray or _int8_pair(value))):
         out = _plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads,
                           precision)
         if out is not None:
@@ -344,29 +345,53 @@ def scaled_dot_product_attention(
 # products, broadcast query rows, an empty call)
 _PLAIN: dict = {}
 _PLAIN_MAX = 256
+# where a description's int8 scales sit among its fields after the operands
+# (a cached description holds None there: each call's own scales go in)
+_KS = _call.Call._fields.index("k_scales") - 3
+_VS = _call.Call._fields.index("v_scales") - 3
 
 
-def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal, scale,
+def _int8_pair(x) -> bool:
+    """Whether ``x`` is an ``(int8 array, scales)`` tuple of two NumPy
+    arrays (:func:`attncore.quantize_kv`'s pair), which a plain call takes."""
+    return (type(x) is tuple and len(x) == 2 and type(x[0]) is np.ndarray
+            and type(x[1]) is np.ndarray and x[0].dtype == np.int8)
+
+
+def _meta(a) -> tuple:
+    """An operand's metadata for the plain calls' cache: shape, strides and
+    dtype (of both arrays of an int8 pair)."""
+    if type(a) is tuple:
+        d, s = a
+        return (d.shape, d.strides, d.dtype, s.shape, s.strides, s.dtype)
+    return (a.shape, a.strides, a.dtype)
+
+
+def _plain_call(query: np.ndarray, key, value, is_causal, scale,
                 enable_gqa, num_threads, precision=None) -> np.ndarray | None:
     """A call without mask or options beyond ``is_causal`` / ``scale`` /
-    ``enable_gqa`` / ``num_threads`` on NumPy arrays (and ``precision=
+    ``enable_gqa`` / ``num_threads`` on NumPy arrays or ``(int8 array,
+    scales)`` key / value pairs of NumPy arrays (and ``precision=
     "int8"`` where the size rule gives it float32 products: a call whose
     products are int8 takes the general path, its int8 stage runs on
     every call), from its description
     cached by the operands' metadata (shapes, strides, dtypes: everything
     :func:`attncore._call.check` and :func:`attncore._call.describe`
     decide from).  A small call's checks cost as much as its kernel, and
-    more when the caches are cold.  None where the general path must run
-    (it then raises any error, as it would have)."""
+    more when the caches are cold (an int8 pair's checks 50-70 us against
+    10 us for float32 operands: 8 heads x 1 key x 64, one thread).  None
+    where the general path must run (it then raises any error, as it
+    would have)."""
     try:
         nt = resolve_num_threads(num_threads)
     except (TypeError, ValueError):
         return None
     # (the data's alignment is the one property of the operands the key
     # leaves out: _sdpa.sdpa checks it, and a misaligned operand takes the
-    # general path, whose checks copy it)
-    key_ = (query.shape, query.strides, query.dtype, key.shape, key.strides, key.dtype,
-            value.shape, value.strides, value.dtype, type(is_causal), is_causal, type(scale),
+    # general path, whose checks copy it; int8 pairs' scales are checked
+    # below)
+    key_ = (query.shape, query.strides, query.dtype, _meta(key), _meta(value),
+            type(is_causal), is_causal, type(scale),
             scale, type(enable_gqa), enable_gqa, nt, precision, _sdpa.call_state())
     try:
         hit = _PLAIN.get(key_)
@@ -386,6 +411,22 @@ def _plain_call(query: np.ndarray, key: np.ndarray, value: np.ndarray, is_causal
     q = query if qread is None else query.reshape(qread)
     if bits:   # bfloat16 operands: the kernel reads their bits (_call.bits)
         q, key, value = (a.view(np.uint16) if b else a for a, b in zip((q, key, value), bits))
+    if type(key) is tuple or type(value) is tuple:
+        # int8 pairs: the data as the key / value, the scales as (..., M, 1)
+        # views in the description (their base must be aligned: a misaligned
+        # one takes the general path, whose checks copy it)
+        tail = list(tail)
+        if type(key) is tuple:
+            key, ks = key
+            if not ks.flags.aligned:
+                return None
+            tail[_KS] = ks[..., None]
+        if type(value) is tuple:
+            value, vs = value
+            if not vs.flags.aligned:
+                return None
+            tail[_VS] = vs[..., None]
+        tail = tuple(tail)
     try:
         # the description's fields with the operands in front
         out, finite = _call.launch_plain((q, key, value) + tail, oshape, cdt)
@@ -402,30 +443,48 @@ def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads
     checks raise as the general call's would); None for misaligned
     operands (the checks copy them: nothing is cached for their
     metadata, which aligned operands share)."""
-    if not (query.flags.aligned and key.flags.aligned and value.flags.aligned):
+    if not all(a.flags.aligned for x in (query, key, value)
+               for a in (x if type(x) is tuple else (x,))):
         return None
     chk = _call.check(query, key, value, None, is_causal, scale,
                       parse_bool(enable_gqa, "enable_gqa"), False, False, num_threads,
                       precision=precision)
-    if (chk.empty or _broadcast_query(chk) or chk.q is not query or chk.k is not key
-            or chk.pol.products == "int8"
-            or chk.v is not value):
+    kd = key[0] if type(key) is tuple else key
+    vd = value[0] if type(value) is tuple else value
+    kr = chk.k if chk.k8 is None else chk.k8[0]
+    vr = chk.v if chk.v8 is None else chk.v8[0]
+    if (chk.empty or _broadcast_query(chk) or chk.q is not query or kr is not kd
+            or chk.pol.products == "int8" or vr is not vd
+            or (chk.k8 is None) != (type(key) is not tuple)
+            or (chk.v8 is None) != (type(value) is not tuple)):
         return False   # (operands converted by the checks: a byte order, say)
     rows = _call.grouped_rows(chk)
     c = _call.describe(chk if rows is None else rows)
     read = chk if rows is None else rows
     pl = c.plan
-    ops = ((c.q, read.q), (c.k, chk.k), (c.v, chk.v))
+    ops = ((c.q, read.q), (c.k, kd), (c.v, vd))
     if (c.block_table is not None or c.mask is not None
             or not all(a is b or _bits_of(a, b) for a, b in ops)
             or not (pl.fused or c.N <= _SMALL_ROWS) or c.need_weights
-            or c.need_lse or c.lse_shift is not None):
+            or c.need_lse or c.lse_shift is not None
+            or (type(key) is tuple and not _scales_of(c.k_scales, key[1]))
+            or (type(value) is tuple and not _scales_of(c.v_scales, value[1]))):
         return False   # operands copied or converted, or the BLAS path
     qread = None if rows is None else rows.q.shape
     rdt = chk.pol.result
     bits = tuple(a is not b for a, b in ops)
-    return (tuple(c)[3:], qread, chk.bshape + (chk.q.shape[-2], c.Dv), c.compute,
+    tail = list(tuple(c)[3:])
+    tail[_KS] = tail[_VS] = None   # (each call's own; the cache holds no data)
+    return (tuple(tail), qread, chk.bshape + (chk.q.shape[-2], c.Dv), c.compute,
             None if rdt == c.compute else rdt, pl.nthreads, bits if any(bits) else None)
+
+
+def _scales_of(a, s: np.ndarray) -> bool:
+    """Whether the description's scales ``a`` are the caller's scales ``s``
+    as they are, viewed as (..., M, 1): no cast, no copy."""
+    return (isinstance(a, np.ndarray) and a.dtype == s.dtype and a.shape == s.shape + (1,)
+            and a.strides[:-1] == s.strides
+            and a.__array_interface__["data"][0] == s.__array_interface__["data"][0])
 
 
 def _bits_of(a, b) -> bool:

@@ -74,6 +74,55 @@ def test_bfloat16_operands_are_cached_too(path, fresh, qdt, shape):
     assert any(hit for hit in fresh.values()) != blas
 
 
+@pytest.mark.parametrize("shape", [(3, 2, 1, 7, 16), (2, 2, 1, 300, 64), (2, 2, 40, 33, 24)])
+def test_int8_pairs_are_cached_too(path, fresh, shape):
+    """(int8, scales) key / value pairs (quantize_kv's, an int8 KV cache's
+    views) take the cached description as float operands do -- their
+    checks cost several times a small decoding call's kernel -- and each
+    call reads its own int8 rows *and scales*: new data and new scales of
+    one metadata each time, a pair on either side or both, one or two query
+    heads per key head, against the float64 reference of the dequantized
+    rows.  The cache holds none of the callers' scales."""
+    B, H, N, M, D = shape
+    for seed in range(3):
+        for g in (1, 2):
+            q = rand((B, H * g, N, D), 10 * seed)
+            kf, vf = (rand((B, H, M, D), 10 * seed + i) * (seed + 1) for i in (1, 2))
+            kq, vq = attncore.quantize_kv(kf), attncore.quantize_kv(vf)
+            kd, vd = (a[0].astype(np.float64) * a[1][..., None] for a in (kq, vq))
+            for key, value, kr, vr in ((kq, vq, kd, vd), (kq, vf, kd, vf), (kf, vq, kf, vd)):
+                out = sdpa(q, key, value, is_causal="lower_right", enable_gqa=True)
+                ref = sdpa_ref(q.astype(np.float64), *(np.repeat(a.astype(np.float64), g, axis=1)
+                                                       for a in (kr, vr)),
+                               is_causal="lower_right")
+                close(out, ref)
+    blas = N > 4 and path == "portable"
+    assert any(hit for hit in fresh.values()) != blas
+    for hit in fresh.values():
+        assert not hit or (hit[0][functional._KS] is None and hit[0][functional._VS] is None)
+
+
+def test_int8_pair_scales_converted_or_misaligned(path, fresh):
+    """Scales the checks convert (float64, another byte order, a misaligned
+    view) under the metadata of a cached pair call: converted on every
+    call, each result the reference's (never the cached call's scales)."""
+    q = rand((1, 2, 1, 32), 1)
+    kq, vq = (attncore.quantize_kv(rand((1, 2, 20, 32), i)) for i in (2, 3))
+    ref = sdpa_ref(q, *(a[0].astype(np.float64) * a[1][..., None] for a in (kq, vq)))
+    raw = np.zeros(kq[1].nbytes + 1, np.uint8)
+    odd = raw[1:].view(np.float32).reshape(kq[1].shape)
+    odd[...] = kq[1]
+    assert not odd.flags.aligned
+    for _ in range(2):
+        close(sdpa(q, kq, vq), ref)
+        close(sdpa(q, (kq[0], odd), vq), ref)
+        close(sdpa(q, (kq[0], kq[1].astype(np.float64)), vq), ref)
+        close(sdpa(q, kq, (vq[0], vq[1].astype(">f4"))), ref)
+        close(sdpa(q, (kq[0], 2 * kq[1]), vq),
+              sdpa_ref(q, kq[0].astype(np.float64) * 2 * kq[1][..., None],
+                       vq[0].astype(np.float64) * vq[1][..., None]))
+
+
 def test_layouts_and_options_are_part_of_the_key(path, fresh):
     """One shape, other strides / options / threads / grouped heads: every
     call its own reference, whatever ran before it."""
