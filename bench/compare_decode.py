@@ -19,6 +19,16 @@ float32 call of the same path (the bars: >= 1.7 for the 16-bit formats,
 For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
 that runs this script (``sdot`` is the stream reference).
 
+``--torch``: PyTorch's ``F.scaled_dot_product_attention`` on the same
+float32, bfloat16 and float16 operands, interleaved with attncore's calls
+(the same thread count), a row each: its K+V rate, that rate against the
+stream rate, and ``ac/pt`` -- torch's time over attncore's on that format --
+next to ``ceil``, the stream rate over torch's K+V rate: what a call that
+read at exactly the stream rate would be against torch.  Where ``ceil`` is
+below a bar on ``ac/pt``, no kernel reaches that bar on this machine's
+memory (data that stays in the L3 from call to call can beat the stream
+rate).  ``--case BxHxMxD`` (repeatable) replaces the two cases.
+
 ``--prefetch-ab [BYTES]``: instead, every case and format twice, the decode
 loops' rows prefetched into L1 (``set_prefetch_l2_rows(0)``) and rows of at
 least BYTES (default 256) bytes into L2 only, the two settings alternating
@@ -78,16 +88,44 @@ def operands(B, H, M, D):
     return q, {f: (kv, nbytes(kv[0]) + nbytes(kv[1])) for f, kv in fmts.items()}
 
 
-def run(path, threads, repeats, stream):
-    for B, H, M, D in CASES:
+def torch_fns(q, fmts):
+    """PyTorch's SDPA on the float32 / 16-bit operands (tensors sharing the
+    arrays' memory; bfloat16 through its int16 bits)."""
+    import torch
+    import torch.nn.functional as F
+
+    def tensor(a):
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    fns = {}
+    for f in ("float32", "bfloat16", "float16"):
+        (k, v), _ = fmts[f]
+        tq, tk, tv = tensor(q.astype(k.dtype)), tensor(k), tensor(v)
+
+        def call(tq=tq, tk=tk, tv=tv):
+            with torch.inference_mode():
+                return F.scaled_dot_product_attention(tq, tk, tv)
+        fns["torch " + f] = call
+    return fns
+
+
+def run(path, threads, repeats, stream, cases=CASES, with_torch=False):
+    for B, H, M, D in cases:
         q, fmts = operands(B, H, M, D)
         fns = {}
         for f, ((k, v), _) in fmts.items():
             qf = q.astype(k.dtype) if f in ("bfloat16", "float16") else q
             fns[f] = (lambda qf=qf, k=k, v=v: attncore.scaled_dot_product_attention(
                 qf, k, v, num_threads=threads))
+        if with_torch:
+            import torch
+
+            fns.update(torch_fns(q, fmts))
         with _kernels.forced_kernel_path(path):
-            med = interleaved_medians(fns, threads, repeats)
+            med = interleaved_medians(fns, threads, repeats,
+                                      torch=torch if with_torch else None)
         for f, (_, nb) in fmts.items():
             rate = nb / med[f]
             sp = med["float32"] / med[f]
@@ -95,9 +133,15 @@ def run(path, threads, repeats, stream):
             print(f"{path:<8} {f'decode {B}x{H}x1x{M}x{D}':<24} {threads:>3} {f:<9} "
                   f"{1e3 * med[f]:>8.3f} {rate / 1e9:>7.2f} {rate / stream:>6.2f} "
                   f"{sp:>6.2f}{'' if bar is None else f' (bar {bar})'}", flush=True)
+        for f in ("float32", "bfloat16", "float16") if with_torch else ():
+            nb = fmts[f][1]
+            t = med["torch " + f]
+            print(f"{'torch':<8} {f'decode {B}x{H}x1x{M}x{D}':<24} {threads:>3} {f:<9} "
+                  f"{1e3 * t:>8.3f} {nb / t / 1e9:>7.2f} {nb / t / stream:>6.2f}   "
+                  f"ac/pt {t / med[f]:.2f} ceil {stream / (nb / t):.2f}", flush=True)
 
 
-def run_prefetch_ab(path, threads, repeats, nbytes):
+def run_prefetch_ab(path, threads, repeats, nbytes, cases=CASES):
     """L1 against L2 prefetches of the rows of at least ``nbytes`` bytes."""
     from attncore._core import _sdpa
 
@@ -107,7 +151,7 @@ def run_prefetch_ab(path, threads, repeats, nbytes):
             return fn()
         return call
 
-    for B, H, M, D in CASES:
+    for B, H, M, D in cases:
         q, fmts = operands(B, H, M, D)
         fns = {}
         for f, ((k, v), _) in fmts.items():
@@ -151,7 +195,19 @@ def main(argv=None):
     ap.add_argument("--prefetch-ab", type=int, nargs="?", const=256, default=None,
                     metavar="BYTES",
                     help="time L1 against L2 prefetches of rows of at least BYTES bytes")
+    ap.add_argument("--torch", action="store_true",
+                    help="also time PyTorch's SDPA on the same operands (ac/pt, ceil)")
+    ap.add_argument("--case", action="append", default=None, metavar="BxHxMxD",
+                    help="a decode case (one query row) instead of the default two; repeatable")
     args = ap.parse_args(argv)
+    cases = CASES
+    if args.case:
+        try:
+            cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.case]
+        except ValueError:
+            ap.error(f"--case takes BxHxMxD (four integers), got {args.case}")
+        if any(len(c) != 4 or min(c) < 1 for c in cases):
+            ap.error(f"--case takes BxHxMxD (four positive integers), got {args.case}")
     paths = args.paths or [p for p in _kernels.available_kernel_paths() if p != "portable"]
     print(f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"attncore {attncore.__version__}, numpy {np.__version__}")
@@ -164,7 +220,7 @@ def main(argv=None):
               f"{'ms L1':>8} {'ms L2':>8} {'L1/L2':>6}")
         for threads in args.threads:
             for path in paths:
-                run_prefetch_ab(path, threads, args.repeats, args.prefetch_ab)
+                run_prefetch_ab(path, threads, args.repeats, args.prefetch_ab, cases)
         return
     print(f"{'path':<8} {'case (BxHxNxMxD)':<24} {'thr':>3} {'K/V':<9} {'ms':>8} {'GB/s':>7} "
           f"{'/strm':>6} {'f32/x':>6}")
@@ -172,7 +228,7 @@ def main(argv=None):
         stream = stream_rate(threads, args.repeats)
         print(f"stream (numpy sdot, 2 x 128 MiB) at {threads} thread(s): {stream / 1e9:.2f} GB/s")
         for path in paths:
-            run(path, threads, args.repeats, stream)
+            run(path, threads, args.repeats, stream, cases, args.torch)
 
 
 if __name__ == "__main__":
