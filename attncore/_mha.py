@@ -34,7 +34,7 @@ from ._linear import head_rows, linear
 from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
                           parse_float_dtype, parse_mask, parse_positive_int, to_array,
                           parse_window)
-from ._quant import dequantize, quantize_kv, quantize_rows
+from ._quant import dequantize, quantize_new
 from ._rotary import apply_rotary, parse_rotary, rotary_positions
 from ._threads import resolve_num_threads
 from .functional import scaled_dot_product_attention
@@ -45,15 +45,6 @@ __all__ = ["MultiHeadAttention", "KVCache"]
 # --------------------------------------------------------------------------
 # small checks
 # --------------------------------------------------------------------------
-def _quantize_new(a):
-    """The int8 cache's quantization of new keys / values (..., T, D):
-    float32 / float64 NumPy arrays straight to the quantizer, anything
-    else through :func:`attncore.quantize_kv`'s checks."""
-    if type(a) is np.ndarray and a.dtype in (np.float32, np.float64) and a.ndim:
-        return quantize_rows(a, a.ndim - 1)
-    return quantize_kv(a)
-
-
 def _layer_dtype(dtype) -> np.dtype:
     """A layer's / cache's dtype: float32, float64, float16 or bfloat16
     (``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``; needs
@@ -376,8 +367,8 @@ class KVCache:
         if self.quantized:
             # only the new tokens are quantized (one scale per token and head)
             try:
-                kq, kqs = _quantize_new(k_new.transpose(0, 2, 1, 3))
-                vq, vqs = _quantize_new(v_new.transpose(0, 2, 1, 3))
+                kq, kqs = quantize_new(k_new.transpose(0, 2, 1, 3))
+                vq, vqs = quantize_new(v_new.transpose(0, 2, 1, 3))
             except ValueError:
                 raise ValueError(
                     "int8 KV cache: the projected keys / values of the new tokens hold inf or "

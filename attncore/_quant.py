@@ -130,6 +130,16 @@ def quantize_rows(a: np.ndarray, ax: int) -> Tuple[np.ndarray, np.ndarray]:
     return q, np.squeeze(scale, axis=ax)
 
 
+def quantize_new(a) -> Tuple[np.ndarray, np.ndarray]:
+    """The caches' quantization of new keys / values (..., T, D) along the
+    last axis: float32 / float64 NumPy arrays straight to
+    :func:`quantize_rows`, anything else through :func:`quantize_kv`'s
+    checks."""
+    if type(a) is np.ndarray and a.dtype in (np.float32, np.float64) and a.ndim:
+        return quantize_rows(a, a.ndim - 1)
+    return quantize_kv(a)
+
+
 def _is_int8_array(x: Any) -> bool:
     """Whether ``x`` is an int8 array: a NumPy array, a torch tensor of
     ``torch.int8`` (recognised without importing torch) or another array
