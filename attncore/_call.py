@@ -572,7 +572,11 @@ def _layout(chk: Checked):
     m = chk.mask
     if m is not None:
         if chk.mask_kind == 2 and (m.dtype != cdt or not m.dtype.isnative):
-            m = m.astype(cdt)
+            # (float64 entries beyond the float32 range become +-inf here,
+            # silently: a call whose float32 result is not finite runs again
+            # in float64 with the mask as given)
+            with np.errstate(over="ignore"):
+                m = m.astype(cdt)
         if any(st % m.itemsize for st in m.strides):
             m = np.ascontiguousarray(m)
     return q, k, v, ks, vs, m, (qf, kf, vf), aliased

@@ -22,8 +22,8 @@ from ._interop import foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
 from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
-                          packed_group, parse_bool, parse_scale, parse_softcap, parse_window,
-                          to_array)
+                          int_sequence, packed_group, parse_bool, parse_scale, parse_softcap,
+                          parse_window, to_array)
 
 __all__ = ["paged_attention"]
 
@@ -85,8 +85,8 @@ def _check_caches(q, k_cache, v_cache, enable_gqa: bool):
 def _check_table(block_table, seq_lens, num_blocks: int, block_size: int):
     """(block_table int32 C-contiguous, seq_lens int64): integer arrays of
     matching lengths, every block a sequence uses within the pool."""
-    bt = to_array(block_table, "block_table")
-    sl = to_array(seq_lens, "seq_lens")
+    bt = int_sequence(block_table, to_array(block_table, "block_table"))
+    sl = int_sequence(seq_lens, to_array(seq_lens, "seq_lens"))
     for nm, a in (("block_table", bt), ("seq_lens", sl)):
         if a.dtype.kind not in "iu":
             raise TypeError(f"{nm} must be an int32 array, got dtype {a.dtype}")

@@ -10,7 +10,7 @@ from numpy.typing import ArrayLike
 
 from ._dtypes import bfloat16_dtype
 from ._interop import _to_numpy
-from ._quant import quantize_kv
+from ._quant import quantize_new
 from ._validation import as_float_array, check_offsets
 
 __all__ = ["PagedKVCache"]
@@ -72,13 +72,14 @@ class PagedKVCache:
         Key / value heads (``Hk``).
     head_dim : int
         Key head size (``D``).
-    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}, default 'float32'
+    v_head_dim : int, optional (keyword-only)
+        Value head size (``Dv``), ``head_dim`` by default (the name of
+        :class:`attncore.MultiHeadAttention`'s and ``KVCache``'s).
+    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}, default 'float32' (keyword-only)
         Storage (None: float32).  ``"bfloat16"`` needs ml_dtypes.  ``"int8"``
         quantizes each token and head on the way in (:func:`attncore.quantize_kv`: one
         float32 scale per row); the blocks are then ``(int8 array, scales)``
         pairs.
-    head_dim_v : int, optional
-        Value head size (``Dv``), ``head_dim`` by default.
 
     Attributes
     ----------
@@ -113,18 +114,18 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: Any = "float32", head_dim_v: Optional[int] = None) -> None:
+                 *, v_head_dim: Optional[int] = None, dtype: Any = "float32") -> None:
         nb = _count(num_blocks, "num_blocks")
         bs = _count(block_size, "block_size")
         hk = _count(num_kv_heads, "num_kv_heads")
         d = _count(head_dim, "head_dim")
-        dv = d if head_dim_v is None else _count(head_dim_v, "head_dim_v")
+        dv = d if v_head_dim is None else _count(v_head_dim, "v_head_dim")
         name = _dtype_name(dtype)
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(repr(x) for x in _DTYPES)}, got "
                              f"{dtype!r}")
         self.num_blocks, self.block_size, self.num_kv_heads = nb, bs, hk
-        self.head_dim, self.head_dim_v, self.dtype = d, dv, name
+        self.head_dim, self.v_head_dim, self.dtype = d, dv, name
         if name == "int8":
             self._k = np.zeros((nb, bs, hk, d), np.int8)
             self._v = np.zeros((nb, bs, hk, dv), np.int8)
@@ -161,7 +162,7 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype!r}; {len(self._tables)} sequences, "
+                f"v_head_dim={self.v_head_dim}, dtype={self.dtype!r}; {len(self._tables)} sequences, "
                 f"{self.num_free_blocks} free blocks)")
 
     # -- queries ---------------------------------------------------------
@@ -242,7 +243,7 @@ class PagedKVCache:
         seq_ids : int or sequence of int
             The sequences (new ids start a sequence).  No repeats.
         k : array_like, shape (total, num_kv_heads, head_dim)
-        v : array_like, shape (total, num_kv_heads, head_dim_v)
+        v : array_like, shape (total, num_kv_heads, v_head_dim)
             The tokens, packed: sequence ``seq_ids[i]`` gets rows
             ``cu_seqlens[i]:cu_seqlens[i + 1]``.  Of the cache's dtype (any
             float dtype for an int8 cache, quantized per token and head).
@@ -258,7 +259,7 @@ class PagedKVCache:
         """
         ids = self._ids(seq_ids, known=False)
         ka = self._rows(k, "k", self.head_dim)
-        va = self._rows(v, "v", self.head_dim_v)
+        va = self._rows(v, "v", self.v_head_dim)
         if va.shape[0] != ka.shape[0]:
             raise ValueError(f"k and v must hold the same tokens, got {ka.shape[0]} and "
                              f"{va.shape[0]}")
@@ -279,7 +280,7 @@ class PagedKVCache:
                 if a.size and not np.all(np.isfinite(a)):
                     raise ValueError(f"{nm} must be finite for an int8 cache (it is quantized "
                                      f"per token and head): it holds inf or NaN")
-            k8, v8 = quantize_kv(ka), quantize_kv(va)
+            k8, v8 = quantize_new(ka), quantize_new(va)
         counts = np.diff(cu)
         need, cow = self._plan_blocks(ids, counts)
         if need > len(self._free):

@@ -459,11 +459,20 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
+def int_sequence(x: Any, a: np.ndarray) -> np.ndarray:
+    """``a`` (``to_array`` of ``x``) as int64 where ``x`` is an empty Python
+    sequence (NumPy reads ``[]`` as float64): an empty batch's lengths or
+    offsets given as a list are integers like any other list of them."""
+    if a.size == 0 and a.dtype.kind == "f" and isinstance(x, (list, tuple)):
+        return a.astype(np.int64)
+    return a
+
+
 def check_offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
     """``cu`` as a C-contiguous int64 array of B + 1 offsets: integer dtype,
     1-D, at least one entry, starting at 0, non-decreasing, ending at
     ``total``."""
-    a = to_array(cu, name)
+    a = int_sequence(cu, to_array(cu, name))
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an int32 (or int64) array of sequence offsets, got "
                         f"dtype {a.dtype}")

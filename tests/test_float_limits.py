@@ -180,6 +180,22 @@ def test_huge_positive_mask_entry(path):
     np.testing.assert_allclose(lse, lse_ref(q, k, mask), rtol=1e-6)
 
 
+def test_float64_mask_beyond_float32_range_warns_nothing(path):
+    """A float64 mask with entries beyond the float32 range on float32
+    operands: the hot key takes all the weight (the float32 call's cast
+    overflows to inf, and the call runs again in float64), and no NumPy
+    RuntimeWarning from that cast reaches the caller."""
+    q, k, v = rand((6, 16), 11), rand((9, 16), 12), rand((9, 8), 13)
+    mask = np.zeros((6, 9))
+    mask[:, 4] = 1e300
+    mask[:, 7] = -1e300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sdpa(q, k, v, mask)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, np.broadcast_to(v[4], out.shape), **TOL32)
+
+
 # ---------------------------------------------- scores or scale near the max
 def test_huge_scale_zero_queries(path):
     v = rand((3, 5), 9)

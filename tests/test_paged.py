@@ -485,6 +485,62 @@ def test_cache_attention_matches_dense():
         np.testing.assert_allclose(out[cq[i]:cq[i + 1]], ref.transpose(1, 0, 2), atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_cache_signature_of_the_contract(dtype):
+    """The constructor of the design contract: ``v_head_dim`` (the name of
+    MultiHeadAttention / KVCache) and ``dtype`` keyword-only; a value head
+    size other than the key's gives value blocks of that size, and the
+    attention over them equals the float64 reference."""
+    import inspect
+
+    sig = inspect.signature(PagedKVCache)
+    assert list(sig.parameters) == ["num_blocks", "block_size", "num_kv_heads", "head_dim",
+                                    "v_head_dim", "dtype"]
+    assert all(sig.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY
+               for n in ("v_head_dim", "dtype"))
+    with pytest.raises(TypeError):
+        PagedKVCache(8, 4, 2, 16, "int8")
+    with pytest.raises(TypeError):
+        PagedKVCache(8, 4, 2, 16, head_dim_v=8)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        PagedKVCache(8, 4, 2, 16, v_head_dim=0)
+    rng = np.random.default_rng(3)
+    cache = PagedKVCache(8, 4, 2, 16, v_head_dim=8, dtype=dtype)
+    assert cache.v_head_dim == 8 and "v_head_dim=8" in repr(cache)
+    k, v = rand((11, 2, 16), rng), rand((11, 2, 8), rng)
+    cache.append([5], k, v, cu_seqlens=[0, 11])
+    vb = cache.v_blocks[0] if dtype == "int8" else cache.v_blocks
+    assert vb.shape == (8, 4, 2, 8)
+    with pytest.raises(ValueError, match="v"):
+        cache.append([5], k[:1], k[:1])          # values of the key's size
+    if dtype == "int8":   # the reference reads what the cache keeps
+        k, v = (p[0] * p[1][..., None] for p in (attncore.quantize_kv(k), attncore.quantize_kv(v)))
+    q = rand((1, 4, 16), rng)
+    out = paged_attention(q, cache.k_blocks, cache.v_blocks, block_table=cache.block_table([5]),
+                          seq_lens=cache.seq_lens([5]), enable_gqa=True)
+    ref = sdpa_ref(q.transpose(1, 0, 2).astype(np.float64),
+                   k.transpose(1, 0, 2).astype(np.float64),
+                   v.transpose(1, 0, 2).astype(np.float64), is_causal=2, group=2)
+    assert out.shape == (1, 4, 8)
+    np.testing.assert_allclose(out, ref.transpose(1, 0, 2), atol=3e-5)
+
+
+def test_empty_batch_given_as_lists():
+    """An empty batch's lengths / offsets as Python lists (NumPy reads [] as
+    float64) are integers like any list of them: an empty result, not a
+    TypeError about their dtype; float arrays stay refused."""
+    q = np.zeros((0, 2, 8), np.float32)
+    kc = rand((4, 4, 2, 8))
+    bt = np.zeros((0, 3), np.int32)
+    for kw in (dict(seq_lens=[]), dict(seq_lens=(), cu_seqlens_q=[0])):
+        out = paged_attention(q, kc, kc, block_table=bt, **kw)
+        assert out.shape == (0, 2, 8) and out.dtype == np.float32
+    with pytest.raises(TypeError, match="seq_lens"):
+        paged_attention(q, kc, kc, block_table=bt, seq_lens=np.zeros(0))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention(q, kc, kc, block_table=bt, seq_lens=[], cu_seqlens_q=[])
+
+
 def test_cache_full_pool_changes_nothing():
     cache = PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=4)
     x = rand((10, 1, 4))
