@@ -27,7 +27,10 @@ next to ``ceil``, the stream rate over torch's K+V rate: what a call that
 read at exactly the stream rate would be against torch.  Where ``ceil`` is
 below a bar on ``ac/pt``, no kernel reaches that bar on this machine's
 memory (data that stays in the L3 from call to call can beat the stream
-rate).  ``--case BxHxMxD`` (repeatable) replaces the two cases.
+rate; and where ``sdot`` reads no faster on two threads than on one, as on
+a 2-vCPU Emerald Rapids VM: 13.5 / 13.6 GB/s against attncore's 20-41 at
+two threads, ``ceil`` means something at one thread only).  ``--case
+BxHxMxD`` (repeatable) replaces the two cases.
 
 ``--prefetch-ab [BYTES]``: instead, every case and format twice, the decode
 loops' rows prefetched into L1 (``set_prefetch_l2_rows(0)``) and rows of at
