@@ -62,6 +62,8 @@ def config_dict() -> dict:
     info["decode_prefetch_l2_rows"] = _sdpa.cpu_features()["prefetch_l2_rows"]
     info["int8_dot"] = _sdpa.cpu_features()["int8_dot"]
     info["avx_vnni"] = _sdpa.cpu_features()["avx_vnni"]
+    # ATTNCORE_CPU_FEATURES: the features taken away at import
+    info["cpu_features_masked"] = _sdpa.cpu_features()["masked"]
     mode, path = _sdpa.int8_mode(), info["kernel_path"]
     info["int8_products"] = (
         "int8" if mode in (1, 2) and path == "avx512"
@@ -143,6 +145,9 @@ def show_config() -> None:
           f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
+    if info["cpu_features_masked"]:
+        print(f"{'CPU features':>16}: taken as absent (ATTNCORE_CPU_FEATURES): "
+              f"{', '.join(info['cpu_features_masked'])}")
     print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
           + _BF16_LINES[_bf16_line(info)])
     pf = info["decode_prefetch_l2_rows"]

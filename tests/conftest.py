@@ -12,8 +12,10 @@ KERNEL_PATHS = ["avx512", "avx2", "portable"]
 # ATTNCORE_TEST_KERNEL_PATH=avx2 (or portable) runs the whole session on that
 # float32 path, as a CPU without AVX-512 (or without AVX2) would: CI runs the
 # kernel tests so on its AVX-512 machine.  The `path` fixture then runs that
-# path alone.
-FORCED_PATH = os.environ.get("ATTNCORE_TEST_KERNEL_PATH") or None
+# path alone.  (ATTNCORE_CPU_FEATURES, read by attncore itself, goes further:
+# the dispatcher and every mode default act as on a CPU without the
+# features it takes away.)
+from reference import FORCED_PATH  # noqa: E402
 
 
 def pytest_configure(config):

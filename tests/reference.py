@@ -13,8 +13,14 @@ the tests compare against.
   mode and a window.
 """
 import contextlib
+import os
 
 import numpy as np
+
+# ATTNCORE_TEST_KERNEL_PATH=avx2 (or portable) runs the whole session on that
+# float32 path (tests/conftest.py forces it; its `path` fixture and the
+# modules' own path fixtures then run that path alone)
+FORCED_PATH = os.environ.get("ATTNCORE_TEST_KERNEL_PATH") or None
 
 
 def rand(shape, seed=0, dtype=np.float32):
@@ -135,15 +141,20 @@ def lse_ref(q, k, mask=None, causal=0, scale=None, **kw):
 
 @contextlib.contextmanager
 def int8_forced():
-    """This CPU and path's default int8 kernel, forced (private
-    ``_sdpa.set_int8_mode``): the default mode gives calls on float keys
-    too small to repay their quantization float32 products
-    (``attncore._call.INT8_MIN_ROWS``); tests of small calls that need the
-    int8 products force the mode."""
+    """An int8 kernel forced on the kernel path in use (private
+    ``_sdpa.set_int8_mode``): this CPU's default one where it has one,
+    else one that every CPU of the path runs -- the AVX-512BW spelling of
+    vpdpbusd (avx512 path), vpmaddubsw (avx2 path), float products of the
+    dequantized int8 rows (portable path) -- so that a test needing int8
+    products gets them on a CPU without VNNI too.  The default mode gives
+    calls on float keys too small to repay their quantization float32
+    products (``attncore._call.INT8_MIN_ROWS``); tests of small calls that
+    need the int8 products force the mode."""
+    from attncore import _kernels
     from attncore._core import _sdpa
 
-    code = _sdpa.int8_mode()
-    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code] if code else None)
+    code = _sdpa.int8_mode() or {"avx512": 2, "avx2": 4}.get(_kernels.kernel_path(), 3)
+    prev = _sdpa.set_int8_mode(_sdpa._INT8_NAMES[code])
     try:
         yield
     finally:

@@ -14,12 +14,6 @@ sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
 
 
-@pytest.fixture(params=PATHS)
-def path(request):
-    prev = _sdpa.set_kernel_path(request.param)
-    yield request.param
-    _sdpa.set_kernel_path(prev)
-
 
 SHAPES = [(1, 300), (3, 50), (37, 37), (70, 200), (33, 1500)]
 

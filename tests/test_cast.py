@@ -5,7 +5,6 @@ path and thread count."""
 import numpy as np
 import pytest
 
-from attncore import _kernels
 from attncore._core import _sdpa
 from attncore._dtypes import _CAST_MIN, cast
 
@@ -13,12 +12,6 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 
-
-@pytest.fixture(params=_kernels.available_kernel_paths())
-def path(request):
-    prev = _kernels.set_kernel_path(request.param)
-    yield request.param
-    _kernels.set_kernel_path(prev)
 
 
 def _floats(n, seed=0):

@@ -5,6 +5,7 @@ Every result is compared with a float64 NumPy reference computed from the
 *rounded* inputs (the half values as they are), and the error is held
 against the error of torch's own SDPA on the same half-precision inputs.
 """
+import os
 import tracemalloc
 
 import numpy as np
@@ -12,8 +13,7 @@ import pytest
 
 import attncore
 from attncore._core import _sdpa
-from reference import sdpa_ref
-from reference import rand
+from reference import FORCED_PATH, rand, sdpa_ref
 
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -36,7 +36,11 @@ PATH_MODES = [(p, "off") for p in PATHS] + [("avx512", m) for m in BF16_MODES]
 
 @pytest.fixture(params=PATH_MODES, ids=lambda pm: f"{pm[0]}-{pm[1]}")
 def path(request):
+    """Each kernel path, and the avx512 path's bfloat16 product modes
+    (ATTNCORE_TEST_KERNEL_PATH: that path alone, as conftest's fixture)."""
     p, mode = request.param
+    if FORCED_PATH and p != FORCED_PATH:
+        pytest.skip(f"ATTNCORE_TEST_KERNEL_PATH={FORCED_PATH}")
     prev = _sdpa.set_kernel_path(p)
     prev_mode = _sdpa.set_bf16_mode(mode)
     yield p
@@ -418,9 +422,12 @@ def test_bf16_products_default_follows_the_cpu():
     if info is None:
         pytest.skip("no /proc/cpuinfo")
     vendor, flags = info
+    # (less the features ATTNCORE_CPU_FEATURES takes away)
+    flags -= set(os.environ.get("ATTNCORE_CPU_FEATURES", "").replace("-", "").split(","))
     if _sdpa.cpu_features()["best_path"] == "portable" and "avx2" in flags:
         pytest.skip("built without the x86 kernels (AC_NO_X86_KERNELS)")
-    has = "avx512_bf16" in flags
+    # (vdpbf16ps runs on the avx512 path: AVX-512 F / BW / VL / DQ)
+    has = {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     assert _sdpa.cpu_features()["bf16_dot"] == has
     fast = has and vendor == "AuthenticAMD"
     assert _sdpa.cpu_features()["bf16_dot_fast"] == fast

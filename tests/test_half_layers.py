@@ -19,12 +19,6 @@ HALF = [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")]
 ULP = {BF16: 2.0 ** -8, F16: 2.0 ** -11}
 
 
-@pytest.fixture(params=_kernels.available_kernel_paths())
-def path(request):
-    prev = _kernels.set_kernel_path(request.param)
-    yield request.param
-    _kernels.set_kernel_path(prev)
-
 
 @pytest.mark.parametrize("dt", HALF)
 @pytest.mark.parametrize("R,C,K", [(1, 100, 37), (5, 130, 64), (70, 200, 96), (300, 257, 512),

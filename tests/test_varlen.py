@@ -15,12 +15,6 @@ sd = attncore.scaled_dot_product_attention
 PATHS = list(_sdpa.available_kernel_paths())
 
 
-@pytest.fixture(params=PATHS)
-def path(request):
-    prev = _sdpa.set_kernel_path(request.param)
-    yield request.param
-    _sdpa.set_kernel_path(prev)
-
 
 def packed(lq, lk, H, D, Dv=None, Hk=None, dtype=np.float32, seed=0):
     rng = np.random.default_rng(seed)

@@ -28,6 +28,8 @@ from attncore._core._openmp cimport (
     AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs, ac_blas_hold,
     ac_blas_release, set_blas_local_fns)
 
+import os
+
 ctypedef fused floating:
     float
     double
@@ -101,6 +103,10 @@ cdef extern from "ac_sdpa.h" nogil:
     Py_ssize_t ac_causal_limit(const ac_params *p, Py_ssize_t i)
     Py_ssize_t ac_band_lo(const ac_params *p, Py_ssize_t i)
     void ac_cpu_init()
+    void ac_cpu_set_mask(unsigned mask)
+    unsigned ac_cpu_mask
+    int AC_F_AVX2, AC_F_FMA, AC_F_F16C, AC_F_AVX512F, AC_F_AVX512BW, AC_F_AVX512VL
+    int AC_F_AVX512DQ, AC_F_AVX512_BF16, AC_F_AVX512_VNNI, AC_F_AVX_VNNI
     int ac_avx512_ok
     int ac_pf_l2_rows
     int ac_best_path
@@ -127,11 +133,47 @@ cdef extern from "ac_sdpa.h" nogil:
     void *ac_state_home()
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
-    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2, AC_BAD_OVF
+    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2, AC_BAD_OVF, AC_BK
     int AC_PATH_AVX512, AC_PATH_AVX2, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
     int AC_I8_ROW_ALIGN
 
 
+# the CPU features ATTNCORE_CPU_FEATURES can take away (their /proc/cpuinfo
+# names): the dispatcher and every mode default then act as on a CPU
+# without them (CI runs the suite as an AVX2-only core and as an AVX2 +
+# AVX-VNNI core on its AVX-512 machine)
+CPU_FEATURE_BITS = {"avx2": AC_F_AVX2, "fma": AC_F_FMA, "f16c": AC_F_F16C,
+                    "avx512f": AC_F_AVX512F, "avx512bw": AC_F_AVX512BW,
+                    "avx512vl": AC_F_AVX512VL, "avx512dq": AC_F_AVX512DQ,
+                    "avx512_bf16": AC_F_AVX512_BF16, "avx512_vnni": AC_F_AVX512_VNNI,
+                    "avx_vnni": AC_F_AVX_VNNI}
+
+
+def parse_cpu_mask(spec):
+    """The mask bits of an ``ATTNCORE_CPU_FEATURES`` value: features to
+    take away, comma-separated, each with a leading ``-`` (for example
+    ``-avx512f,-avx_vnni``); empty: none.  ValueError names the variable
+    and the features it knows."""
+    cdef unsigned mask = 0
+    for item in (spec or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        name = item[1:].lower()
+        if item[0] != "-" or name not in CPU_FEATURE_BITS:
+            raise ValueError(
+                f"ATTNCORE_CPU_FEATURES must list features to take away as -name, "
+                f"comma-separated, the names among {', '.join(CPU_FEATURE_BITS)}; "
+                f"got {item!r} in {spec!r}")
+        mask |= CPU_FEATURE_BITS[name]
+    return mask
+
+
+def masked_cpu_features():
+    """The features ``ATTNCORE_CPU_FEATURES`` took away at import."""
+    return tuple(n for n, b in CPU_FEATURE_BITS.items() if ac_cpu_mask & b)
+
+
+ac_cpu_set_mask(parse_cpu_mask(os.environ.get("ATTNCORE_CPU_FEATURES", "")))
 ac_cpu_init()
 # the kernel-path state's one home: the other extensions point at it when
 # imported (ac_common.h), so set_kernel_path forces every kernel's path
@@ -142,6 +184,7 @@ _PATHS = ("portable", "avx2", "avx512")
 # constants of the C kernels that attncore.functional plans with
 SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loops
 PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
+KEY_BLOCK = AC_BK  # keys per tile of the fused kernels (a build may set it: -DAC_BK=64)
 
 
 def set_prefetch_l2_rows(int nbytes):
@@ -168,7 +211,8 @@ def cpu_features():
             "avx_vnni": bool(ac_cpu_avxvnni()),
             "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
             "prefetch_l2_rows": ac_pf_l2_rows,
-            "small_rows": AC_SMALL_ROWS}
+            "small_rows": AC_SMALL_ROWS,
+            "masked": masked_cpu_features()}
 
 
 # bfloat16 dot products: 1 vdpbf16ps where the CPU has AVX512_BF16 and the

@@ -51,6 +51,9 @@ typedef struct {
     unsigned ran;    /* compiled variants dispatched since the last reset */
     int pf_l2_rows;  /* small-row loops: rows of at least this many bytes
                         prefetched into L2 only (0: none; ac_small.h)     */
+    unsigned cpu_mask; /* CPU features taken as absent (AC_F_* bits of
+                          ac_cpu.h; ATTNCORE_CPU_FEATURES, read once at
+                          import by the _sdpa extension)                  */
 } ac_state_t;
 
 #if defined(__GNUC__)
@@ -61,12 +64,13 @@ typedef struct {
 
 /* this extension's copy, and the one in use (the _sdpa extension's once
    ac_state_attach has run) */
-static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u, 0};
+static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u, 0, 0u};
 static AC_UNUSED ac_state_t *ac_state = &ac_state_own;
 #define ac_best_path (ac_state->best_path)
 #define ac_kernel_path (ac_state->kernel_path)
 #define ac_avx512_ok (ac_state->avx512_ok)
 #define ac_pf_l2_rows (ac_state->pf_l2_rows)
+#define ac_cpu_mask (ac_state->cpu_mask)
 
 static AC_UNUSED void *ac_state_home(void) { return (void *)&ac_state_own; }
 static AC_UNUSED void ac_state_attach(void *home)

@@ -7,7 +7,8 @@
  * - the target attributes of those kernels: one macro per instruction set,
  *   the only place where a target string is spelled;
  * - CPU feature detection (ac_cpu_init, ac_cpu_bf16_dot,
- *   ac_cpu_bf16_dot_fast, ac_cpu_vnni, ac_cpu_avxvnni) and
+ *   ac_cpu_bf16_dot_fast, ac_cpu_vnni, ac_cpu_avxvnni), less the features
+ *   a mask takes away (ac_cpu_set_mask: ATTNCORE_CPU_FEATURES), and
  *   the choice of the kernel path (ac_set_kernel_path);
  * - the dispatch of the compiled variants (ac_variant, AC_VCALL).
  *
@@ -47,6 +48,20 @@
 #define AC_NOINLINE
 #endif
 
+/* CPU features a mask can take away (ac_cpu_mask, ATTNCORE_CPU_FEATURES):
+ * the dispatcher and every mode default then act as on a CPU without
+ * them.  Taking away a feature a path needs takes away the path, and the
+ * features that run on it (-avx512f: no AVX512_BF16 / AVX512_VNNI either;
+ * -avx2: the portable path, no AVX-VNNI). */
+enum {
+    AC_F_AVX2 = 1 << 0, AC_F_FMA = 1 << 1, AC_F_F16C = 1 << 2, AC_F_AVX512F = 1 << 3,
+    AC_F_AVX512BW = 1 << 4, AC_F_AVX512VL = 1 << 5, AC_F_AVX512DQ = 1 << 6,
+    AC_F_AVX512_BF16 = 1 << 7, AC_F_AVX512_VNNI = 1 << 8, AC_F_AVX_VNNI = 1 << 9
+};
+
+/* set the mask (before ac_cpu_init) */
+static AC_UNUSED void ac_cpu_set_mask(unsigned mask) { ac_cpu_mask = mask; }
+
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
 #define AC_HAVE_X86 1
 #include <cpuid.h>
@@ -79,16 +94,23 @@
 
 /* the kernel-path state (ac_best_path, ac_kernel_path, ac_avx512_ok) is
    in ac_common.h: one home for every extension */
+
+/* whether the CPU has `feat` (a __builtin_cpu_supports name) and the mask
+   (ac_cpu_mask, ATTNCORE_CPU_FEATURES) leaves it (bit, AC_F_*) */
+#define AC_HAS(feat, bit) (__builtin_cpu_supports(feat) && !(ac_cpu_mask & (bit)))
+
+/* the best path of the CPU's features less the mask; run at import, after
+   ac_cpu_set_mask */
 static AC_UNUSED void ac_cpu_init(void)
 {
     __builtin_cpu_init();
     /* F16C (float16 operands) comes with every AVX2 + FMA core; it is
        required all the same (AC_ISA_AVX2) */
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                     __builtin_cpu_supports("f16c");
+    const int avx2 = AC_HAS("avx2", AC_F_AVX2) && AC_HAS("fma", AC_F_FMA) &&
+                     AC_HAS("f16c", AC_F_F16C);
     /* AC_ISA_AVX512 */
-    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    if (avx2 && AC_HAS("avx512f", AC_F_AVX512F) && AC_HAS("avx512bw", AC_F_AVX512BW) &&
+        AC_HAS("avx512vl", AC_F_AVX512VL) && AC_HAS("avx512dq", AC_F_AVX512DQ))
         ac_best_path = AC_PATH_AVX512;
     else if (avx2)
         ac_best_path = AC_PATH_AVX2;
@@ -99,11 +121,12 @@ static AC_UNUSED void ac_cpu_init(void)
     ac_pf_l2_rows = AC_PF_L2_ROWS;
 }
 
-/* whether the CPU has bfloat16 dot products (AVX512_BF16: vdpbf16ps) */
+/* whether the CPU has bfloat16 dot products (AVX512_BF16: vdpbf16ps) and
+   the AVX-512 path they run on */
 static AC_UNUSED int ac_cpu_bf16_dot(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
+    return ac_best_path == AC_PATH_AVX512 && AC_HAS("avx512bf16", AC_F_AVX512_BF16);
 }
 
 /* whether vdpbf16ps outpaces the CPU's float32 FMAs, so that bfloat16
@@ -115,27 +138,25 @@ static AC_UNUSED int ac_cpu_bf16_dot(void)
    bf16 prefill kernels ran at 0.60-0.68x of float32 */
 static AC_UNUSED int ac_cpu_bf16_dot_fast(void)
 {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
+    return ac_cpu_bf16_dot() && __builtin_cpu_is("amd");
 }
 
-/* whether the CPU has vpdpbusd on 512-bit vectors (AVX512_VNNI) */
+/* whether the CPU has vpdpbusd on 512-bit vectors (AVX512_VNNI) and the
+   AVX-512 path they run on */
 static AC_UNUSED int ac_cpu_vnni(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+    return ac_best_path == AC_PATH_AVX512 && AC_HAS("avx512vnni", AC_F_AVX512_VNNI);
 }
 
 /* whether the CPU has vpdpbusd on 256-bit vectors in its VEX encoding
    (AVX-VNNI: CPUID leaf 7 subleaf 1, EAX bit 4; Alder Lake and later, Zen
-   5), with AVX2 (the OS saves the ymm state: the AVX2 check includes it) */
+   5), with the AVX2 path (the OS saves the ymm state: the AVX2 check
+   includes it) */
 static AC_UNUSED int ac_cpu_avxvnni(void)
 {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-        !__builtin_cpu_supports("f16c"))
-        return 0;
+    if (ac_best_path < AC_PATH_AVX2 || (ac_cpu_mask & AC_F_AVX_VNNI)) return 0;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
     return (int)((a >> 4) & 1u);
 }
