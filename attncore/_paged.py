@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 from . import _call
 from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
-from ._quant import dequantize, split_quantized
+from ._quant import split_quantized
 from ._threads import SERIAL_FLOPS, resolve_num_threads
 from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
                           int_sequence, packed_group, parse_bool, parse_scale, parse_softcap,
@@ -226,23 +226,102 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
 
 def _query_offsets(cu_seqlens_q, qshape: tuple, lens: np.ndarray) -> np.ndarray:
     """The checked query offsets (int64, num_seqs + 1) of q (shape
-    ``qshape``) for sequences of ``lens`` keys (None: one query each)."""
+    ``qshape``) for sequences of ``lens`` keys (None: one query each);
+    either way a sequence has at most as many queries as keys."""
     S, total_q = lens.shape[0], qshape[0]
     if cu_seqlens_q is None:
         if total_q != S:
             raise ValueError(f"without cu_seqlens_q every sequence has one query: q must have "
                              f"num_seqs = {S} rows, got q shape {qshape}")
-        return np.arange(S + 1, dtype=np.int64)
-    cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
-    if cq.shape[0] != S + 1:
-        raise ValueError(f"cu_seqlens_q must hold num_seqs + 1 = {S + 1} offsets (one "
-                         f"sequence per block table row), got {cq.shape[0]}")
+        cq = np.arange(S + 1, dtype=np.int64)
+    else:
+        cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", total_q, "q")
+        if cq.shape[0] != S + 1:
+            raise ValueError(f"cu_seqlens_q must hold num_seqs + 1 = {S + 1} offsets (one "
+                             f"sequence per block table row), got {cq.shape[0]}")
     lq = np.diff(cq)
     if (lq > lens).any():
         s = int(np.argmax(lq > lens))
         raise ValueError(f"sequence {s} has {int(lq[s])} queries but seq_lens[{s}] = "
                          f"{int(lens[s])} keys: a sequence's queries are its last tokens")
     return cq
+
+
+# elements of float64 scratch per piece of the float64 re-run's conversions
+_RERUN_PIECE = 1 << 18
+
+
+def _bad_rows(out: np.ndarray) -> np.ndarray:
+    """Whether each row (axis 0) of ``out`` holds a non-finite element,
+    checked a piece at a time (no output-sized temporary)."""
+    n = out.shape[0]
+    step = max(1, _RERUN_PIECE // max(1, out[:1].size))
+    bad = np.zeros(n, dtype=bool)
+    for i in range(0, n, step):
+        part = out[i:i + step]
+        bad[i:i + step] = ~np.isfinite(part.reshape(part.shape[0], -1)).all(axis=1)
+    return bad
+
+
+def _blocks_f64(a: np.ndarray, s: Optional[np.ndarray], ids: np.ndarray) -> np.ndarray:
+    """Blocks ``ids`` of the pool ``a`` (int8 ones dequantized with scales
+    ``s``) as one float64 array, converted a piece at a time."""
+    dst = np.empty((ids.shape[0],) + a.shape[1:], dtype=np.float64)
+    step = max(1, _RERUN_PIECE // max(1, a[:1].size))
+    # inf / NaN scales of slots no sequence reads make NaN there (0 * inf):
+    # not read, so not worth NumPy's warning
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i in range(0, ids.shape[0], step):
+            sel = ids[i:i + step]
+            if s is None:
+                dst[i:i + step] = a[sel]
+            else:   # dequantize's products, in float64, into place
+                np.multiply(a[sel], s[sel][..., None], out=dst[i:i + step], dtype=np.float64)
+    return dst
+
+
+def _subset_heads(x: Any, sel: np.ndarray) -> Any:
+    """Per-head values (Hq,) as given, (num_seqs, Hq) ones of sequences ``sel``."""
+    if x is None:
+        return None
+    a = np.asarray(x)
+    return a[sel] if a.ndim == 2 else a
+
+
+def _float64_rerun(out: np.ndarray, lse: Optional[np.ndarray], ops: tuple, bt: np.ndarray,
+                   lens: np.ndarray, cq: np.ndarray, kw: dict, rdt: np.dtype) -> Tuple[Any, Any]:
+    """The float32 call's result (out, lse) with the sequences whose
+    output rows are not all finite computed again in float64: only their
+    query rows and their own blocks are converted (an int8 pool's
+    dequantized), so the memory it takes beyond the output is those
+    blocks in float64 and pieces of scratch, never the pool."""
+    qa, ka, ks, va, vs = ops
+    bad = _bad_rows(out)
+    res = out if rdt == out.dtype else out.astype(rdt)
+    if not bad.any():
+        return res, lse
+    seq_of_row = np.searchsorted(cq, np.flatnonzero(bad), side="right") - 1
+    sel = np.unique(seq_of_row)
+    lq, sl = np.diff(cq)[sel], lens[sel]
+    rows = np.concatenate([np.arange(cq[s], cq[s + 1]) for s in sel])
+    bs = ka.shape[1]
+    tab = bt[sel]
+    used = np.arange(tab.shape[1])[None, :] < (-(-sl // bs))[:, None]
+    ids, local = np.unique(tab[used], return_inverse=True)
+    tab2 = np.zeros_like(tab)
+    tab2[used] = local.reshape(-1)
+    q64 = to_float(qa[rows], np.dtype(np.float64))
+    k64, v64 = _blocks_f64(ka, ks, ids), _blocks_f64(va, vs, ids)
+    kw = dict(kw, alibi_slopes=_subset_heads(kw["alibi_slopes"], sel),
+              sinks=_subset_heads(kw["sinks"], sel))
+    cq2 = np.concatenate([[0], np.cumsum(lq)])
+    got = paged_attention(q64, k64, v64, block_table=tab2, seq_lens=sl, cu_seqlens_q=cq2, **kw)
+    if lse is not None:   # return_lse
+        got, glse = got
+        with np.errstate(over="ignore"):  # an lse beyond float32: -inf / inf there
+            lse[rows] = glse.astype(lse.dtype)
+    res[rows] = got.astype(rdt)
+    return res, lse
 
 
 @foreign_arrays(("q", "k_cache", "v_cache"),
@@ -321,6 +400,9 @@ def paged_attention(
         :func:`attncore.scaled_dot_product_attention`.  ``"int8"`` is
         accepted and takes float32 products here (the paged kernel has no
         int8 Q.K^T yet; an int8 cache is read in place either way).
+        A float32 computation whose output has rows that are not finite
+        (sums beyond the float32 range, inf / NaN inputs) computes those
+        rows' sequences again in float64, over their own blocks only.
 
     Returns
     -------
@@ -379,22 +461,13 @@ def paged_attention(
     out, _, lse, finite = _call.launch(_paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group,
                                                    sc, causal, win, cap, slopes, snk, nthreads,
                                                    return_lse))
-    f64 = None
     if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum), or
         # finite scores overflowed, or inf / NaN inputs reached the output:
-        # the call again in float64 (the pool converted; an int8 pool
-        # dequantized; functional._float64_rerun)
-        f64 = [dequantize(a, s_, np.float64) if s_ is not None
-               else to_float(a, np.dtype(np.float64)) for a, s_ in ((qa, None), (ka, ks), (va, vs))]
-    if f64 is not None:
-        res = paged_attention(*f64, block_table=bt, seq_lens=lens, cu_seqlens_q=cq,
-                              is_causal=is_causal, scale=sc, window=window, softcap=softcap,
-                              alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
-                              return_lse=return_lse, num_threads=num_threads)
-        if return_lse:
-            with np.errstate(over="ignore"):  # an lse beyond float32: -inf / inf there
-                return res[0].astype(rdt), res[1].astype(cdt)
-        return res.astype(rdt)
-    out = out if rdt == cdt else out.astype(rdt)
+        # those sequences again in float64, over their own blocks
+        out, lse = _float64_rerun(out, lse, (qa, ka, ks, va, vs), bt, lens, cq, dict(
+            is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
+            return_lse=return_lse, num_threads=num_threads), rdt)
+    out = out if rdt == out.dtype else out.astype(rdt)
     return (out, lse) if return_lse else out

@@ -292,3 +292,59 @@ def test_paged_forward_falls_back_for_non_causal_layers(monkeypatch):
         warnings.simplefilter("error")
         out, _ = act.paged_attention_forward(_Layer(), q, k, v, None, scaling=0.5)
     assert out == "theirs"
+
+
+# each reason of _paged_unsupported: (how a step gets it, words of the reason,
+# how docs/guide/pytorch.rst and paged_attention_forward's docstring name it)
+_FALLBACKS = [
+    ("block_table", "block table", "a block table instead of the gathered keys / values"),
+    ("meta", "tensors are on meta", "tensors off the CPU"),
+    ("3-D", "not packed into one row", "queries / keys / values not packed into one row"),
+    ("non-causal", "not causal", "non-causal layers"),
+    ("position_bias", "position_bias", "``position_bias``"),
+    ("output_attentions", "attention weights", "attention weights asked for"),
+    ("int32", "dtype torch.int32 is not supported",
+     "a dtype other than float32, float64, float16 and bfloat16"),
+]
+
+
+def _fallback_step(how):
+    """A continuous-batching step's arguments that take the fallback ``how``."""
+    q, k, v, cu_q, cu_k = _packed((2, 3), (2, 3))
+    layer, kw = _Layer(), dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
+    if how == "block_table":
+        kw["block_table"] = torch.zeros(2, 1, dtype=torch.int32)
+    elif how == "meta":
+        q, k, v = (t.to("meta") for t in (q, k, v))
+    elif how == "3-D":
+        q, k, v = q[0], k[0], v[0]
+    elif how == "non-causal":
+        layer.is_causal = False
+    elif how in ("position_bias", "output_attentions"):
+        kw[how] = torch.zeros(1) if how == "position_bias" else True
+    else:
+        q, k, v = (t.to(torch.int32) for t in (q, k, v))
+    return layer, q, k, v, kw
+
+
+def test_every_fallback_reason_is_documented():
+    """Each reason the continuous-batching function falls back for (every
+    non-empty answer of _paged_unsupported) is reached by a step, and
+    named in pytorch.rst's list and in paged_attention_forward's docstring
+    (the list left out the block table and the dtype)."""
+    import inspect
+    import pathlib
+    import re
+    src = inspect.getsource(act._paged_unsupported)
+    reasons = re.findall(r'return f?"([^"]+)"', src)
+    assert len(reasons) == len(_FALLBACKS), reasons      # a new reason: list it here
+    rst = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "pytorch.rst"
+    if not rst.exists():
+        pytest.skip("the docs are not here (an installed package's tests)")
+    docs = " ".join(rst.read_text().split())
+    doc = " ".join(act.paged_attention_forward.__doc__.split())
+    for how, words, named in _FALLBACKS:
+        layer, q, k, v, kw = _fallback_step(how)
+        assert words in act._paged_unsupported(layer, q, k, v, kw)
+        assert named in docs, named
+        assert named in doc, named

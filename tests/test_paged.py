@@ -5,6 +5,9 @@ indexing) and runs the float64 attention of tests/reference.py on them.
 Blocks and slots no sequence owns are filled with NaN, so a kernel that
 reads outside a sequence's keys shows it.
 """
+import tracemalloc
+import warnings
+
 import numpy as np
 import pytest
 
@@ -388,6 +391,122 @@ def test_mixed_int8_and_float_caches_refused():
                         block_table=[[0]], seq_lens=[3])
 
 
+def test_decode_spelling_refuses_a_sequence_without_keys():
+    """A sequence of seq_lens 0 with its one query: the documented "more
+    queries than keys" error whether cu_seqlens_q is None or spelled out
+    (None returned zeros and the sink as its lse)."""
+    kc = rand((4, 4, 2, 8))
+    q = rand((2, 2, 8), seed=1)
+    kw = dict(block_table=[[0], [1]], seq_lens=[3, 0], sinks=[0.5, 0.5])
+    for cu in (None, [0, 1, 2]):
+        with pytest.raises(ValueError,
+                           match=r"sequence 1 has 1 queries but seq_lens\[1\] = 0 keys"):
+            paged_attention(q, kc, kc, cu_seqlens_q=cu, **kw)
+
+
+def _overflowing_pool(nblocks, lens, bs=32, Hk=8, D=128, seed=0):
+    """(k pool, v pool, block table): float32 pools of ``nblocks`` zero
+    blocks, sequence s's blocks shuffled and filled with standard-normal
+    keys and values; sequence 1's values lie near +3e38, so its float32
+    sums overflow (its rows come out non-finite and run again in float64)."""
+    rng = np.random.default_rng(seed)
+    kc = np.zeros((nblocks, bs, Hk, D), np.float32)
+    vc = np.zeros_like(kc)
+    nb = [-(-L // bs) for L in lens]
+    ids = rng.permutation(nblocks)[:sum(nb)]
+    bt = np.full((len(lens), max(nb)), -1, np.int32)
+    o = 0
+    for s, n in enumerate(nb):
+        bt[s, :n] = ids[o:o + n]
+        o += n
+        kc[bt[s, :n]] = rng.standard_normal((n, bs, Hk, D), dtype=np.float32)
+        vc[bt[s, :n]] = (rng.uniform(2e38, 3e38, (n, bs, Hk, D)).astype(np.float32) if s == 1
+                         else rng.standard_normal((n, bs, Hk, D), dtype=np.float32))
+    return kc, vc, bt
+
+
+def test_float64_rerun_converts_only_the_affected_sequences_blocks():
+    """A step in which one sequence's float32 sums overflow: only that
+    sequence runs again in float64, over its own blocks -- the memory the
+    step takes beyond its output is that sequence's blocks in float64 and
+    a little scratch (it converted the whole pool: 128 MiB of float64 for
+    this 64 MiB pool), and every row is the float64 reference's."""
+    lens, Hq = [512] * 8, 16
+    kc, vc, bt = _overflowing_pool(256, lens)           # 32 + 32 MiB
+    q = rand((len(lens), Hq, 128), seed=3)
+    kw = dict(block_table=bt, seq_lens=lens, enable_gqa=True, num_threads=1)
+    paged_attention(q, kc, vc, **kw)                    # warm (plans, imports)
+    tracemalloc.start()
+    try:
+        out = paged_attention(q, kc, vc, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    own = 2 * (512 // 32) * kc[0].size * 8              # sequence 1's K and V blocks, float64
+    assert peak - out.nbytes <= own + 16 * 2**20, (peak - out.nbytes) / 2**20
+    assert own + 16 * 2**20 < (kc.nbytes + vc.nbytes) * 2 / 4   # far below a pool copy
+    ref, _ = paged_ref(q, kc, vc, bt, np.array(lens), np.arange(len(lens) + 1))
+    assert np.isfinite(ref).all() and np.abs(ref[1]).max() > 1e38
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float64_rerun_of_some_sequences_keeps_their_options(threads):
+    """Per-sequence ALiBi slopes and sinks, a window, the lse, prompt
+    chunks: the sequences run again in float64 (1 and 4, overflowing) take
+    their own rows of the options; the others keep the float32 answer;
+    all are the float64 reference's."""
+    q, kc, vc, bt, lens, cq = make_batch(**MIXED, seed=5)
+    for s in (1, 4):   # values near +3e38: float32 sums overflow
+        nb = -(-lens[s] // 16)
+        vc[bt[s, :nb]] = np.abs(vc[bt[s, :nb]]) * np.float32(1e37) + np.float32(2e38)
+    S = len(lens)
+    alibi = np.linspace(0.01, 0.3, S * 8).reshape(S, 8)
+    sinks = np.linspace(-1, 2, S * 8).reshape(S, 8)
+    opts = dict(window=(90, 0), sinks=sinks, alibi=alibi)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = call(q, kc, vc, bt, lens, cq, return_lse=True, num_threads=threads, **opts)
+    ref, rlse = paged_ref(q, kc, vc, bt, lens, cq, **opts)
+    rows = np.concatenate([np.arange(cq[s], cq[s + 1]) for s in (1, 4)])
+    assert np.abs(ref[rows]).max() > 1e38
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, rlse, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rerun_with_inf_scales_in_unowned_slots_warns_nothing():
+    """An int8 pool with inf scales in slots no sequence owns (a block
+    nobody holds, the slots past a sequence's last token) and a sequence
+    whose float32 sums overflow: the float64 re-run dequantizes that
+    sequence's blocks without NumPy's "invalid value encountered in
+    multiply" (0 * inf) warning, and answers as the float64 reference of
+    the dequantized pool."""
+    rng = np.random.default_rng(7)
+    nb, bs, Hk, D = 12, 8, 2, 16
+    data = rng.integers(-127, 128, (nb, bs, Hk, D), dtype=np.int8)
+    ks = rng.uniform(0.005, 0.02, (nb, bs, Hk)).astype(np.float32)
+    vs = ks.copy()
+    vd = rng.integers(100, 128, (nb, bs, Hk, D), dtype=np.int8)
+    bt = np.array([[3, 7, -1], [0, 5, 9]], np.int32)
+    lens = np.array([13, 20])
+    vs[[0, 5, 9]] = np.float32(2.5e36)       # sequence 1's values near 3e38: overflow
+    data[11], vd[11] = 0, 0
+    ks[11], vs[11] = np.inf, np.inf          # a block nobody holds
+    ks[9, 4:], vs[9, 4:] = np.inf, np.inf    # past sequence 1's 20th token
+    data[9, 4:], vd[9, 4:] = 0, 0
+    q = rand((2, 4, D), seed=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = paged_attention(q, (data, ks), (vd, vs), block_table=bt, seq_lens=lens,
+                              enable_gqa=True)
+    with np.errstate(invalid="ignore"):     # 0 * inf: NaN where nobody reads
+        kdq = data.astype(np.float64) * ks.astype(np.float64)[..., None]
+        vdq = vd.astype(np.float64) * vs.astype(np.float64)[..., None]
+    ref, _ = paged_ref(q, kdq, vdq, bt, lens, np.arange(3))
+    assert np.isfinite(ref).all() and np.abs(ref[1]).max() > 1e38
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
 # --------------------------------------------------------------------------
 # PagedKVCache
 # --------------------------------------------------------------------------
@@ -636,6 +755,45 @@ def test_cache_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="v must be finite for an int8 cache"):
         c8.append(1, k, bad)
     assert c8.num_free_blocks == 4       # nothing was written
+
+
+@pytest.mark.parametrize("ids", [{7, 9}, frozenset({7, 9}), {7: 0, 9: 0}.keys(),
+                                 {7: 0, 9: 0}, {7: 7, 9: 9}.values()],
+                         ids=["set", "frozenset", "keys view", "dict", "values view"])
+def test_cache_refuses_unordered_seq_ids(ids):
+    """A set, a dict or a view of one as seq_ids: a TypeError naming
+    seq_ids (a set's iteration order gave seq 7 two tokens and seq 9 one),
+    nothing written; the queries refuse them too."""
+    c = PagedKVCache(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2)
+    x = rand((3, 1, 2))
+    with pytest.raises(TypeError, match="seq_ids must be an int or an ordered sequence"):
+        c.append(ids, x, x, cu_seqlens=[0, 1, 3])
+    assert c.sequences == [] and c.num_free_blocks == 4
+    c.append([7, 9], x, x, cu_seqlens=[0, 1, 3])
+    for query in (c.seq_lens, c.block_table):
+        with pytest.raises(TypeError, match="seq_ids"):
+            query(ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_cache_single_id_takes_every_token(dtype):
+    """append(0, k, v) with a multi-token k: all of k's tokens are sequence
+    0's, as with cu_seqlens=[0, n] (it was refused); a list of ids keeps
+    one token each."""
+    rng = np.random.default_rng(4)
+    k, v = rand((11, 2, 8), rng), rand((11, 2, 8), rng)
+    a = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    b = PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    a.append(0, k[:5], v[:5])
+    a.append(np.int64(0), k[5:], v[5:])
+    b.append([0], k, v, cu_seqlens=[0, 11])
+    assert a.seq_lens([0]).tolist() == [11] and a.num_free_blocks == 5
+    for x, y, want in zip(contents(a, 0), contents(b, 0), (k, v)):
+        np.testing.assert_array_equal(x, y)
+        tol = 0 if dtype == "float32" else 0.5 / 127 * np.abs(want).max()
+        np.testing.assert_allclose(x, want, rtol=0, atol=tol)
+    with pytest.raises(ValueError, match="one token"):
+        a.append([0], k[:2], v[:2])
 
 
 def test_paged_negative_seq_len_is_named():

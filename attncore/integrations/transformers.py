@@ -561,9 +561,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     ``cu_seq_lens_k`` tensors: ``"paged|eager"`` used with ``generate``)
     run transformers' own function unchanged.  So do steps the varlen path
     does not cover, with a ``RuntimeWarning`` naming the reason (once per
-    reason): tensors off the CPU, a block table instead of gathered
-    keys, non-causal layers, ``position_bias``, attention weights asked
-    for, an unsupported dtype.
+    reason): a block table instead of the gathered keys / values (a cache
+    that passes ``block_table``), tensors off the CPU, queries / keys /
+    values not packed into one row, non-causal layers, ``position_bias``,
+    attention weights asked for, a dtype other than float32, float64,
+    float16 and bfloat16.
 
     transformers 5.24 reads the paged cache in the model before this call;
     earlier 5.x releases pass the cache (keyword ``cache``) for the
