@@ -56,6 +56,24 @@ typedef struct {
                           import by the _sdpa extension)                  */
 } ac_state_t;
 
+/* llvm-mca regions (bench/mca.py): assembler comments around the hot
+ * loops, emitted only by a build with -DAC_MCA (bench/mca.py compiles the
+ * kernels to assembly itself); empty in every other build, so the shipped
+ * object code does not change.  A region names the loop right after
+ * AC_MCA_BEGIN; the tool models that loop's body. */
+#if defined(AC_MCA) && defined(__GNUC__)
+#if defined(__aarch64__)
+#define AC_MCA_BEGIN(name) __asm__ volatile("// LLVM-MCA-BEGIN " name)
+#define AC_MCA_END(name) __asm__ volatile("// LLVM-MCA-END " name)
+#else
+#define AC_MCA_BEGIN(name) __asm__ volatile("# LLVM-MCA-BEGIN " name)
+#define AC_MCA_END(name) __asm__ volatile("# LLVM-MCA-END " name)
+#endif
+#else
+#define AC_MCA_BEGIN(name) ((void)0)
+#define AC_MCA_END(name) ((void)0)
+#endif
+
 #if defined(__GNUC__)
 #define AC_UNUSED __attribute__((unused))
 #else

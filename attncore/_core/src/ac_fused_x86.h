@@ -378,6 +378,7 @@ static AC_TGT inline void ac_pack_p_avx2(const float *x, ptrdiff_t x_rs, int nr,
 {
     const __m256 sc = _mm256_set1_ps(scale);
     for (int rb = 0; rb < P; rb += 8) {
+        AC_MCA_BEGIN("fused-pack");
         for (int d0 = 0; d0 < D; d0 += 8) {
             const int nd = (D - d0 < 8) ? D - d0 : 8;
             const __m256i dm = _mm256_cmpgt_epi32(_mm256_set1_epi32(nd),
@@ -406,6 +407,7 @@ static AC_TGT inline void ac_pack_p_avx2(const float *x, ptrdiff_t x_rs, int nr,
                                      _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
             }
         }
+        AC_MCA_END("fused-pack");
     }
 }
 
