@@ -82,41 +82,55 @@ def config_dict() -> dict:
     return info
 
 
-# what precision="int8" computes, by info["int8_products"]
+# what precision="int8" computes, by info["int8_products"]: one fact a line
 _INT8_LINES = {
-    "int8": "Q.K^T on vpdpbusd (AVX512_VNNI)",
-    "int8-avx2": "Q.K^T on vpmaddubsw + vpmaddwd (AVX2, sign trick)",
-    "int8-avxvnni": "Q.K^T on 256-bit vpdpbusd (AVX-VNNI)",
-    "int8-avxvnni-emulated": "Q.K^T in AVX-VNNI's layout spelled in AVX2 (forced)",
-    "dequantized": "Q.K^T as float products of the dequantized int8 rows (forced)",
-    "float32": "float32 products: no int8 kernel for this CPU and path is faster than "
-               "float32 (the AVX512_VNNI one runs on the avx512 path, AVX-VNNI's on the "
-               "avx2 path; the AVX2 vpmaddubsw one measured no faster than float32)",
+    "int8": ["Q.K^T on vpdpbusd (AVX512_VNNI)"],
+    "int8-avx2": ["Q.K^T on vpmaddubsw + vpmaddwd (AVX2, sign trick)"],
+    "int8-avxvnni": ["Q.K^T on 256-bit vpdpbusd (AVX-VNNI)"],
+    "int8-avxvnni-emulated": ["Q.K^T in AVX-VNNI's layout spelled in AVX2 (forced)"],
+    "dequantized": ["Q.K^T as float products of the dequantized int8 rows (forced)"],
+    "float32": ["float32 products: no int8 kernel beats float32 on this CPU and path",
+                "(the AVX512_VNNI kernel runs on the avx512 path, AVX-VNNI's on the avx2 path;",
+                "the AVX2 vpmaddubsw kernel measured no faster than float32)"],
 }
 
 
 # P.V under int8 Q.K^T, by info["int8_pv"]
 _INT8_PV_LINES = {
-    "float32": "in float32",
-    "bfloat16": "as bfloat16 pairs (AVX512_BF16)",
-    "int16": "as 16-bit integer pairs on vpdpwssd (AVX-VNNI on the avx2 path, AVX512_VNNI "
-             "on the avx512 path)",
-    "int16-emulated": "as 16-bit integer pairs, vpdpwssd's sums spelled in AVX2 / AVX-512BW "
-                      "(forced)",
+    "float32": "P.V in float32",
+    "bfloat16": "P.V as bfloat16 pairs (AVX512_BF16)",
+    "int16": "P.V as 16-bit integer pairs on vpdpwssd",
+    "int16-emulated": "P.V as 16-bit integer pairs, vpdpwssd's sums spelled in AVX2 / AVX-512BW (forced)",
 }
+
+
+def _int8_lines(info: dict) -> list:
+    """What precision="int8" computes on this CPU, one fact a line."""
+    from . import _call
+
+    lines = list(_INT8_LINES[info["int8_products"]])
+    if info["int8_products"] in ("float32", "dequantized"):
+        return lines
+    isa = "AVX512_VNNI" if info["kernel_path"] == "avx512" else "AVX-VNNI"
+    lines.append(_INT8_PV_LINES[info["int8_pv"]] + (f" ({isa})" if info["int8_pv"] == "int16" else ""))
+    if info["int8_mode"] == "auto":
+        lines += [f"small calls on float keys take float32 products: fewer than "
+                  f"{_call.INT8_MIN_ROWS} query or key rows,",
+                  f"  or fewer than {_call.INT8_MIN_WORK:.0e} multiply-adds "
+                  "(quantizing the keys costs more than it saves)"]
+    return lines
 
 
 # what bfloat16 inputs and precision="bfloat16" multiply with
 _BF16_LINES = {
-    "bfloat16": "bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and "
-                "precision='bfloat16'",
-    "bfloat16-emulated": "bfloat16 dot products spelled in AVX-512F (forced)",
-    "float32": "float32 products (no AVX512_BF16 on this CPU)",
-    "float32-path": "float32 products (bfloat16 products run on the avx512 path only)",
-    "float32-forced": "float32 products (bfloat16 products turned off)",
-    "float32-slow": "float32 products: bfloat16 dot products (AVX512_BF16) are taken on AMD "
-                    "only; Intel's vdpbf16ps issues at about a third of the rate of its "
-                    "float32 FMAs (bfloat16 kernels 0.6-0.68x of float32 measured)",
+    "bfloat16": ["bfloat16 dot products (AVX512_BF16) for bfloat16 inputs and precision='bfloat16'"],
+    "bfloat16-emulated": ["bfloat16 dot products spelled in AVX-512F (forced)"],
+    "float32": ["float32 products (no AVX512_BF16 on this CPU)"],
+    "float32-path": ["float32 products (bfloat16 products run on the avx512 path only)"],
+    "float32-forced": ["float32 products (bfloat16 products turned off)"],
+    "float32-slow": ["float32 products: bfloat16 dot products (AVX512_BF16) are taken on AMD only",
+                     "(Intel's vdpbf16ps issues at about a third of the rate of its float32 FMAs;",
+                     "bfloat16 kernels measured 0.6-0.68x of float32)"],
 }
 
 
@@ -131,10 +145,14 @@ def _bf16_line(info: dict) -> str:
     return "float32-forced" if info["bf16_dot_fast"] else "float32-slow"
 
 
+def _print_lines(name: str, lines: list) -> None:
+    """One configuration entry: its name on the first line, one fact a line."""
+    for i, line in enumerate(lines):
+        print(f"{name if i == 0 else '':>16}{':' if i == 0 else ' '} {line}")
+
+
 def show_config() -> None:
     """Print versions, OpenMP on/off and thread counts, and scipy's BLAS."""
-    from . import _call
-
     info = config_dict()
     print("attncore configuration")
     print("----------------------")
@@ -148,20 +166,12 @@ def show_config() -> None:
     if info["cpu_features_masked"]:
         print(f"{'CPU features':>16}: taken as absent (ATTNCORE_CPU_FEATURES): "
               f"{', '.join(info['cpu_features_masked'])}")
-    print(f"{'16-bit inputs':>16}: bfloat16 / float16 read in place; "
-          + _BF16_LINES[_bf16_line(info)])
+    _print_lines("16-bit inputs", ["bfloat16 / float16 read in place"] + _BF16_LINES[_bf16_line(info)])
     pf = info["decode_prefetch_l2_rows"]
     if pf and info["kernel_path"] != "portable":   # (set for a benchmark)
         print(f"{'decode prefetch':>16}: one query row's key / value rows of {pf} bytes "
               f"or more into L2, shorter ones into L1")
-    print(f"{'precision=int8':>16}: "
-          + _INT8_LINES[info["int8_products"]]
-          + ("" if info["int8_products"] in ("float32", "dequantized")
-             else "; P.V " + _INT8_PV_LINES[info["int8_pv"]]
-             + ("" if info["int8_mode"] != "auto" else
-                f"; calls on float keys with fewer than {_call.INT8_MIN_ROWS} query or key "
-                f"rows, or below {_call.INT8_MIN_WORK:.0e} multiply-adds, take float32 "
-                "products (quantizing the keys would cost more than it saves)")))
+    _print_lines("precision=int8", _int8_lines(info))
     blas = info["blas"]
     print(f"{'BLAS (scipy)':>16}: {blas.get('name')} {blas.get('version')}; "
           + ("held to one thread per attncore thread (thread-locally)"

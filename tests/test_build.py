@@ -58,3 +58,67 @@ def test_fail_message_does_not_promise_a_serial_build():
     assert "building serial kernels" not in mod._no_openmp_message(True)
     assert "ATTNCORE_FAIL_NO_OPENMP is set" in mod._no_openmp_message(True)
     assert "building serial kernels" in mod._no_openmp_message(False)
+
+
+class _FakeCompiler:
+    compiler_so = ["gcc", "-O3"]
+    linker_so = ["gcc", "-shared"]
+
+
+class _FakeBuildExt:
+    """What setup.py's build cache reads of a build_ext command."""
+    compiler = _FakeCompiler()
+
+    def get_ext_filename(self, name):
+        return os.path.join(*name.split(".")) + ".so"
+
+
+def _tree(tmp_path, mod):
+    """A source tree with one extension's C file and a kernel header."""
+    src = tmp_path / "attncore" / "_core" / "src"
+    src.mkdir(parents=True)
+    (src / "ac_x.h").write_text("static int f(void) { return 1; }\n")
+    (tmp_path / "attncore" / "_core" / "_x.c").write_text("#include \"ac_x.h\"\n")
+    mod.HERE = str(tmp_path)
+    ext = mod.Extension("attncore._core._x", [os.path.join("attncore", "_core", "_x.c")],
+                        extra_compile_args=["-O3", "-fopenmp"])
+    return ext, src
+
+
+def test_build_key_follows_sources_and_flags(tmp_path):
+    """The cache key changes with a kernel header, the C source, a compile
+    flag and the compiler command, and with nothing else."""
+    mod = _setup_module()
+    ext, src = _tree(tmp_path, mod)
+    cmd = _FakeBuildExt()
+    key = mod._build_key(cmd, ext)
+    assert mod._build_key(cmd, ext) == key
+    (src / "ac_x.h").write_text("static int f(void) { return 2; }\n")
+    key2 = mod._build_key(cmd, ext)
+    assert key2 != key
+    (tmp_path / "attncore" / "_core" / "_x.c").write_text("/* changed */\n")
+    key3 = mod._build_key(cmd, ext)
+    assert key3 != key2
+    ext.extra_compile_args = ["-O3"]                       # e.g. a serial build
+    key4 = mod._build_key(cmd, ext)
+    assert key4 != key3
+    cmd.compiler = type("C", (), {"compiler_so": ["gcc", "-O3", "-DAC_BK=64"],
+                                  "linker_so": ["gcc", "-shared"]})()
+    assert mod._build_key(cmd, ext) != key4
+
+
+def test_in_tree_extension_reused_only_as_recorded(tmp_path):
+    """An in-tree extension is reused when its key was recorded for exactly
+    that file; a different key, a changed file or no record compiles."""
+    mod = _setup_module()
+    ext, _ = _tree(tmp_path, mod)
+    cmd = _FakeBuildExt()
+    key = mod._build_key(cmd, ext)
+    so = tmp_path / "attncore" / "_core" / "_x.so"
+    so.write_bytes(b"built")
+    assert mod._reusable(cmd, ext, key) is None            # nothing recorded
+    mod._record(ext, key, str(so))
+    assert mod._reusable(cmd, ext, key) == str(so)
+    assert mod._reusable(cmd, ext, "another key") is None
+    so.write_bytes(b"built by something else")
+    assert mod._reusable(cmd, ext, key) is None

@@ -18,7 +18,7 @@
 #
 # Environment:
 #   WHEEL_TEST_PYTHONS        versions (default "3.10 3.11 3.12 3.13")
-#   WHEEL_TEST_EXTRAS_PYTHON  the version that also gets the test extra (3.11;
+#   WHEEL_TEST_EXTRAS_PYTHON  the version that also gets the test and test-torch extras (3.11;
 #                             "" for none)
 #   WHEEL_TEST_DIR            work directory (default: a temporary one, removed)
 #   WHEEL_TEST_KEEP_WHEELS    copy sdist + repaired wheels to this directory
@@ -146,7 +146,7 @@ for v in "${VERSIONS[@]}"; do
     # no build tools: the venvs of Python < 3.12 come with setuptools
     "$vpy" -m pip uninstall --quiet --yes setuptools wheel > /dev/null 2>&1 || true
     if [ "$v" = "$EXTRAS" ]; then
-        req=("$whl[test]")
+        req=("$whl[test,test-torch]")
     else
         req=("$whl" pytest hypothesis)
     fi
@@ -165,7 +165,7 @@ for v in "${VERSIONS[@]}"; do
     stamp "Python $v: tools/test_installed.py"
     (cd "$WORK" && "$vpy" "$SRC/tools/test_installed.py" "$WORK/src" tests -q) ||
         { echo "wheel_test: Python $v FAILED"; exit 1; }
-    timings+=("install + test ($v$([ "$v" = "$EXTRAS" ] && echo ', test extra')): $(( $(date +%s) - t )) s")
+    timings+=("install + test ($v$([ "$v" = "$EXTRAS" ] && echo ', test extras')): $(( $(date +%s) - t )) s")
 done
 
 stamp "all passed"
