@@ -62,6 +62,9 @@ cdef extern from "ac_sdpa.h" nogil:
         int kvcopy
         int kchunk
         Py_ssize_t kbase
+        int resume
+        const void *knext
+        const void *vnext
 
     int ac_sdpa_range_f32(const ac_params *p, const float *q, const float *k, const float *v,
                           const float *ksc, const float *vsc,
@@ -1494,6 +1497,96 @@ cdef inline void _stage_keys(const ac_params *pb, const _POps *ops, const int32_
         j += take
 
 
+cdef inline Py_ssize_t _paged_range(const _POps *ops, const int32_t *row, Py_ssize_t base,
+                                    Py_ssize_t j, Py_ssize_t ke, Py_ssize_t *bid,
+                                    Py_ssize_t *off) noexcept nogil:
+    """The end of the range of keys from key j (< ke) read in place: its
+    block, or the run of physically consecutive blocks from it (ops.runs),
+    within ke; bid / off: its block id and first slot."""
+    cdef Py_ssize_t bs = ops.bs, blk = (base + j) // bs
+    cdef Py_ssize_t je = (blk + 1) * bs - base
+    bid[0] = row[blk]
+    off[0] = base + j - blk * bs
+    if ops.runs:
+        while je < ke and row[(base + je) // bs] == row[(base + je) // bs - 1] + 1:
+            je += bs
+    return ke if je > ke else je
+
+
+cdef inline int _paged_keys_fold(const ac_params *pb, const _POps *ops, Py_ssize_t s,
+                                 Py_ssize_t hk0, int nh, const floating *q, int nq,
+                                 Py_ssize_t ks, Py_ssize_t ke, floating *buf) noexcept nogil:
+    """_paged_keys of a folded item of at most AC_SMALL_ROWS rows per key
+    head (a one-query sequence's query heads, a key head's group at a
+    time): the keys read in place, a block (or a run of physically
+    consecutive ones) at a time, every key head's group of rows on it in
+    turn (the block's stretch of the pool read while it is in cache), each
+    group's running state continued from range to range (ac_params.resume:
+    no staging copy, no merge), and the kernel's prefetch running on into
+    the rows read next (the next head's, after the last head the next
+    block's: ac_params.knext / vnext).  Returns whether any key tile was
+    processed."""
+    cdef Py_ssize_t Dv = pb.Dv
+    cdef floating *S = buf
+    cdef floating *acc = S + pb.s_len
+    cdef floating *m = acc + pb.Bq * Dv
+    cdef floating *l = m + pb.Bq
+    cdef floating *alpha = l + pb.Bq
+    cdef int *bad = <int *>(alpha + pb.Bq)
+    cdef const int32_t *row = ops.bt + s * ops.bt_rs
+    cdef Py_ssize_t base = ops.koff[s] if ops.koff != NULL else 0
+    cdef ac_params pc = pb[0]
+    cdef Py_ssize_t j = ks, je, jn, bid, off, bidn = 0, offn = 0, hk, ko, vo
+    cdef Py_ssize_t qstep = ops.group * ops.q_hs * (2 if ops.qkind == 1 else sizeof(floating))
+    cdef int any = 0, got = 0, t
+    cdef const floating *ksp = NULL
+    cdef const floating *vsp = NULL
+    cdef floating dummy = 0
+    je = _paged_range(ops, row, base, j, ke, &bid, &off) if j < ke else ke
+    while j < ke:
+        jn = _paged_range(ops, row, base, je, ke, &bidn, &offn) if je < ke else ke
+        # key j of the sequence is key 0 of this range (M shifted by j)
+        pc.M = <int>(pb.M - j)
+        pc.kbase = pb.kbase + j
+        pc.resume = any
+        for t in range(nh):
+            hk = hk0 + t
+            ko = bid * ops.k_bs + off * pb.k_rs + hk * ops.k_hs
+            vo = bid * ops.v_bs + off * pb.v_rs + hk * ops.v_hs
+            if t + 1 < nh:
+                pc.knext = _elems(ops.k, ko + ops.k_hs, ops.kkind, dummy)
+                pc.vnext = _elems(ops.v, vo + ops.v_hs, ops.vkind, dummy)
+            elif je < ke:
+                pc.knext = _elems(ops.k, bidn * ops.k_bs + offn * pb.k_rs + hk0 * ops.k_hs,
+                                  ops.kkind, dummy)
+                pc.vnext = _elems(ops.v, bidn * ops.v_bs + offn * pb.v_rs + hk0 * ops.v_hs,
+                                  ops.vkind, dummy)
+            else:
+                pc.knext = NULL
+                pc.vnext = NULL
+            if ops.kkind == 2:
+                ksp = ((<const floating *>ops.ksc) + bid * ops.ks_bs + off * pb.ks_rs
+                       + hk * ops.ks_hs)
+            if ops.vkind == 2:
+                vsp = ((<const floating *>ops.vsc) + bid * ops.vs_bs + off * pb.vs_rs
+                       + hk * ops.vs_hs)
+            got = _range(&pc, <const floating *>((<const char *>q) + t * qstep),
+                         _elems(ops.k, ko, ops.kkind, dummy), _elems(ops.v, vo, ops.vkind, dummy),
+                         ksp, vsp, NULL, <const floating *>NULL, 0, nq, 0, je - j, S,
+                         acc + t * nq * Dv, m + t * nq, l + t * nq, alpha, bad + t * nq)
+        any = any | got
+        j = je
+        je = jn
+        bid = bidn
+        off = offn
+    if not any:
+        for t in range(nq * nh):
+            m[t] = -INFINITY
+            l[t] = 0
+            bad[t] = 0
+    return any
+
+
 cdef inline int _paged_keys(const ac_params *pb, const _POps *ops, Py_ssize_t s,
                             Py_ssize_t hk0, int nh, const floating *q, Py_ssize_t i0, int nq,
                             Py_ssize_t ks, Py_ssize_t ke, floating *buf) noexcept nogil:
@@ -1692,7 +1785,10 @@ cdef inline void _paged_item(const ac_params *p0, const _POps *ops, const _PItem
         ks = 0
     if ke > hi:
         ke = hi
-    if it.fold:
+    if it.fold and ops.group <= AC_SMALL_ROWS:
+        processed = _paged_keys_fold(&pb, ops, s, 0, ops.Hq // ops.group, q, ops.group, ks, ke,
+                                     buf)
+    elif it.fold:
         processed = _paged_keys(&pb, ops, s, 0, ops.Hq // ops.group, q, 0, ops.group, ks, ke,
                                 buf)
     else:
@@ -1850,7 +1946,9 @@ def sdpa_paged(call, out, lse=None):
     (lower-right per sequence), 3 a window alone.  slopes / sinks: None or
     C-contiguous float64 (S * Hq,).  fold: the query heads of a key head
     of a one-query sequence run as rows of one item, key head after key head
-    on each block (no ALiBi; plan.Bq must be at least Hq).
+    on each block (no ALiBi; plan.Bq must be at least Hq; at most
+    AC_SMALL_ROWS rows per key head: the keys read in place, each head's
+    state continued from block to block, _paged_keys_fold).
     plan: Bq, Bk, nthreads; plan.chunk: keys per split (a multiple of bs)
     and plan.nsplit > 1 where sequences split over keys.
 

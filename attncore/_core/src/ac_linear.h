@@ -139,7 +139,8 @@ static int ac_linear_rows_f32(const float *x, ptrdiff_t x_rs, int r0, int nr,
     if (nr <= AC_LINEAR_SMALL) {
         float *o = out + r0 * o_rs + c0;
         ac_scores_small_x86(ac_kernel_path == AC_PATH_AVX512, AC_SE_F32, nr, c1 - c0, K, 1.0f,
-                            x + r0 * x_rs, x_rs, w + c0 * w_rs, w_rs, NULL, 0, o, (int)o_rs);
+                            x + r0 * x_rs, x_rs, w + c0 * w_rs, w_rs, NULL, 0, o, (int)o_rs,
+                            NULL);
         if (bias)
             for (int r = 0; r < nr; r++)
                 for (int c = 0; c < c1 - c0; c++) o[r * o_rs + c] += bias[c0 + c];

@@ -128,6 +128,21 @@ typedef struct {
                                  query block's first visible key, with the
                                  block size (the thread count) -- changes
                                  no result                                */
+    int resume;               /* 1: ac_sdpa_range continues the running
+                                 state (acc, m, l, bad) of an earlier range
+                                 of the same rows instead of starting one
+                                 (a paged sequence's blocks, read in place
+                                 one after the other); never the fused
+                                 kernel's (such a call takes the direct
+                                 loops / BLAS)                            */
+    const void *knext, *vnext; /* the key / value rows (same format and row
+                                 strides as k / v) of the range the caller
+                                 runs next, or NULL: the small-row loops'
+                                 prefetch runs on into them in the last
+                                 tile (a paged block's rows, a 4 KiB
+                                 multiple apart, each on its own page: no
+                                 hardware prefetcher runs ahead across
+                                 them)                                    */
 } ac_params;
 
 /* rows [0, nk) of an int8 tile (row stride x_rs) times their scales (row
@@ -324,6 +339,9 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
     p->kvcopy = 0;
     p->kchunk = 0;
     p->kbase = 0;
+    p->resume = 0;
+    p->knext = NULL;
+    p->vnext = NULL;
     p->mp_off = 0;
     if (!is64 && (conv || bf16dot)) {
         /* the fused kernel's panels sharing converted key / value tiles:

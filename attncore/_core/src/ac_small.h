@@ -268,13 +268,16 @@ static AC_TGT_AVX2 AC_SINLINE float ac_hsum1_avx2(__m256 a)
 }
 
 /* the small-row products of a key / value operand (k_rs / v_rs, ks_rs /
- * vs_rs in elements; ks / vsc: int8 rows' scales, else unused) */
+ * vs_rs in elements; ks / vsc: int8 rows' scales, else unused; kn / vn:
+ * NULL, or the rows of the same format and stride read next, whose first
+ * rows the last keys prefetch) */
 typedef void (*ac_scores_small_fn)(int nq, int nk, int D, float scale, const float *q,
                                    ptrdiff_t q_rs, const void *k, ptrdiff_t k_rs,
-                                   const float *ks, ptrdiff_t ks_rs, float *S, int ldS);
+                                   const float *ks, ptrdiff_t ks_rs, float *S, int ldS,
+                                   const void *kn);
 typedef void (*ac_pv_small_fn)(int nq, int nk, int Dv, const float *S, int ldS,
                                const void *v, ptrdiff_t v_rs, const float *vsc,
-                               ptrdiff_t vs_rs, float *acc, int first);
+                               ptrdiff_t vs_rs, float *acc, int first, const void *vn);
 
 /* AVX-512 */
 #define AC_SISA avx512
@@ -333,18 +336,19 @@ typedef void (*ac_pv_small_fn)(int nq, int nk, int Dv, const float *S, int ldS,
  * set) or the AVX2 path */
 static void ac_scores_small_x86(int avx512, int fmt, int nq, int nk, int D, float scale,
                                 const float *q, ptrdiff_t q_rs, const void *k, ptrdiff_t k_rs,
-                                const float *ks, ptrdiff_t ks_rs, float *S, int ldS)
+                                const float *ks, ptrdiff_t ks_rs, float *S, int ldS,
+                                const void *kn)
 {
     (avx512 ? ac_scores_small_avx512 : ac_scores_small_avx2)[fmt](
-        nq, nk, D, scale, q, q_rs, k, k_rs, ks, ks_rs, S, ldS);
+        nq, nk, D, scale, q, q_rs, k, k_rs, ks, ks_rs, S, ldS, kn);
 }
 
 static void ac_pv_small_x86(int avx512, int fmt, int nq, int nk, int Dv, const float *S,
                             int ldS, const void *v, ptrdiff_t v_rs, const float *vsc,
-                            ptrdiff_t vs_rs, float *acc, int first)
+                            ptrdiff_t vs_rs, float *acc, int first, const void *vn)
 {
     (avx512 ? ac_pv_small_avx512 : ac_pv_small_avx2)[fmt](
-        nq, nk, Dv, S, ldS, v, v_rs, vsc, vs_rs, acc, first);
+        nq, nk, Dv, S, ldS, v, v_rs, vsc, vs_rs, acc, first, vn);
 }
 #endif /* AC_HAVE_X86 */
 
