@@ -185,3 +185,27 @@ def test_calls_from_many_python_threads_at_once():
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a call hung"
     assert not errors, errors[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a Linux compiler with ThreadSanitizer")
+def test_team_is_clean_under_thread_sanitizer(tmp_path):
+    """src/ac_team.h in a C program of 20 threads running jobs at once
+    (tests/team_stress.c), built with -fsanitize=thread: every item runs
+    once, with its result, and ThreadSanitizer reports no data race."""
+    import shutil
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(os.path.dirname(here), "attncore", "_core", "src")
+    exe = tmp_path / "team_stress"
+    b = subprocess.run([cc, "-fopenmp", "-fsanitize=thread", "-g", "-O1", "-I", src,
+                        os.path.join(here, "team_stress.c"), "-o", str(exe), "-lpthread"],
+                       capture_output=True, text=True)
+    if b.returncode != 0:
+        pytest.skip(f"cannot build with ThreadSanitizer: {b.stderr[-300:]}")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TSAN_OPTIONS="halt_on_error=1"))
+    assert "ThreadSanitizer" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 0 and r.stdout.split() == ["bad", "0"], r.stdout + r.stderr[-500:]

@@ -20,9 +20,9 @@
  *     a short spin, so its core goes to whoever needs it;
  *   - idle members spin briefly (AC_TEAM_SPIN_NS) for the next call, then
  *     sleep on a condition variable: they never hold a core for long;
- *   - one job at a time: a call made while the team works for another
- *     thread (several Python threads calling at once) runs on its calling
- *     thread alone, with the same result;
+ *   - calls from several threads at once each take a team of their own
+ *     (AC_TEAMS of them; beyond that a call runs on its calling thread,
+ *     with the same result);
  *   - members are started when a call first asks for them (detached
  *     pthreads, never stopped).
  *
@@ -67,15 +67,33 @@ typedef struct {
     int refs;         /* atomic: joined members still running */
 } ac_team_job;
 
-static struct {
+/* One team: a caller takes a free one for its call (as an OpenMP runtime
+   gives each thread that opens a region a pool of its own), so calls from
+   several threads at once each have members; past AC_TEAMS at once, a call
+   runs on its calling thread. */
+typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t wake;      /* a new job */
     pthread_cond_t idle;      /* a member left the job */
     ac_team_job *job;         /* under mu: the job open to members, or NULL */
     unsigned long gen;        /* atomic: bumped for every job */
     int started;              /* under mu: members started */
-} ac_team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-             NULL, 0, 0};
+    int busy;                 /* atomic: a caller holds this team */
+} ac_team_t;
+
+#define AC_TEAMS 16
+static ac_team_t ac_teams[AC_TEAMS];
+static pthread_once_t ac_teams_once = PTHREAD_ONCE_INIT;
+
+static void ac_teams_init(void)
+{
+    int i;
+    for (i = 0; i < AC_TEAMS; i++) {
+        pthread_mutex_init(&ac_teams[i].mu, NULL);
+        pthread_cond_init(&ac_teams[i].wake, NULL);
+        pthread_cond_init(&ac_teams[i].idle, NULL);
+    }
+}
 
 static inline void ac_team_pause(void)
 {
@@ -93,19 +111,19 @@ static inline long ac_team_ns(void)
     return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-/* Spin until *word != seen or ns have passed; whether it changed. */
-static int ac_team_spin_gen(const unsigned long *word, unsigned long seen, long ns)
+/* Spin until *word != seen or ns have passed. */
+static void ac_team_spin_gen(const unsigned long *word, unsigned long seen, long ns)
 {
     long t0 = ac_team_ns();
     int k;
     for (;;) {
         for (k = 0; k < 16; k++) {
             if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != seen)
-                return 1;
+                return;
             ac_team_pause();
         }
         if (ac_team_ns() - t0 > ns)
-            return 0;
+            return;
     }
 }
 
@@ -123,52 +141,92 @@ static void ac_team_claim(ac_team_job *job, int slot)
 
 static void *ac_team_member(void *arg)
 {
-    unsigned long seen = (unsigned long)(size_t)arg;
+    ac_team_t *T = (ac_team_t *)arg;
+    unsigned long seen = 0;   /* below every job's gen: the open job, if any, is joined */
     ac_team_job *job;
     int slot;
     for (;;) {
-        ac_team_spin_gen(&ac_team.gen, seen, AC_TEAM_SPIN_NS);
-        pthread_mutex_lock(&ac_team.mu);
-        while (__atomic_load_n(&ac_team.gen, __ATOMIC_ACQUIRE) == seen)
-            pthread_cond_wait(&ac_team.wake, &ac_team.mu);
-        seen = __atomic_load_n(&ac_team.gen, __ATOMIC_ACQUIRE);
-        job = ac_team.job;
+        ac_team_spin_gen(&T->gen, seen, AC_TEAM_SPIN_NS);
+        pthread_mutex_lock(&T->mu);
+        while (__atomic_load_n(&T->gen, __ATOMIC_ACQUIRE) == seen)
+            pthread_cond_wait(&T->wake, &T->mu);
+        seen = __atomic_load_n(&T->gen, __ATOMIC_ACQUIRE);
+        job = T->job;
         if (job == NULL || job->joined >= job->want) {
-            pthread_mutex_unlock(&ac_team.mu);
+            pthread_mutex_unlock(&T->mu);
             continue;   /* a job already done, or already staffed */
         }
         slot = ++job->joined;
         __atomic_add_fetch(&job->refs, 1, __ATOMIC_RELAXED);
-        pthread_mutex_unlock(&ac_team.mu);
+        pthread_mutex_unlock(&T->mu);
         ac_team_claim(job, slot);
-        pthread_mutex_lock(&ac_team.mu);
+        pthread_mutex_lock(&T->mu);
         if (__atomic_sub_fetch(&job->refs, 1, __ATOMIC_ACQ_REL) == 0)
-            pthread_cond_broadcast(&ac_team.idle);   /* callers of two jobs may wait */
-        pthread_mutex_unlock(&ac_team.mu);
+            pthread_cond_signal(&T->idle);   /* the one caller of this team */
+        pthread_mutex_unlock(&T->mu);
     }
     return NULL;
 }
 
-/* Start members until `want` run (under mu); the number running. */
-static int ac_team_grow(int want)
+/* Start members of T until `want` run (under T->mu); the number running. */
+static int ac_team_grow(ac_team_t *T, int want)
 {
     pthread_attr_t attr;
     pthread_t t;
     if (want > AC_TEAM_MAX)
         want = AC_TEAM_MAX;
-    if (ac_team.started >= want)
-        return ac_team.started;
+    if (T->started >= want)
+        return want;
     if (pthread_attr_init(&attr) != 0)
-        return ac_team.started;
+        return T->started;
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    while (ac_team.started < want) {
-        if (pthread_create(&t, &attr, ac_team_member,
-                           (void *)(size_t)__atomic_load_n(&ac_team.gen, __ATOMIC_RELAXED)) != 0)
+    while (T->started < want) {
+        if (pthread_create(&t, &attr, ac_team_member, T) != 0)
             break;   /* no more threads: the members there are do the work */
-        ac_team.started++;
+        T->started++;
     }
     pthread_attr_destroy(&attr);
-    return ac_team.started;
+    return T->started < want ? T->started : want;
+}
+
+/* A free team, taken; NULL when every team is busy. */
+static ac_team_t *ac_team_take(void)
+{
+    int i, zero;
+    pthread_once(&ac_teams_once, ac_teams_init);
+    for (i = 0; i < AC_TEAMS; i++) {
+        zero = 0;
+        if (__atomic_load_n(&ac_teams[i].busy, __ATOMIC_RELAXED) == 0 &&
+            __atomic_compare_exchange_n(&ac_teams[i].busy, &zero, 1, 0, __ATOMIC_ACQUIRE,
+                                        __ATOMIC_RELAXED))
+            return &ac_teams[i];
+    }
+    return NULL;
+}
+
+/* Run job on T with its caller as slot 0; returns when every member that
+   joined has left. */
+static void ac_team_job_run(ac_team_t *T, ac_team_job *job)
+{
+    pthread_mutex_lock(&T->mu);
+    T->job = job;
+    __atomic_add_fetch(&T->gen, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&T->wake);
+    pthread_mutex_unlock(&T->mu);
+    ac_team_claim(job, 0);
+    pthread_mutex_lock(&T->mu);
+    T->job = NULL;   /* closed: no member joins any more */
+    pthread_mutex_unlock(&T->mu);
+    if (__atomic_load_n(&job->refs, __ATOMIC_ACQUIRE) != 0) {
+        long t0 = ac_team_ns();
+        while (__atomic_load_n(&job->refs, __ATOMIC_ACQUIRE) != 0 &&
+               ac_team_ns() - t0 < AC_TEAM_JOIN_SPIN_NS)
+            ac_team_pause();
+        pthread_mutex_lock(&T->mu);
+        while (__atomic_load_n(&job->refs, __ATOMIC_ACQUIRE) != 0)
+            pthread_cond_wait(&T->idle, &T->mu);
+        pthread_mutex_unlock(&T->mu);
+    }
 }
 #endif
 
@@ -189,15 +247,15 @@ static void ac_team_run(int nthreads, ptrdiff_t n, ac_team_item_fn item, ac_team
 {
 #ifdef AC_TEAM_THREADS
     ac_team_job job;
+    ac_team_t *T;
     int want = nthreads - 1;
     if (want > n - 1)
         want = (int)(n - 1);
-    if (want >= 1) {
-        pthread_mutex_lock(&ac_team.mu);
-        if (ac_team.job == NULL)
-            want = ac_team_grow(want) < want ? ac_team.started : want;
-        else
-            want = 0;   /* the team works for another call: this one runs alone */
+    T = want >= 1 ? ac_team_take() : NULL;
+    if (T != NULL) {
+        pthread_mutex_lock(&T->mu);
+        want = ac_team_grow(T, want);
+        pthread_mutex_unlock(&T->mu);
         if (want >= 1) {
             job.item = item;
             job.done = done;
@@ -207,44 +265,29 @@ static void ac_team_run(int nthreads, ptrdiff_t n, ac_team_item_fn item, ac_team
             job.want = want;
             job.joined = 0;
             job.refs = 0;
-            ac_team.job = &job;
-            __atomic_add_fetch(&ac_team.gen, 1, __ATOMIC_RELEASE);
-            pthread_cond_broadcast(&ac_team.wake);
+            ac_team_job_run(T, &job);
+            __atomic_store_n(&T->busy, 0, __ATOMIC_RELEASE);
+            return;
         }
-        pthread_mutex_unlock(&ac_team.mu);
-    }
-    if (want < 1) {
-        ac_team_serial(n, item, done, ctx);
-        return;
-    }
-    ac_team_claim(&job, 0);
-    pthread_mutex_lock(&ac_team.mu);
-    ac_team.job = NULL;   /* closed: no member joins any more */
-    pthread_mutex_unlock(&ac_team.mu);
-    if (__atomic_load_n(&job.refs, __ATOMIC_ACQUIRE) != 0) {
-        long t0 = ac_team_ns();
-        while (__atomic_load_n(&job.refs, __ATOMIC_ACQUIRE) != 0 &&
-               ac_team_ns() - t0 < AC_TEAM_JOIN_SPIN_NS)
-            ac_team_pause();
-        pthread_mutex_lock(&ac_team.mu);
-        while (__atomic_load_n(&job.refs, __ATOMIC_ACQUIRE) != 0)
-            pthread_cond_wait(&ac_team.idle, &ac_team.mu);
-        pthread_mutex_unlock(&ac_team.mu);
+        __atomic_store_n(&T->busy, 0, __ATOMIC_RELEASE);
     }
 #else
     (void)nthreads;
-    ac_team_serial(n, item, done, ctx);
 #endif
+    ac_team_serial(n, item, done, ctx);
 }
 
-/* Members started so far (0 without the team): for tests. */
+/* Members started so far, over all teams (0 without them): for tests. */
 static int ac_team_started(void)
 {
 #ifdef AC_TEAM_THREADS
-    int s;
-    pthread_mutex_lock(&ac_team.mu);
-    s = ac_team.started;
-    pthread_mutex_unlock(&ac_team.mu);
+    int i, s = 0;
+    pthread_once(&ac_teams_once, ac_teams_init);
+    for (i = 0; i < AC_TEAMS; i++) {
+        pthread_mutex_lock(&ac_teams[i].mu);
+        s += ac_teams[i].started;
+        pthread_mutex_unlock(&ac_teams[i].mu);
+    }
     return s;
 #else
     return 0;
