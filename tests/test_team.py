@@ -1,9 +1,9 @@
 """attncore's own thread team (src/ac_team.h), which runs the attention
 kernels' items in place of an OpenMP region: the results do not depend on
 which thread ran which item, the team uses the threads a call asks for
-(num_threads, threadpoolctl limits) and no more, and calls from several
-Python threads at once (the team busy with one of them) give the same
-results."""
+(num_threads, threadpoolctl limits) and no more, calls from several Python
+threads at once (each on a team of its own) give the same results, and the
+team's C code is clean under ThreadSanitizer."""
 import os
 import subprocess
 import sys
@@ -151,9 +151,9 @@ def test_the_team_starts_the_threads_asked_for_and_no_more():
 
 def test_calls_from_many_python_threads_at_once():
     """Eight Python threads, each running decoding steps and paged steps at
-    2 and 3 threads while the others do: the team serves one call at a time
-    and the others run on their calling threads; every result is the
-    serial one of its thread count, bit for bit."""
+    2 and 3 threads while the others do (each caller takes a team of its
+    own): every result is the serial one of its thread count, bit for
+    bit."""
     dec = [_decode(M, seed=s) for s, M in enumerate((700, 2100, 4000))]
     pg = _paged(seed=7)
     want_dec = [sdpa(q, k, v, enable_gqa=True, num_threads=1) for q, k, v in dec]
