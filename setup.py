@@ -309,7 +309,7 @@ def extensions():
             "attncore._core._sdpa",
             [os.path.join("attncore", "_core", "_sdpa.pyx")],
             include_dirs=[SRC],
-            depends=_src_deps("ac_sdpa.h"),
+            depends=_src_deps("ac_sdpa.h", "ac_team.h"),
         ),
         Extension(
             "attncore._core._additive",

@@ -3,8 +3,9 @@
 
 Private.  ``attncore.functional`` validates and lays out the arrays; this
 module only splits the work into (batch element, query block[, key split])
-items, gives every OpenMP thread its own scratch and calls the C kernels in
-``src/ac_sdpa.h`` without the GIL.
+items, gives every thread (of attncore's own team, src/ac_team.h, or of an
+OpenMP region) its own scratch and calls the C kernels in ``src/ac_sdpa.h``
+without the GIL.
 
 Operands arrive as NumPy arrays plus, per operand, an array of element
 offsets (one per flattened batch element).  Offsets carry broadcasting
@@ -14,7 +15,7 @@ operand is ever expanded or copied here.
 from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_RECORDS, PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE,
                              PyBuffer_IsContiguous, PyObject_GetBuffer, PyBuffer_Release)
 from cpython.pycapsule cimport PyCapsule_New
-from cython.parallel cimport prange, parallel, threadid
+from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, calloc, free, qsort
 from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, int64_t
@@ -24,6 +25,13 @@ from scipy.linalg.cython_blas cimport sgemm, dgemm
 from attncore._core._blas cimport ac_sgemm_t, ac_dgemm_t
 from attncore._core._elementwise cimport _map_array
 from attncore._core._buffers cimport _Buffers, _acquire, _release_all
+cdef extern from "ac_team.h" nogil:
+    ctypedef void (*ac_team_item_fn)(void *ctx, Py_ssize_t i, int slot) noexcept nogil
+    ctypedef void (*ac_team_done_fn)(void *ctx, int slot) noexcept nogil
+    void ac_team_run(int nthreads, Py_ssize_t n, ac_team_item_fn item, ac_team_done_fn done,
+                     void *ctx)
+    int ac_team_started()
+
 from attncore._core._openmp cimport (
     AC_OPENMP_ENABLED, omp_get_max_threads, omp_get_num_procs, ac_blas_hold,
     ac_blas_release, set_blas_local_fns)
@@ -845,6 +853,132 @@ cdef inline void *_align64(void *raw) noexcept nogil:
     return <void *>(<char *>raw + (64 - (<size_t>raw & 63)))
 
 
+# --------------------------------------------------------------------------
+# the threaded runs, on attncore's own team (src/ac_team.h: the calling
+# thread works too, a member that starts late finds nothing left, idle
+# members spin only briefly) -- never an OpenMP region, whose end waits for
+# every member and whose idle threads spin for milliseconds
+# --------------------------------------------------------------------------
+cdef struct _TeamJob:
+    const ac_params *p
+    void *ops                # _Ops * / _POps *
+    const void *items        # the paged items (_PItem *)
+    Py_ssize_t nqb, chunk, nbytes
+    int nsplit, dbl
+    void *part
+    int *pbad
+    void **raw               # per slot: its scratch (malloc'ed on its first item)
+    int *nf                  # per slot: items that wrote rows not all finite
+    int *err                 # per slot: its scratch could not be allocated
+
+
+cdef inline void *_slot_scratch(_TeamJob *j, int slot) noexcept nogil:
+    """Slot's scratch (aligned), allocated on its first item, the BLAS then
+    held to one thread on its thread; NULL when memory ran out."""
+    if j.raw[slot] == NULL:
+        if j.err[slot]:
+            return NULL
+        j.raw[slot] = malloc(j.nbytes + 64)
+        if j.raw[slot] == NULL:
+            j.err[slot] = 1
+            return NULL
+        ac_blas_hold()
+    return _align64(j.raw[slot])
+
+
+cdef void _slot_done(void *c, int slot) noexcept nogil:
+    cdef _TeamJob *j = <_TeamJob *>c
+    if j.raw[slot] != NULL:
+        ac_blas_release()
+        free(j.raw[slot])
+        j.raw[slot] = NULL
+
+
+cdef void _flash_job_item(void *c, Py_ssize_t w, int slot) noexcept nogil:
+    cdef _TeamJob *j = <_TeamJob *>c
+    cdef void *buf = _slot_scratch(j, slot)
+    if buf == NULL:
+        return
+    if j.dbl:
+        j.nf[slot] += _flash_item(j.p, <_Ops *>j.ops, <double *>buf, w, j.nqb, j.nsplit,
+                                  j.chunk, <double *>j.part, j.pbad)
+    else:
+        j.nf[slot] += _flash_item(j.p, <_Ops *>j.ops, <float *>buf, w, j.nqb, j.nsplit,
+                                  j.chunk, <float *>j.part, j.pbad)
+
+
+cdef void _merge_job_item(void *c, Py_ssize_t t, int slot) noexcept nogil:
+    cdef _TeamJob *j = <_TeamJob *>c
+    if j.dbl:
+        j.nf[slot] += _merge_item(j.p, <_Ops *>j.ops, t, j.nqb, j.nsplit, <double *>j.part,
+                                  j.pbad)
+    else:
+        j.nf[slot] += _merge_item(j.p, <_Ops *>j.ops, t, j.nqb, j.nsplit, <float *>j.part,
+                                  j.pbad)
+
+
+cdef int _team_job_init(_TeamJob *j, int nthreads) noexcept nogil:
+    """Per-slot arrays of j; -1 when memory ran out."""
+    j.raw = <void **>calloc(nthreads, sizeof(void *))
+    j.nf = <int *>calloc(nthreads, sizeof(int))
+    j.err = <int *>calloc(nthreads, sizeof(int))
+    if j.raw == NULL or j.nf == NULL or j.err == NULL:
+        _team_job_free(j, nthreads, NULL)
+        return -1
+    return 0
+
+
+cdef int _team_job_free(_TeamJob *j, int nthreads, int *nf) noexcept nogil:
+    """Adds the slots' non-finite counts to nf; -1 where a slot had no
+    scratch, else 0."""
+    cdef int t, err = 0
+    if j.nf != NULL and j.err != NULL:
+        for t in range(nthreads):
+            if nf != NULL:
+                nf[0] += j.nf[t]
+            if j.err[t]:
+                err = -1
+    free(j.raw)
+    free(j.nf)
+    free(j.err)
+    return err
+
+
+cdef int _flash_team(const ac_params *p, _Ops *ops, Py_ssize_t nb, Py_ssize_t nqb, Py_ssize_t W,
+                     int nsplit, Py_ssize_t chunk, Py_ssize_t nbuf, int nthreads,
+                     floating *part, int *pbad, int *nf, floating dummy) noexcept nogil:
+    """The flash items, then the merge of split ones, on nthreads threads
+    of the team; 0, or -1 when memory ran out."""
+    cdef _TeamJob j
+    cdef int err
+    j.p = p
+    j.ops = ops
+    j.nqb = nqb
+    j.chunk = chunk
+    j.nbytes = nbuf * sizeof(floating)
+    j.nsplit = nsplit
+    j.dbl = floating is double
+    j.part = part
+    j.pbad = pbad
+    if _team_job_init(&j, nthreads):
+        return -1
+    ac_team_run(nthreads, W, _flash_job_item, _slot_done, &j)
+    err = _team_job_free(&j, nthreads, nf)
+    if nsplit > 1 and err == 0:
+        if _team_job_init(&j, nthreads):
+            return -1
+        ac_team_run(nthreads, nb * nqb, _merge_job_item, NULL, &j)
+        err = _team_job_free(&j, nthreads, nf)
+    return err
+
+
+def team_started():
+    """Threads of attncore's own team started so far in this process (0
+    without OpenMP, or off POSIX: everything then runs on the calling
+    thread)."""
+    return ac_team_started()
+
+
 cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
                     Py_ssize_t chunk, int nthreads, int *nonfinite,
                     floating dummy) noexcept nogil:
@@ -860,10 +994,8 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
     cdef floating *part = NULL
     cdef int *pbad = NULL
     cdef int err = 0
-    cdef int *errp = &err
     cdef Py_ssize_t w, t
     cdef int nf = 0
-    cdef int *tnf = NULL
     if nsplit > 1:
         part = <floating *>malloc(W * Bq * (p.Dv + 2) * sizeof(floating))
         pbad = <int *>malloc(W * Bq * sizeof(int))
@@ -886,43 +1018,8 @@ cdef int _run_flash(const ac_params *p, _Ops *ops, Py_ssize_t nb, int nsplit,
             for t in range(nb * nqb):
                 nf = nf + _merge_item(p, ops, t, nqb, nsplit, part, pbad)
     else:
-        # per thread: whether one of its items wrote a row that is not all
-        # finite (its own slot, written only then)
-        tnf = <int *>calloc(nthreads, sizeof(int))
-        if tnf == NULL:
-            free(part)
-            free(pbad)
-            return -1
-        with parallel(num_threads=nthreads):
-            # assigned in the parallel block, so private to each thread
-            raw = malloc(nbuf * sizeof(floating) + 64)
-            buf = <floating *>_align64(raw)
-            if buf == NULL:
-                errp[0] = -1
-            # every thread of the team reaches the worksharing loop (one
-            # without scratch skips its items; the call then raises)
-            ac_blas_hold()
-            if p.causal == AC_CAUSAL_NONE and p.mask_kind == AC_MASK_NONE:
-                # equal work items: a static schedule keeps each thread on the
-                # same items call after call (their K/V stay in its cache)
-                for w in prange(W, schedule='static'):
-                    if buf != NULL:
-                        if _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad):
-                            tnf[threadid()] = 1
-            else:
-                # causal / masked items differ in cost: balance dynamically
-                for w in prange(W, schedule='dynamic'):
-                    if buf != NULL:
-                        if _flash_item(p, ops, buf, w, nqb, nsplit, chunk, part, pbad):
-                            tnf[threadid()] = 1
-            ac_blas_release()
-            free(raw)
-        for t in range(nthreads):
-            nf = nf + tnf[t]
-        free(tnf)
-        if nsplit > 1 and err == 0:
-            for t in prange(nb * nqb, schedule='static', num_threads=nthreads):
-                nf += _merge_item(p, ops, t, nqb, nsplit, part, pbad)
+        err = _flash_team(p, ops, nb, nqb, W, nsplit, chunk, nbuf, nthreads, part, pbad, &nf,
+                          dummy)
     free(part)
     free(pbad)
     nonfinite[0] = nf
@@ -1859,16 +1956,17 @@ cdef int _pitem_cmp(const void *a, const void *b) noexcept nogil:
 cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, Py_ssize_t W,
                     const _PItem *firsts, Py_ssize_t F, int nthreads,
                     floating dummy) noexcept nogil:
-    """The items in one parallel region, dynamically scheduled in the
-    order given, then the merge of the split ones (firsts: their first
-    splits).  Each thread's scratch: the kernel's, the running state and
-    one partial.  0 on success, -1 when memory ran out."""
+    """The items, claimed one at a time in the order given by the team's
+    threads (attncore's own team, src/ac_team.h), then the merge of the
+    split ones (firsts: their first splits).  Each thread's scratch: the
+    kernel's, the running state and one partial.  0 on success, -1 when
+    memory ran out."""
     cdef Py_ssize_t total = ops.tag_off + sizeof(_Staged)
     cdef void *raw = NULL
     cdef floating *buf = NULL
     cdef int err = 0
-    cdef int *errp = &err
     cdef Py_ssize_t w
+    cdef _TeamJob j
     if nthreads <= 1:
         raw = malloc(total + 64)
         buf = <floating *>_align64(raw)
@@ -1883,23 +1981,42 @@ cdef int _run_paged(const ac_params *p, const _POps *ops, const _PItem *items, P
         for w in range(F):
             _paged_merge(p, ops, firsts + w, dummy)
         return 0
-    with parallel(num_threads=nthreads):
-        raw = malloc(total + 64)
-        buf = <floating *>_align64(raw)
-        if buf == NULL:
-            errp[0] = -1
-        else:
-            (<_Staged *>((<char *>buf) + ops.tag_off)).seq = -1
-        ac_blas_hold()
-        for w in prange(W, schedule='dynamic'):
-            if buf != NULL:
-                _paged_item(p, ops, items + w, buf)
-        ac_blas_release()
-        free(raw)
+    j.p = p
+    j.ops = <void *>ops
+    j.items = items
+    j.nbytes = total
+    j.dbl = floating is double
+    if _team_job_init(&j, nthreads):
+        return -1
+    ac_team_run(nthreads, W, _paged_job_item, _slot_done, &j)
+    err = _team_job_free(&j, nthreads, NULL)
     if err == 0 and F:
-        for w in prange(F, schedule='dynamic', num_threads=nthreads):
-            _paged_merge(p, ops, firsts + w, dummy)
+        j.items = firsts
+        ac_team_run(nthreads, F, _paged_job_merge, NULL, &j)
     return err
+
+
+cdef void _paged_job_item(void *c, Py_ssize_t w, int slot) noexcept nogil:
+    cdef _TeamJob *j = <_TeamJob *>c
+    cdef const _POps *ops = <const _POps *>j.ops
+    cdef int fresh = j.raw[slot] == NULL
+    cdef void *buf = _slot_scratch(j, slot)
+    if buf == NULL:
+        return
+    if fresh:
+        (<_Staged *>((<char *>buf) + ops.tag_off)).seq = -1
+    if j.dbl:
+        _paged_item(j.p, ops, (<const _PItem *>j.items) + w, <double *>buf)
+    else:
+        _paged_item(j.p, ops, (<const _PItem *>j.items) + w, <float *>buf)
+
+
+cdef void _paged_job_merge(void *c, Py_ssize_t w, int slot) noexcept nogil:
+    cdef _TeamJob *j = <_TeamJob *>c
+    if j.dbl:
+        _paged_merge(j.p, <const _POps *>j.ops, (<const _PItem *>j.items) + w, <double>0)
+    else:
+        _paged_merge(j.p, <const _POps *>j.ops, (<const _PItem *>j.items) + w, <float>0)
 
 
 cdef inline Py_ssize_t _stride(const Py_buffer *b, int axis) noexcept nogil:
