@@ -42,15 +42,14 @@ from . import _int8
 from ._core import _sdpa
 from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
 from ._quant import split_quantized
-from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
-                       blas_parallel_threads, blas_small_products_ok, resolve_num_threads)
-from ._validation import (aliasing_rows, all_finite, as_float_array, batch_shape, blas_rows,
+from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
+                       blas_small_products_ok, resolve_num_threads, serial_or)
+from ._validation import (INT32_MAX, aliasing_rows, all_finite, as_float_array, batch_shape, blas_rows,
                           check_mask, check_operands, head_values, parse_causal, parse_scale)
 
 __all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe", "launch",
            "modes", "per_batch"]
 
-INT32_MAX = 2**31 - 1
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 # query blocks of at most this many rows take the direct loops (decoding);
 # the C kernels' constant
@@ -208,8 +207,7 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
-    if 2.0 * nb * N * M * (D + Dv) < SERIAL_FLOPS:
-        nthreads = 1
+    nthreads = serial_or(2.0 * nb * N * M * (D + Dv), nthreads)
     fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
              and N > SMALL_ROWS)
     if fused:

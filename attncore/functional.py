@@ -23,14 +23,13 @@ from ._dtypes import _CAST_MIN, HALF_BF16, cast, half_code, is_bf16
 from ._interop import _to_numpy, foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
-from ._validation import as_float_array, parse_bool, parse_softcap, parse_window
+from ._validation import INT32_MAX, as_float_array, parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
 # the planner lives with the call description (attncore._call); its names
 # stay importable from here
 _SMALL_ROWS = _call.SMALL_ROWS
-_INT32_MAX = _call.INT32_MAX
 Plan, plan, plan_call = _call.Plan, _call.plan, _call.plan_call
 
 
@@ -630,7 +629,7 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
     Dv = vshape[3]
     isz = dt.itemsize
     if (Bk != B or vshape[:3] != (B, Hk, M) or Dk != D or Hk == 0 or H % Hk
-            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > _INT32_MAX
+            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > INT32_MAX
             or not (_rows_ok(qshape, qstrides, isz) and _rows_ok(kshape, kstrides, isz)
                     and _rows_ok(vshape, vstrides, isz))):
         return None
