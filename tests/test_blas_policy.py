@@ -171,7 +171,7 @@ def test_l2_size_is_the_cpus():
             want = int(res.stdout.strip())
     if want <= 0:
         pytest.skip("getconf does not report the L2 size here")
-    assert _call._l2_bytes() == want
+    assert _kernels._l2_bytes() == want
 
 
 def test_l2_size_unknown(monkeypatch):
@@ -181,9 +181,9 @@ def test_l2_size_unknown(monkeypatch):
     def no_sysfs(path):
         raise OSError(path)
 
-    monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
-    monkeypatch.setattr(_call.os, "listdir", no_sysfs)
-    assert _call._l2_bytes() == 1 << 20
+    monkeypatch.setattr(_kernels.os, "sysconf", no_sysconf)
+    monkeypatch.setattr(_kernels.os, "listdir", no_sysfs)
+    assert _kernels._l2_bytes() == 1 << 20
 
 
 def test_l2_size_from_sysfs(monkeypatch, tmp_path):
@@ -198,10 +198,10 @@ def test_l2_size_from_sysfs(monkeypatch, tmp_path):
         (tmp_path / idx).mkdir()
         (tmp_path / idx / "level").write_text(level + "\n")
         (tmp_path / idx / "size").write_text(size + "\n")
-    monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
-    monkeypatch.setattr(_call, "_CACHE_SYSFS", str(tmp_path))
-    assert _call._l2_bytes() == 512 << 10
+    monkeypatch.setattr(_kernels.os, "sysconf", no_sysconf)
+    monkeypatch.setattr(_kernels, "_CACHE_SYSFS", str(tmp_path))
+    assert _kernels._l2_bytes() == 512 << 10
     (tmp_path / "index2" / "size").write_text("2M\n")
-    assert _call._l2_bytes() == 2 << 20
+    assert _kernels._l2_bytes() == 2 << 20
     (tmp_path / "index2" / "size").write_text("junk\n")
-    assert _call._l2_bytes() == 1 << 20
+    assert _kernels._l2_bytes() == 1 << 20
