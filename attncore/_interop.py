@@ -44,7 +44,7 @@ from ._dtypes import bfloat16_available, is_bf16 as _is_bf16, is_bf16_arg
 from ._validation import to_array
 
 __all__ = ["foreign_arrays", "foreign_dtype", "torch_to_numpy", "numpy_to_torch",
-           "torch_bits_view", "weight_array"]
+           "torch_bits_view", "torch_bits_tensor", "weight_array"]
 
 # argument types that need no conversion (NumPy handles them as before)
 _PLAIN = frozenset({type(None), bool, int, float, complex, list, tuple, str})
@@ -189,6 +189,14 @@ def torch_bits_view(t, bits):
         return t.numpy()
     except RuntimeError:    # a tensor that requires grad: its detached view
         return t.detach().numpy()
+
+
+def torch_bits_tensor(a, bits):
+    """A torch tensor viewing the fresh, writable NumPy result ``a``
+    (bfloat16 from its int16 bits where ``bits``): the inverse of
+    :func:`torch_bits_view`."""
+    t = sys.modules["torch"].from_numpy(a)
+    return t.view(sys.modules["torch"].bfloat16) if bits else t
 
 
 def weight_array(t, name):

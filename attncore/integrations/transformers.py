@@ -58,7 +58,7 @@ import warnings
 import numpy as np
 
 from .._dtypes import parse_precision
-from .._interop import numpy_to_torch, torch_bits_view, torch_to_numpy
+from .._interop import numpy_to_torch, torch_bits_tensor, torch_bits_view, torch_to_numpy
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
 from .._varlen import varlen_attention
@@ -307,7 +307,8 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     elif dt is not torch.float32 and dt is not torch.float16:
         return None
     try:
-        q, k, v = torch_bits_view(query, bits), torch_bits_view(key, bits), torch_bits_view(value, bits)
+        q, k = torch_bits_view(query, bits), torch_bits_view(key, bits)
+        v = torch_bits_view(value, bits)
     except (TypeError, RuntimeError, NotImplementedError):  # not a CPU strided tensor:
         return None  # the general path says why
     causal, win, mask = _sliding_window(module, is_causal, kwargs, q.shape[2], k.shape[2])
@@ -321,9 +322,7 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     B, H, L, Dv = out.shape
     if L == 1:  # (B, H, 1, Dv) is (B, 1, H, Dv) in memory (NumPy's reshape: the cheaper op)
         out = out.reshape(B, 1, H, Dv)
-    t = torch.from_numpy(out)  # a fresh, writable array
-    if bits:
-        t = t.view(torch.bfloat16)
+    t = torch_bits_tensor(out, bits)  # a fresh, writable array
     return t if L == 1 else t.transpose(1, 2).contiguous()
 
 
