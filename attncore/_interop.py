@@ -195,8 +195,9 @@ def torch_bits_tensor(a, bits):
     """A torch tensor viewing the fresh, writable NumPy result ``a``
     (bfloat16 from its int16 bits where ``bits``): the inverse of
     :func:`torch_bits_view`."""
-    t = sys.modules["torch"].from_numpy(a)
-    return t.view(sys.modules["torch"].bfloat16) if bits else t
+    torch = sys.modules["torch"]
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if bits else t
 
 
 def weight_array(t, name):
