@@ -230,7 +230,7 @@ def _record(ext, key, built):
 class BuildExt(build_ext):
     def finalize_options(self):
         super().finalize_options()
-        # pip / `python -m build` pass no -j: compile the three extensions
+        # pip / `python -m build` pass no -j: compile the four extensions
         # side by side (about half the wall time of a wheel build on two
         # cores); an explicit -j N still wins
         if not self.parallel:

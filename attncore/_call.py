@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,16 +40,17 @@ import numpy as np
 from . import _int8
 from ._core import _sdpa
 from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
+from ._kernels import L2_BYTES as _L2
 from ._quant import split_quantized
-from ._threads import (OPENBLAS_SERIAL_MNK, SERIAL_FLOPS, blas_hold_supported,
-                       blas_parallel_threads, blas_small_products_ok, resolve_num_threads)
-from ._validation import (aliasing_rows, all_finite, as_float_array, batch_shape, blas_rows,
-                          check_mask, check_operands, head_values, parse_causal, parse_scale)
+from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
+                       blas_small_products_ok, resolve_num_threads, serial_or)
+from ._validation import (INT32_MAX, aliasing_rows, all_finite, as_float_array, batch_shape,
+                          blas_rows, check_mask, check_operands, head_values, parse_causal,
+                          parse_scale)
 
 __all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe", "launch",
            "modes", "per_batch"]
 
-INT32_MAX = 2**31 - 1
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 # query blocks of at most this many rows take the direct loops (decoding);
 # the C kernels' constant
@@ -89,42 +89,6 @@ def kchunk_keys(D: int, Dv: int) -> int:
 # --------------------------------------------------------------------------
 # the plan: tiles, key splits, threads, and the BLAS policy
 # --------------------------------------------------------------------------
-_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
-
-
-def _l2_bytes() -> int:
-    """Per-core L2 size (Linux sysconf, else sysfs: CPython's os.sysconf
-    may not know the name), 1 MiB when unknown."""
-    try:
-        n = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        n = 0
-    if n and n > 0:
-        return n
-    base = _CACHE_SYSFS
-    try:
-        entries = sorted(os.listdir(base))
-    except OSError:
-        entries = []
-    for idx in entries:
-        try:
-            with open(f"{base}/{idx}/level") as f:
-                if f.read().strip() != "2":
-                    continue
-            with open(f"{base}/{idx}/size") as f:
-                size = f.read().strip().upper()
-            mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-            n = int(size.rstrip("KM")) * mult
-        except (OSError, ValueError):
-            continue
-        if n > 0:
-            return n
-    return 1 << 20
-
-
-_L2 = _l2_bytes()
-
-
 def _tiles(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads: int):
     """(query block, key block) sizes of the BLAS path (float64, the
     portable float32 path, return_weights).
@@ -208,8 +172,7 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     """
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
-    if 2.0 * nb * N * M * (D + Dv) < SERIAL_FLOPS:
-        nthreads = 1
+    nthreads = serial_or(2.0 * nb * N * M * (D + Dv), nthreads)
     fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
              and N > SMALL_ROWS)
     if fused:

@@ -8,13 +8,23 @@ import sys
 
 def config_dict() -> dict:
     """The facts :func:`show_config` prints, as a dict."""
+    info = _versions()
+    info["blas"] = _blas_info()
+    info.update(_kernel_info())
+    info.update(_int8_info(info["kernel_path"], info["bf16_products"]))
+    return info
+
+
+def _versions() -> dict:
+    """attncore's, Python's, NumPy's and SciPy's versions, the platform,
+    OpenMP and the processors."""
     import numpy
     import scipy
 
     from . import __version__
     from ._core import _sdpa
 
-    info = {
+    return {
         "attncore": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -26,6 +36,12 @@ def config_dict() -> dict:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),
     }
+
+
+def _blas_info() -> dict:
+    """SciPy's BLAS: as built, and as loaded (threadpoolctl)."""
+    import scipy
+
     blas = {}
     try:
         deps = scipy.show_config(mode="dicts")["Build Dependencies"]["blas"]
@@ -45,15 +61,18 @@ def config_dict() -> dict:
                                               "threading_layer", "architecture", "filepath")})
     except Exception:
         pass
-    info["blas"] = blas
+    return blas
+
+
+def _kernel_info() -> dict:
+    """The kernel path, the BLAS hold and the CPU features the kernels use."""
+    from ._core import _sdpa
     from ._kernels import available_kernel_paths, kernel_path
     from ._threads import blas_hold_supported
 
-    info["kernel_path"] = kernel_path()
+    info: dict = {"kernel_path": kernel_path()}
     info["kernel_paths_available"] = available_kernel_paths()
     info["blas_thread_local_hold"] = blas_hold_supported()
-    from ._core import _sdpa
-
     info["bf16_dot"] = _sdpa.cpu_features()["bf16_dot"]
     info["bf16_dot_fast"] = _sdpa.cpu_features()["bf16_dot_fast"]
     # bfloat16 products run on the avx512 path only
@@ -64,19 +83,26 @@ def config_dict() -> dict:
     info["avx_vnni"] = _sdpa.cpu_features()["avx_vnni"]
     # ATTNCORE_CPU_FEATURES: the features taken away at import
     info["cpu_features_masked"] = _sdpa.cpu_features()["masked"]
-    mode, path = _sdpa.int8_mode(), info["kernel_path"]
-    info["int8_products"] = (
+    return info
+
+
+def _int8_info(path: str, bf16_products: str) -> dict:
+    """What precision="int8" multiplies with on kernel path ``path``."""
+    from ._core import _sdpa
+
+    mode = _sdpa.int8_mode()
+    info = {"int8_products": (
         "int8" if mode in (1, 2) and path == "avx512"
         else {4: "int8-avx2", 5: "int8-avxvnni", 6: "int8-avxvnni-emulated"}[mode]
         if mode in (4, 5, 6) and path == "avx2"
-        else "dequantized" if mode == 3 else "float32")
+        else "dequantized" if mode == 3 else "float32")}
     info["int8_mode"] = _sdpa.int8_mode_name() or "auto"
     # P.V under int8 Q.K^T: bfloat16 pairs where the avx512 path's bfloat16
     # products are on, else int16 pairs (vpdpwssd: AVX-VNNI on the avx2
     # path, AVX512_VNNI on the avx512 one) or float32
     on_path = info["int8_products"] not in ("float32", "dequantized")
     info["int8_pv"] = ("bfloat16" if info["int8_products"] == "int8"
-                       and info["bf16_products"] != "float32" else
+                       and bf16_products != "float32" else
                        {3: "int16", 4: "int16-emulated"}.get(
                            _sdpa.pv16_code(mode) if on_path else 0, "float32"))
     return info

@@ -14,27 +14,10 @@ from typing import Any
 import numpy as np
 
 from ._dtypes import half_code
-from ._interop import torch_to_numpy
-from ._validation import parse_positive_int, to_array
+from ._interop import weight_array
+from ._validation import parse_positive_int
 
-__all__ = ["to_numpy", "torch_arrays", "keras_arrays"]
-
-
-def to_numpy(t: Any, name: str) -> np.ndarray:
-    """A torch tensor, Keras variable or array-like as a NumPy array."""
-    if hasattr(t, "detach") and hasattr(t, "cpu"):        # torch.Tensor
-        # weights are loaded once: a tensor on another device is copied to
-        # the CPU, then read through attncore's one torch conversion
-        return torch_to_numpy(t.detach().cpu(), name)[0]
-    if hasattr(t, "numpy") and not isinstance(t, np.ndarray):   # Keras / TF variable
-        try:
-            return np.asarray(t.numpy())
-        except Exception:  # pragma: no cover - fall back to the array protocol
-            pass
-    a = to_array(t, name)
-    if a.dtype == object:
-        raise TypeError(f"{name} must be an array, got {type(t).__name__}")
-    return a
+__all__ = ["torch_arrays", "keras_arrays"]
 
 
 _BIAS_KV = "from_torch: add_bias_kv=True (bias_k, bias_v) is not supported"
@@ -79,7 +62,7 @@ def _torch_tensors(sd: dict) -> tuple[str, dict[str, np.ndarray]]:
             raise ValueError(f"from_torch: unexpected tensors {sorted(others)} (next to "
                              f"'{prefix}out_proj.weight')")
         sd = {k[len(prefix):]: v for k, v in sd.items()}
-    arr = {k: to_numpy(v, prefix + k) for k, v in sd.items()}
+    arr = {k: weight_array(v, prefix + k) for k, v in sd.items()}
     if "bias_k" in arr or "bias_v" in arr:
         raise NotImplementedError(_BIAS_KV)
     expected = ({"in_proj_weight"} if "in_proj_weight" in arr else
@@ -214,7 +197,7 @@ def keras_arrays(layer_or_weights: Any, config: Any = None, dtype: Any = None) -
     """``from_arrays`` arguments from a Keras 3 ``MultiHeadAttention`` or its
     ``get_weights()`` list (see :meth:`MultiHeadAttention.from_keras`)."""
     weights, cfg = _keras_source(layer_or_weights, config)
-    ws = [to_numpy(w, f"weights[{i}]") for i, w in enumerate(weights)]
+    ws = [weight_array(w, f"weights[{i}]") for i, w in enumerate(weights)]
     if len(ws) not in (8, 4):
         raise ValueError(f"from_keras: expected 8 weight arrays (with biases) or 4 (without), "
                          f"got {len(ws)}")

@@ -2,8 +2,10 @@
 
 Every entry point asks :func:`resolve` which dtype a call computes in,
 which dtype it returns and which products it uses; :func:`is_bf16`,
-:func:`half_code` and :func:`bfloat16_dtype` are the only places that know
-how a bfloat16 array looks.
+:func:`half_code`, :func:`bfloat16_dtype` and :func:`is_bf16_arg` are the
+only places that know how a bfloat16 array looks, and :func:`storage_name`
+the one parser of storage dtype arguments (layers, caches, rotary,
+interop).
 
 Storage dtypes
     float64, float32, float16 and bfloat16 (NumPy arrays of ``ml_dtypes``'
@@ -41,8 +43,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["PRECISIONS", "Policy", "resolve", "is_bf16", "half_code", "cast", "bfloat16_dtype",
-           "dtype_name", "parse_precision", "to_float"]
+__all__ = ["PRECISIONS", "Policy", "resolve", "is_bf16", "is_bf16_arg", "half_code", "cast",
+           "bfloat16_dtype", "dtype_name", "storage_name", "parse_precision", "to_float"]
 
 #: the values ``precision=`` takes
 PRECISIONS = (None, "float32", "bfloat16", "int8")
@@ -58,6 +60,30 @@ _F64 = np.dtype(np.float64)
 def is_bf16(dt: np.dtype) -> bool:
     """Whether ``dt`` is bfloat16 (``ml_dtypes.bfloat16``)."""
     return dt.kind == "V" and dt.name == "bfloat16"
+
+
+def storage_name(d: Any, default: Optional[str] = "float32") -> Optional[str]:
+    """The name of a storage dtype argument: a string as it is; a torch
+    dtype by its name (``torch.bfloat16`` -> ``"bfloat16"``); anything
+    ``numpy.dtype`` takes (``ml_dtypes.bfloat16``, a JAX dtype) by NumPy's
+    name.  None gives ``default``; anything else None (for the caller to
+    refuse)."""
+    if d is None:
+        return default
+    if isinstance(d, str):
+        return d
+    if type(d).__module__ == "torch":
+        return str(d).replace("torch.", "")
+    try:
+        return np.dtype(d).name
+    except (TypeError, ValueError):
+        return None
+
+
+def is_bf16_arg(d: Any) -> bool:
+    """Whether a dtype argument, or an array's ``.dtype`` (NumPy with
+    ml_dtypes, torch, JAX), is bfloat16 (:func:`storage_name`)."""
+    return storage_name(d, None) == "bfloat16"
 
 
 def half_code(dt: np.dtype) -> int:

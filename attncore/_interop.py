@@ -40,9 +40,11 @@ from typing import Any, Callable, TypeVar, cast
 
 import numpy as np
 
-from ._dtypes import bfloat16_available, is_bf16 as _is_bf16
+from ._dtypes import bfloat16_available, is_bf16 as _is_bf16, is_bf16_arg
+from ._validation import to_array
 
-__all__ = ["foreign_arrays", "foreign_dtype"]
+__all__ = ["foreign_arrays", "foreign_dtype", "torch_to_numpy", "numpy_to_torch",
+           "torch_bits_view", "torch_bits_tensor", "weight_array"]
 
 # argument types that need no conversion (NumPy handles them as before)
 _PLAIN = frozenset({type(None), bool, int, float, complex, list, tuple, str})
@@ -55,17 +57,7 @@ _NUMPY, _TORCH, _JAX, _XP = 0, 1, 2, 3
 
 def _plain_dtype(d) -> bool:
     """True for a dtype argument NumPy takes as it is (no torch dtype, no bfloat16)."""
-    if d is None:
-        return True
-    if type(d).__module__.startswith("torch"):
-        return False
-    if isinstance(d, str):
-        return d != "bfloat16"
-    if isinstance(d, np.dtype):
-        return not _is_bf16(d)
-    if isinstance(d, type):
-        return d.__name__ != "bfloat16"
-    return True
+    return d is None or not (type(d).__module__.startswith("torch") or is_bf16_arg(d))
 
 
 def _kind_of(x) -> int:
@@ -77,10 +69,13 @@ def _kind_of(x) -> int:
     return _XP
 
 
-def _device_error(name: str, device) -> TypeError:
+_CPU_REMEDY = "pass a CPU array (e.g. tensor.cpu())"
+
+
+def _device_error(name: str, device, remedy: str = _CPU_REMEDY) -> TypeError:
     return TypeError(
         f"{name} is on device {device!s}; attncore computes on the CPU and never moves data "
-        f"between devices: pass a CPU array (e.g. tensor.cpu())")
+        f"between devices: {remedy}")
 
 
 # --------------------------------------------------------------------------
@@ -118,7 +113,7 @@ class _ViewMemo:
 _memo = _ViewMemo()
 
 
-def torch_to_numpy(t, name, half=True):
+def torch_to_numpy(t, name, half=True, remedy=_CPU_REMEDY):
     """(NumPy array, was converted from bfloat16) for a CPU torch tensor.
 
     The one torch -> NumPy conversion of attncore: a view where the layout
@@ -126,12 +121,13 @@ def torch_to_numpy(t, name, half=True):
     are resolved (a copy, never cached: its source may change); bfloat16
     becomes an ``ml_dtypes`` view when ``half`` and ml_dtypes is
     installed, else a float32 copy (flagged, so that the result goes back
-    to bfloat16).
+    to bfloat16).  ``remedy``: what the error of a tensor on another device
+    tells the caller to do.
     """
     torch = sys.modules["torch"]
     dev = t.device
     if dev.type != "cpu":
-        raise _device_error(name, dev)
+        raise _device_error(name, dev, remedy)
     if t.layout is not torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     bf = t.dtype is torch.bfloat16
@@ -166,14 +162,59 @@ def torch_to_numpy(t, name, half=True):
     return a, False
 
 
-def numpy_to_torch(a):
-    """A torch tensor sharing ``a``'s memory (bfloat16 for ml_dtypes bfloat16)."""
+def numpy_to_torch(a, dtype=None):
+    """A torch tensor sharing ``a``'s memory (bfloat16 for ml_dtypes
+    bfloat16); converted to the torch ``dtype`` where one is given and
+    differs."""
     torch = sys.modules["torch"]
     if not a.flags.writeable or any(s < 0 for s in a.strides):
         a = np.array(a)  # torch views only writable arrays with non-negative strides
     if _is_bf16(a.dtype):
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t if dtype is None or t.dtype is dtype else t.to(dtype)
+
+
+def torch_bits_view(t, bits):
+    """A NumPy view of a CPU tensor of a model's own dtype (float32 /
+    float16; bfloat16 as its int16 bits where ``bits``), without
+    :func:`torch_to_numpy`'s checks and caching: the Hugging Face lean
+    path's conversion, one call per layer and step (RuntimeError /
+    TypeError for a tensor it cannot view: the caller takes the general
+    path)."""
+    if bits:
+        t = t.view(sys.modules["torch"].int16)
+    try:
+        return t.numpy()
+    except RuntimeError:    # a tensor that requires grad: its detached view
+        return t.detach().numpy()
+
+
+def torch_bits_tensor(a, bits):
+    """A torch tensor viewing the fresh, writable NumPy result ``a``
+    (bfloat16 from its int16 bits where ``bits``): the inverse of
+    :func:`torch_bits_view`."""
+    torch = sys.modules["torch"]
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if bits else t
+
+
+def weight_array(t, name):
+    """A torch tensor, Keras variable or array-like as a NumPy array (the
+    weight loaders': a tensor on another device is copied to the CPU, as
+    weights are loaded once)."""
+    if hasattr(t, "detach") and hasattr(t, "cpu"):        # torch.Tensor
+        return torch_to_numpy(t.detach().cpu(), name)[0]
+    if hasattr(t, "numpy") and not isinstance(t, np.ndarray):   # Keras / TF variable
+        try:
+            return np.asarray(t.numpy())
+        except Exception:  # pragma: no cover - fall back to the array protocol
+            pass
+    a = to_array(t, name)
+    if a.dtype == object:
+        raise TypeError(f"{name} must be an array, got {type(t).__name__}")
+    return a
 
 
 def _jax_to_numpy(x, name, half=True):
@@ -485,12 +526,9 @@ def foreign_dtype(d, name="dtype"):
             return torch.empty((), dtype=d).numpy().dtype, True, False
         except Exception:
             raise TypeError(f"{name}: torch dtype {d} has no NumPy equivalent") from None
-    if isinstance(d, str) and d == "bfloat16":
+    if is_bf16_arg(d):
         return np.dtype(np.float32), False, True
     try:
-        nd = np.dtype(d)
+        return np.dtype(d), False, False
     except TypeError:
         return d, False, False
-    if _is_bf16(nd):
-        return np.dtype(np.float32), False, True
-    return nd, False, False

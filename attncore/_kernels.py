@@ -15,12 +15,14 @@ set-up and benchmarks, not for use while other threads run attncore.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
 from ._core import _sdpa
 
-__all__ = ["kernel_path", "set_kernel_path", "available_kernel_paths", "forced_kernel_path"]
+__all__ = ["kernel_path", "set_kernel_path", "available_kernel_paths", "forced_kernel_path",
+           "L2_BYTES"]
 
 def kernel_path() -> str:
     """The float32 path in use: 'avx512', 'avx2' or 'portable'."""
@@ -47,3 +49,43 @@ def forced_kernel_path(path: str | None) -> Iterator[str]:
         yield kernel_path()
     finally:
         set_kernel_path(prev)
+
+
+# --------------------------------------------------------------------------
+# the CPU's per-core L2 (sizes the BLAS path's tiles and the dense layers'
+# weight blocks)
+# --------------------------------------------------------------------------
+_CACHE_SYSFS = "/sys/devices/system/cpu/cpu0/cache"
+
+
+def _l2_bytes() -> int:
+    """Per-core L2 size (Linux sysconf, else sysfs: CPython's os.sysconf
+    may not know the name), 1 MiB when unknown."""
+    try:
+        n = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        n = 0
+    if n and n > 0:
+        return n
+    base = _CACHE_SYSFS
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        entries = []
+    for idx in entries:
+        try:
+            with open(f"{base}/{idx}/level") as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(f"{base}/{idx}/size") as f:
+                size = f.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            n = int(size.rstrip("KM")) * mult
+        except (OSError, ValueError):
+            continue
+        if n > 0:
+            return n
+    return 1 << 20
+
+
+L2_BYTES = _l2_bytes()

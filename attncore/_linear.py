@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._call import _L2
 from ._core import _linalg, _sdpa
 from ._dtypes import HALF_BF16, PRECISIONS, half_code
+from ._kernels import L2_BYTES
 from ._threads import blas_parallel_threads, threads_for
 from ._validation import ALIASING_STRIDE, aligned, blas_rows
 
@@ -23,7 +23,7 @@ __all__ = ["linear", "head_rows"]
 # float32 weights per column block of the fused path: half the L2 (256
 # KiB - 1 MiB), so a block's rows of w stay there for every row panel of x
 # (_linalg.linear; 512 KiB and 1 MiB blocks measured the same on a 2 MiB L2)
-_WBLOCK_BYTES = max(256 << 10, min(_L2 // 2, 1 << 20))
+_WBLOCK_BYTES = max(256 << 10, min(L2_BYTES // 2, 1 << 20))
 
 # OpenBLAS would start threads above this many multiply-adds (see functional)
 

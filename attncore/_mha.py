@@ -27,8 +27,9 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from ._convert import keras_arrays, to_numpy, torch_arrays
-from ._dtypes import bfloat16_dtype, cast, half_code, is_bf16, parse_precision
+from ._convert import keras_arrays, torch_arrays
+from ._interop import weight_array
+from ._dtypes import bfloat16_dtype, cast, half_code, is_bf16, parse_precision, storage_name
 from ._interop import foreign_arrays
 from ._linear import head_rows, linear
 from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
@@ -49,21 +50,11 @@ def _layer_dtype(dtype) -> np.dtype:
     """A layer's / cache's dtype: float32, float64, float16 or bfloat16
     (``"bfloat16"``, ``ml_dtypes.bfloat16`` or ``torch.bfloat16``; needs
     ml_dtypes); None: float32, the default."""
-    if dtype is None:
-        return np.dtype(np.float32)
-    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
-        dtype = str(dtype).replace("torch.", "")
-    if (isinstance(dtype, str) and dtype == "bfloat16") or (
-            isinstance(dtype, (type, np.dtype)) and getattr(dtype, "__name__", getattr(
-                dtype, "name", "")) == "bfloat16"):
+    name = storage_name(dtype)
+    if name == "bfloat16":
         return bfloat16_dtype("a bfloat16 layer")
     try:
-        if np.dtype(dtype).name == "bfloat16":
-            return bfloat16_dtype("a bfloat16 layer")
-    except TypeError:
-        pass
-    try:
-        return parse_float_dtype(dtype, "dtype", (2, 4, 8))
+        return parse_float_dtype(name or dtype, "dtype", (2, 4, 8))
     except TypeError:
         raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got "
                         f"{dtype!r}") from None
@@ -89,7 +80,7 @@ def _compute_dtype(dt: np.dtype) -> np.dtype:
 
 def _weight(a, shape, name: str, dtype) -> np.ndarray:
     """``a`` as a float array of exactly ``shape`` (a new array, never a view of the input)."""
-    arr = as_float_array(to_numpy(a, name), name, allow_bf16=True)
+    arr = as_float_array(weight_array(a, name), name, allow_bf16=True)
     if arr.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {arr.shape}")
     return np.array(arr, dtype=dtype, copy=True)
@@ -101,7 +92,7 @@ def _weight(a, shape, name: str, dtype) -> np.ndarray:
 def _weight_arrays(*weights) -> list[np.ndarray]:
     """The projections (q, k, v, out) as non-empty 2-D float arrays."""
     names = ("q_weight", "k_weight", "v_weight", "out_weight")
-    ws = [as_float_array(to_numpy(w, nm), nm, allow_bf16=True) for w, nm in zip(weights, names)]
+    ws = [as_float_array(weight_array(w, nm), nm, allow_bf16=True) for w, nm in zip(weights, names)]
     for nm, w in zip(names, ws):
         if w.ndim != 2 or 0 in w.shape:
             raise ValueError(
@@ -630,7 +621,7 @@ class MultiHeadAttention:
         # bfloat16 (torch or ml_dtypes) as the functions take it; finite and
         # within the range of the layer's compute dtype (the call checks the
         # ALiBi term against its distances too)
-        a = head_values(to_numpy(value, "alibi_slopes"), "alibi_slopes", self._cdt)
+        a = head_values(weight_array(value, "alibi_slopes"), "alibi_slopes", self._cdt)
         if a.shape != (self.num_heads,):
             raise ValueError(f"alibi_slopes must have shape (num_heads,) = ({self.num_heads},), "
                              f"got {a.shape}")
@@ -800,7 +791,7 @@ class MultiHeadAttention:
         ``head_dim`` need not be ``embed_dim // num_heads``.
         """
         if dtype is None:  # float64 and 16-bit weights keep their dtype
-            wdt = to_numpy(q_weight, "q_weight").dtype
+            wdt = weight_array(q_weight, "q_weight").dtype
             dtype = wdt if (wdt == np.float64 or half_code(wdt)) else np.float32
         self = cls.__new__(cls)
         self.window = window

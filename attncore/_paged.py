@@ -20,7 +20,7 @@ from . import _call
 from ._dtypes import half_code, to_float
 from ._interop import foreign_arrays
 from ._quant import split_quantized
-from ._threads import SERIAL_FLOPS, resolve_num_threads
+from ._threads import resolve_num_threads, serial_or
 from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
                           int_sequence, packed_group, parse_bool, parse_scale, parse_softcap,
                           parse_window, to_array)
@@ -191,8 +191,7 @@ def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, c
     Hq, D, Dv, bs = qa.shape[1], qa.shape[2], va.shape[3], ka.shape[1]
     lq = np.diff(cq)
     flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lens.astype(np.float64))) * (D + Dv)
-    if flops < SERIAL_FLOPS:
-        nthreads = 1
+    nthreads = serial_or(flops, nthreads)
     md = _call.modes(pol._replace(products="float32") if pol.products == "int8" else pol, D)
     conv = _call.conversion(md, 0, fmts, ks, vs)
     maxq = int(lq.max()) if lq.size else 1

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._dtypes import bfloat16_dtype
+from ._dtypes import bfloat16_dtype, storage_name
 from ._interop import _to_numpy
 from ._quant import quantize_new
 from ._validation import as_float_array, check_offsets
@@ -40,22 +40,6 @@ def _one_id(x: Any) -> bool:
     """Whether ``seq_ids`` is one id (an integer or a 0-d array), not a
     collection of them."""
     return isinstance(x, numbers.Integral) or (isinstance(x, np.ndarray) and x.ndim == 0)
-
-
-def _dtype_name(d: Any) -> str:
-    """The storage name of a dtype argument (a string, a NumPy / ml_dtypes
-    or torch dtype); the repr of anything else (then refused).  None:
-    "float32", the default."""
-    if d is None:
-        return "float32"
-    if isinstance(d, str):
-        return d
-    if type(d).__module__ == "torch":
-        return str(d).replace("torch.", "")
-    try:
-        return np.dtype(d).name
-    except TypeError:
-        return repr(d)
 
 
 class PagedKVCache:
@@ -141,7 +125,7 @@ class PagedKVCache:
         hk = _count(num_kv_heads, "num_kv_heads")
         d = _count(head_dim, "head_dim")
         dv = d if v_head_dim is None else _count(v_head_dim, "v_head_dim")
-        name = _dtype_name(dtype)
+        name = storage_name(dtype) or repr(dtype)
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(repr(x) for x in _DTYPES)}, got "
                              f"{dtype!r}")

@@ -26,7 +26,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ._core import _rotary
-from ._interop import foreign_arrays
+from ._dtypes import is_bf16_arg
+from ._interop import foreign_arrays, weight_array
 from ._threads import threads_for
 from ._validation import _positive_real, aligned, as_float_array, to_array
 
@@ -237,10 +238,6 @@ def _rotary_embedding(x, positions, base, inv_freq, layout, rotary_dim, num_thre
     return apply_rotary(aligned(a), pos, freq[:rd // 2], interleaved, out, num_threads)
 
 
-def _is_bfloat16(a: Any) -> bool:
-    return str(getattr(a, "dtype", "")) in ("bfloat16", "torch.bfloat16")
-
-
 def rotary_embedding(x: ArrayLike, positions: ArrayLike | None = None, *,
                      base: float = _DEFAULT_BASE, inv_freq: ArrayLike | None = None,
                      layout: Literal["half", "interleaved"] = "half",
@@ -311,7 +308,8 @@ def rotary_embedding(x: ArrayLike, positions: ArrayLike | None = None, *,
     >>> q_rot = attncore.rotary_embedding(q)                     # positions 0..15
     >>> k_new = attncore.rotary_embedding(k_new, [16], out=k_new)  # doctest: +SKIP
     """
-    if out is not None and (_is_bfloat16(out) or _is_bfloat16(x)):
+    if out is not None and (is_bf16_arg(getattr(out, "dtype", None))
+                            or is_bf16_arg(getattr(x, "dtype", None))):
         raise TypeError("out= is not supported for bfloat16 arrays (they are computed "
                         "through a float32 copy); use the returned array")
     r = _rotary_embedding(x, positions, base, inv_freq, layout, rotary_dim, num_threads, out)
@@ -341,8 +339,7 @@ def parse_rotary(spec: Any, head_dim: int) -> dict | None:
     _parse_layout(layout)
     inv = spec.get("inv_freq")
     if inv is not None and not isinstance(inv, np.ndarray):
-        from ._convert import to_numpy
-        inv = to_numpy(inv, "inv_freq")
+        inv = weight_array(inv, "inv_freq")
     base = spec.get("base", None if inv is not None else _DEFAULT_BASE)
     try:
         freq, rd = _frequencies(base, inv, spec.get("rotary_dim"), head_dim)

@@ -23,7 +23,7 @@ import threading
 
 from ._core import _sdpa
 
-__all__ = ["resolve_num_threads", "max_threads", "threads_for", "SERIAL_FLOPS",
+__all__ = ["resolve_num_threads", "max_threads", "threads_for", "serial_or", "SERIAL_FLOPS",
            "blas_parallel_threads", "blas_hold_supported", "blas_small_products_ok", "OPENBLAS_SERIAL_MNK"]
 
 
@@ -37,10 +37,14 @@ def threads_for(flops: float, num_threads) -> int:
     """Threads for a call doing about ``flops`` floating-point operations:
     1 below :data:`SERIAL_FLOPS`, else :func:`resolve_num_threads`.  The
     one place that decides when work is too small to share."""
-    if flops < SERIAL_FLOPS:
-        resolve_num_threads(num_threads)  # still validated
-        return 1
-    return resolve_num_threads(num_threads)
+    return serial_or(flops, resolve_num_threads(num_threads))
+
+
+def serial_or(flops: float, nthreads: int) -> int:
+    """1 for work of fewer than :data:`SERIAL_FLOPS` floating-point
+    operations, else ``nthreads`` (a count already resolved): the rule of
+    :func:`threads_for`, for the planners that hold a resolved count."""
+    return 1 if flops < SERIAL_FLOPS else nthreads
 
 
 def resolve_num_threads(num_threads) -> int:

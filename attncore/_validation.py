@@ -31,7 +31,9 @@ __all__ = [
     "batch_shape", "head_values",
 ]
 
-_INT32_MAX = 2**31 - 1
+# the kernels' int indices and strides (in elements) stay below these
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 _F32_MAX = float(np.finfo(np.float32).max)
 _F64_MAX = float(np.finfo(np.float64).max)
 
@@ -130,7 +132,7 @@ def blas_rows(a: np.ndarray) -> np.ndarray:
                 break
     if ok and cols > 1 and st[-1] != isz:
         ok = False
-    if ok and rows > 1 and (st[-2] < cols * isz or st[-2] // isz > _INT32_MAX):
+    if ok and rows > 1 and (st[-2] < cols * isz or st[-2] // isz > INT32_MAX):
         ok = False
     if ok:
         return a
@@ -454,9 +456,6 @@ def all_finite(a: np.ndarray) -> bool:
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(a).all())
 
-
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 
 
 def int_sequence(x: Any, a: np.ndarray) -> np.ndarray:

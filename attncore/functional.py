@@ -23,14 +23,13 @@ from ._dtypes import _CAST_MIN, HALF_BF16, cast, half_code, is_bf16
 from ._interop import _to_numpy, foreign_arrays
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
-from ._validation import as_float_array, parse_bool, parse_softcap, parse_window
+from ._validation import INT32_MAX, as_float_array, parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
 # the planner lives with the call description (attncore._call); its names
 # stay importable from here
 _SMALL_ROWS = _call.SMALL_ROWS
-_INT32_MAX = _call.INT32_MAX
 Plan, plan, plan_call = _call.Plan, _call.plan, _call.plan_call
 
 
@@ -630,7 +629,7 @@ def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tupl
     Dv = vshape[3]
     isz = dt.itemsize
     if (Bk != B or vshape[:3] != (B, Hk, M) or Dk != D or Hk == 0 or H % Hk
-            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > _INT32_MAX
+            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > INT32_MAX
             or not (_rows_ok(qshape, qstrides, isz) and _rows_ok(kshape, kstrides, isz)
                     and _rows_ok(vshape, vstrides, isz))):
         return None
@@ -777,6 +776,25 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     part (``return_weights=True``) are normalized within that part: the
     weights over all keys are ``weights_i * exp(lse_i - lse)``.
     """
+    outs, ls = _merge_parts(outputs, lses)
+    odt, ldt, wdt = _merge_dtypes(outs, ls)
+    try:
+        shape_l = np.broadcast_shapes(*[x.shape for x in ls], *[o.shape[:-1] for o in outs])
+    except ValueError:
+        raise ValueError("the outputs and lses of the parts must broadcast to one shape, got "
+                         f"outputs {[o.shape for o in outs]} and lses "
+                         f"{[x.shape for x in ls]}") from None
+    L = [np.broadcast_to(x.astype(wdt, copy=False), shape_l) for x in ls]
+    with np.errstate(invalid="ignore", over="ignore"):
+        out, lse, mx, nan = _merge_sums(outs, L, shape_l, wdt)
+        out, lse = _merge_beyond_range(outs, L, mx, nan, out, lse)
+    return out.astype(odt, copy=False), lse.astype(ldt, copy=False)
+
+
+def _merge_parts(outputs, lses) -> tuple[list, list]:
+    """The parts of :func:`merge_attention` as float arrays (bfloat16 kept),
+    checked: sequences of as many outputs (..., N, Dv) as lses (..., N),
+    one Dv."""
     for name, parts in (("outputs", outputs), ("lses", lses)):
         if isinstance(parts, (np.ndarray, str, bytes)) or not isinstance(parts, Iterable):
             raise TypeError(f"{name} must be a sequence (list / tuple) of arrays, one per key "
@@ -802,6 +820,11 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     for i, o in enumerate(outs):
         if o.shape[-1] != Dv:
             raise ValueError(f"outputs[{i}] has value dimension {o.shape[-1]}, outputs[0] has {Dv}")
+    return outs, ls
+
+
+def _merge_dtypes(outs: list, ls: list) -> tuple[np.dtype, np.dtype, np.dtype]:
+    """(output dtype, lse dtype, dtype of the sums) of a merge."""
     # bfloat16 beside another dtype promotes as float32 (bfloat16 and
     # float16 have no common NumPy dtype)
     dts = [o.dtype for o in outs]
@@ -812,46 +835,49 @@ def merge_attention(outputs: Sequence[ArrayLike], lses: Sequence[ArrayLike]
     ldt = np.result_type(np.float32, *[np.float32 if is_bf16(d) else d
                                        for d in [odt] + [x.dtype for x in ls]])
     wdt = np.dtype(np.float64) if ldt.itemsize <= 8 else ldt
-    try:
-        shape_l = np.broadcast_shapes(*[x.shape for x in ls], *[o.shape[:-1] for o in outs])
-    except ValueError:
-        raise ValueError("the outputs and lses of the parts must broadcast to one shape, got "
-                         f"outputs {[o.shape for o in outs]} and lses "
-                         f"{[x.shape for x in ls]}") from None
-    L = [np.broadcast_to(x.astype(wdt, copy=False), shape_l) for x in ls]
-    with np.errstate(invalid="ignore", over="ignore"):
-        mx = np.full(shape_l, -np.inf, dtype=wdt)
-        for x in L:
-            mx = np.maximum(mx, np.where(x == -np.inf, -np.inf, x))  # NaN propagates
-        safe = np.where(np.isfinite(mx), mx, 0)
-        total = np.zeros(shape_l, dtype=wdt)
-        acc = np.zeros(shape_l + (Dv,), dtype=wdt)
+    return odt, ldt, wdt
+
+
+def _merge_sums(outs: list, L: list, shape_l: tuple, wdt: np.dtype):
+    """(out, lse, the rows' largest lse, the NaN rows): the parts' outputs
+    weighted by ``exp(lse_i - lse)``; empty rows 0 and -inf."""
+    mx = np.full(shape_l, -np.inf, dtype=wdt)
+    for x in L:
+        mx = np.maximum(mx, np.where(x == -np.inf, -np.inf, x))  # NaN propagates
+    safe = np.where(np.isfinite(mx), mx, 0)
+    total = np.zeros(shape_l, dtype=wdt)
+    acc = np.zeros(shape_l + (outs[0].shape[-1],), dtype=wdt)
+    for o, x in zip(outs, L):
+        live = x != -np.inf
+        w = np.where(live, np.exp(x - safe), 0)
+        total += w
+        # a live part contributes even where its weight underflows, so
+        # NaN in its output still reaches the row
+        acc += np.where(live[..., None], w[..., None] * o, 0)
+    empty = total == 0
+    out = np.where(empty[..., None], 0, acc / np.where(empty, 1, total)[..., None])
+    lse = np.where(empty, -np.inf, safe + np.log(np.where(empty, 1, total)))
+    return out, lse, mx, np.isnan(mx) | np.isnan(total)
+
+
+def _merge_beyond_range(outs: list, L: list, mx, nan, out, lse):
+    """(out, lse) with the rows whose parts' lse lie beyond the float range
+    (-inf beside a nonzero output, +inf) and the NaN rows resolved."""
+    # a part whose lse is -inf but whose output is not 0 is no empty
+    # part: its lse lies beyond the float range (a float32 result of a
+    # float64 re-run).  With no finite lse beside it, the row has no
+    # answer in this dtype: NaN, not the 0 of an empty row.
+    for o, x in zip(outs, L):
+        nan |= (mx == -np.inf) & (x == -np.inf) & np.any(o != 0, axis=-1)
+    # a part whose lse is +inf lies beyond the float range above: it takes
+    # all the weight; two such parts cannot be weighed against each other
+    n_top = sum((x == np.inf).astype(np.intp) for x in L)
+    nan |= n_top > 1
+    one = (n_top == 1) & ~nan
+    if one.any():
         for o, x in zip(outs, L):
-            live = x != -np.inf
-            w = np.where(live, np.exp(x - safe), 0)
-            total += w
-            # a live part contributes even where its weight underflows, so
-            # NaN in its output still reaches the row
-            acc += np.where(live[..., None], w[..., None] * o, 0)
-        empty = total == 0
-        out = np.where(empty[..., None], 0, acc / np.where(empty, 1, total)[..., None])
-        lse = np.where(empty, -np.inf, safe + np.log(np.where(empty, 1, total)))
-        nan = np.isnan(mx) | np.isnan(total)
-        # a part whose lse is -inf but whose output is not 0 is no empty
-        # part: its lse lies beyond the float range (a float32 result of a
-        # float64 re-run).  With no finite lse beside it, the row has no
-        # answer in this dtype: NaN, not the 0 of an empty row.
-        for o, x in zip(outs, L):
-            nan |= (mx == -np.inf) & (x == -np.inf) & np.any(o != 0, axis=-1)
-        # a part whose lse is +inf lies beyond the float range above: it takes
-        # all the weight; two such parts cannot be weighed against each other
-        n_top = sum((x == np.inf).astype(np.intp) for x in L)
-        nan |= n_top > 1
-        one = (n_top == 1) & ~nan
-        if one.any():
-            for o, x in zip(outs, L):
-                out = np.where((one & (x == np.inf))[..., None], o, out)
-            lse = np.where(one, np.inf, lse)
-        lse = np.where(nan, np.nan, lse)
-        out = np.where(nan[..., None], np.nan, out)
-        return out.astype(odt, copy=False), lse.astype(ldt, copy=False)
+            out = np.where((one & (x == np.inf))[..., None], o, out)
+        lse = np.where(one, np.inf, lse)
+    lse = np.where(nan, np.nan, lse)
+    out = np.where(nan[..., None], np.nan, out)
+    return out, lse

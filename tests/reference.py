@@ -11,6 +11,10 @@ the tests compare against.
   lse-only forms of :func:`sdpa_ref`.
 * :func:`allowed` -- the boolean "may attend" array of a mask, a causal
   mode and a window.
+* :func:`make_mask` -- random masks of the kinds the tests sweep.
+* :func:`additive_scores` / :func:`additive_attention` -- Bahdanau's
+  additive score ``v . tanh(Wq q + Wk k + b)`` and the attention over it,
+  with :func:`masked_softmax`.
 """
 import contextlib
 import os
@@ -137,6 +141,105 @@ def lse_ref(q, k, mask=None, causal=0, scale=None, **kw):
     """The lse of :func:`sdpa_ref` alone (no values needed)."""
     v = np.zeros(np.shape(k)[:-1] + (0,))
     return sdpa_ref(q, k, v, mask, causal, scale, return_lse=True, **kw)[1]
+
+
+def make_mask(kind, B, H, N, M, seed=7, *, drop=0.3, dtype=np.float64):
+    """A random attention mask of one kind, from ``default_rng(seed)``.
+
+    ``drop`` is the share of masked entries of the random kinds; float
+    masks are of ``dtype``.  Kinds:
+
+    * ``None`` / ``'none'``: no mask;
+    * ``'bool'`` / ``'bool_full'``: (B, H, N, M) bool;
+    * ``'float'`` / ``'float_full'``: (B, H, N, M) standard-normal values,
+      -inf where masked;
+    * ``'padding'`` / ``'bool_keypad'``: (B, 1, 1, M) key padding, the last
+      third of batch 0's keys and the first fifth of the last batch's
+      masked;
+    * ``'float_keypad'``: (B, 1, 1, M) float, -inf where masked;
+    * ``'bool_rows'``: (B, H, N, 1), whole query rows masked;
+    * ``'query_padding'``: (B, 1, N, 1), the first half of batch 0's rows
+      masked;
+    * ``'float_row_broadcast'``: (1, 1, N, M) finite float values;
+    * ``'2d'``: (N, M) float shared by every batch and head, -inf where
+      masked;
+    * ``'bool_with_empty_rows'``: (B, H, N, M) bool, every third query row
+      fully masked;
+    * ``'neg_inf_stretches'``: (B, 1, N, M) float, keys 10 .. 199 and query
+      row 3 (nothing to attend) -inf.
+    """
+    rng = np.random.default_rng(seed)
+    if kind in (None, "none"):
+        return None
+    if kind in ("bool", "bool_full"):
+        return rng.random((B, H, N, M)) >= drop
+    if kind in ("float", "float_full", "float_keypad", "2d"):
+        shape = {"float_keypad": (B, 1, 1, M), "2d": (N, M)}.get(kind, (B, H, N, M))
+        return np.where(rng.random(shape) >= drop, rng.standard_normal(shape),
+                        -np.inf).astype(dtype)
+    if kind in ("padding", "bool_keypad"):
+        m = np.ones((B, 1, 1, M), bool)
+        m[0, ..., M - M // 3:] = False
+        m[-1, ..., : M // 5] = False
+        return m
+    if kind == "bool_rows":
+        return rng.random((B, H, N, 1)) >= drop
+    if kind == "query_padding":
+        m = np.ones((B, 1, N, 1), bool)
+        m[0, :, : N // 2] = False
+        return m
+    if kind == "float_row_broadcast":
+        return rng.standard_normal((1, 1, N, M)).astype(dtype)
+    if kind == "bool_with_empty_rows":
+        m = rng.random((B, H, N, M)) >= drop
+        m[:, :, ::3] = False
+        return m
+    if kind == "neg_inf_stretches":
+        m = np.zeros((B, 1, N, M), dtype)
+        m[..., 10:200] = -np.inf
+        m[..., 3, :] = -np.inf
+        return m
+    raise AssertionError(kind)
+
+
+def additive_scores(q, k, v, q_weight=None, k_weight=None, bias=None):
+    """float64 Bahdanau scores ``v . tanh(Wq q_t + Wk k_s + b)``, (..., T, S).
+
+    ``q`` (..., T, Dq), ``k`` (..., S, Dk); a weight of None is the
+    identity, a bias of None zero.
+    """
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    hq = q if q_weight is None else q @ np.asarray(q_weight, np.float64).T
+    hk = k if k_weight is None else k @ np.asarray(k_weight, np.float64).T
+    if bias is not None:
+        hk = hk + np.asarray(bias, np.float64)
+    return np.tanh(hq[..., :, None, :] + hk[..., None, :, :]) @ v
+
+
+def masked_softmax(s, mask=None):
+    """float64 softmax over the last axis of scores (..., T, S).
+
+    ``mask`` (..., S) bool: key s is attended where True, for every target.
+    A row with nothing to attend (masked or -inf scores) gets weights 0; a
+    NaN score makes its row NaN.
+    """
+    s = np.array(s, dtype=np.float64)
+    if mask is not None:
+        s = np.where(np.asarray(mask)[..., None, :], s, -np.inf)
+    ok = ~np.isinf(s)
+    mx = np.max(np.where(ok, s, -np.inf), axis=-1, keepdims=True, initial=-np.inf)
+    mx = np.where(np.isneginf(mx), 0.0, mx)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.where(ok, np.exp(s - mx), 0.0)
+    tot = e.sum(axis=-1, keepdims=True)
+    return e / np.where(tot == 0, 1.0, tot)
+
+
+def additive_attention(q, k, vals, v, q_weight=None, k_weight=None, bias=None, mask=None):
+    """Bahdanau attention in float64: ``(context, weights)`` of the
+    :func:`masked_softmax` of :func:`additive_scores`."""
+    w = masked_softmax(additive_scores(q, k, v, q_weight, k_weight, bias), mask)
+    return w @ np.asarray(vals, np.float64), w
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import pytest
 
 import attncore
 from attncore._core import _additive
+from reference import additive_attention, additive_scores
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 torch = pytest.importorskip("torch")
@@ -15,39 +16,6 @@ torch = pytest.importorskip("torch")
 # Keras' torch backend converts tensors with np.array(x), which NumPy 2 flags
 pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
-
-
-def softmax_ref(s, mask=None):
-    """float64 masked softmax; rows with nothing to attend get weights 0."""
-    s = np.array(s, dtype=np.float64)
-    if mask is not None:
-        s = np.where(mask[:, None, :], s, -np.inf)
-    out = np.zeros_like(s)
-    for idx in np.ndindex(s.shape[:-1]):
-        row = s[idx]
-        ok = np.isfinite(row) | np.isnan(row)
-        if not ok.any():
-            continue
-        e = np.where(ok, np.exp(row - row[ok].max()), 0.0)
-        out[idx] = e / e.sum()
-    return out
-
-
-def bahdanau_ref(q, k, vals, Wq, Wk, v, b, mask=None):
-    """Bahdanau scores by explicit loops over (batch, target, source), float64."""
-    q, k, vals = (np.asarray(a, np.float64) for a in (q, k, vals))
-    B, T, _ = q.shape
-    S = k.shape[1]
-    s = np.empty((B, T, S))
-    for bb in range(B):
-        for t in range(T):
-            hq = Wq @ q[bb, t] if Wq is not None else q[bb, t]
-            for j in range(S):
-                hk = Wk @ k[bb, j] if Wk is not None else k[bb, j]
-                pre = hq + hk + (0 if b is None else b)
-                s[bb, t, j] = np.dot(v, np.tanh(pre))
-    w = softmax_ref(s, mask)
-    return w @ vals, w
 
 
 def luong_general_torch(q, k, vals, W, mask=None):
@@ -98,9 +66,10 @@ def test_mlp_vs_bahdanau(data, dtype, tol, masked, mlp_form):
     ctx, w = att(d["q"].astype(dtype), d["k"].astype(dtype), d["vals"].astype(dtype),
                  mask=mask, return_weights=True)
     assert ctx.dtype == dtype and w.dtype == dtype
-    rc, rw = bahdanau_ref(d["q"].astype(dtype), d["k"].astype(dtype), d["vals"].astype(dtype),
-                          d["Wq"].astype(dtype), d["Wk"].astype(dtype), d["v"].astype(dtype),
-                          d["b"].astype(dtype), mask)
+    rc, rw = additive_attention(d["q"].astype(dtype), d["k"].astype(dtype),
+                                d["vals"].astype(dtype), d["v"].astype(dtype),
+                                d["Wq"].astype(dtype), d["Wk"].astype(dtype),
+                                d["b"].astype(dtype), mask)
     np.testing.assert_allclose(w, rw, rtol=tol, atol=tol)
     np.testing.assert_allclose(ctx, rc, rtol=tol, atol=tol)
 
@@ -112,7 +81,7 @@ def test_mlp_identity_projections(data):
     k = rng.standard_normal((2, 5, 8))
     att = attncore.Attention("additive", v=d["v"])
     ctx, w = att(q, k, return_weights=True)
-    rc, rw = bahdanau_ref(q, k, k, None, None, d["v"], None)
+    rc, rw = additive_attention(q, k, k, d["v"])
     np.testing.assert_allclose(w, rw, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(ctx, rc, rtol=1e-12, atol=1e-13)
 
@@ -156,8 +125,7 @@ def test_builtin_score_methods_follow_the_contract(data):
     a = attncore.alignments.create("mlp", q_weight=d["Wq"], k_weight=d["Wk"], v=d["v"],
                                    bias=d["b"])
     s = a.score(d["q"], a.prepare(d["k"]))
-    ref = np.einsum("a,btsa->bts", d["v"], np.tanh(
-        (d["q"] @ d["Wq"].T)[:, :, None, :] + (d["k"] @ d["Wk"].T)[:, None, :, :] + d["b"]))
+    ref = additive_scores(d["q"], d["k"], d["v"], d["Wq"], d["Wk"], d["b"])
     np.testing.assert_allclose(s, ref, rtol=1e-12, atol=1e-12)
     g = attncore.alignments.create("general", weight=d["Wa"])
     np.testing.assert_allclose(g.score(d["q"], g.prepare(d["k"])),
@@ -175,13 +143,13 @@ def test_mlp_large_preactivations_and_inf(dtype):
     v = rng.standard_normal(4).astype(dtype) * 0.5
     att = attncore.Attention("additive", v=v)
     ctx, w = att(q, k, vals, return_weights=True)
-    rc, rw = bahdanau_ref(q, k, vals, None, None, v, None)
+    rc, rw = additive_attention(q, k, vals, v)
     tol = 1e-12 if dtype == np.float64 else 2e-5
     np.testing.assert_allclose(w, rw, rtol=tol, atol=tol)
     np.testing.assert_allclose(ctx, rc, rtol=tol, atol=tol)
     q[0, 1, 2] = np.inf                # tanh saturates: scores stay finite
     ctx, w = att(q, k, vals, return_weights=True)
-    rc, rw = bahdanau_ref(q, k, vals, None, None, v, None)
+    rc, rw = additive_attention(q, k, vals, v)
     np.testing.assert_allclose(w, rw, rtol=tol, atol=tol)
     assert np.isfinite(ctx).all()
 
@@ -254,6 +222,14 @@ def _keras_call(layer, q, v, mask):
     return ops.convert_to_numpy(out), ops.convert_to_numpy(w)
 
 
+def _assert_as_keras(layer, att, q, v, mask):
+    """attncore's ``att`` gives Keras ``layer``'s context and weights."""
+    kout, kw = _keras_call(layer, q, v, mask)
+    ctx, w = att(q, v, mask=mask, return_weights=True)
+    np.testing.assert_allclose(w, kw, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(ctx, kout, rtol=1e-5, atol=2e-6)
+
+
 @pytest.fixture
 def kdata():
     rng = np.random.default_rng(7)
@@ -269,10 +245,7 @@ def test_keras_additive_attention(keras, kdata):
     _keras_call(layer, q, v, mask)  # build
     scale = np.random.default_rng(8).standard_normal(6).astype(np.float32)
     layer.set_weights([scale])
-    kout, kw = _keras_call(layer, q, v, mask)
-    ctx, w = attncore.Attention("additive", v=scale)(q, v, mask=mask, return_weights=True)
-    np.testing.assert_allclose(w, kw, rtol=1e-5, atol=2e-6)
-    np.testing.assert_allclose(ctx, kout, rtol=1e-5, atol=2e-6)
+    _assert_as_keras(layer, attncore.Attention("additive", v=scale), q, v, mask)
 
 
 @pytest.mark.parametrize("use_scale", [False, True])
@@ -284,10 +257,7 @@ def test_keras_attention_dot(keras, kdata, use_scale):
     if use_scale:
         layer.set_weights([np.array(0.37, np.float32)])
         params["scale"] = 0.37
-    kout, kw = _keras_call(layer, q, v, mask)
-    ctx, w = attncore.Attention("dot", **params)(q, v, mask=mask, return_weights=True)
-    np.testing.assert_allclose(w, kw, rtol=1e-5, atol=2e-6)
-    np.testing.assert_allclose(ctx, kout, rtol=1e-5, atol=2e-6)
+    _assert_as_keras(layer, attncore.Attention("dot", **params), q, v, mask)
 
 
 @pytest.mark.parametrize("use_scale", [False, True])
@@ -298,13 +268,10 @@ def test_keras_attention_concat(keras, kdata, use_scale):
     scale, c = 0.8, 1.7
     layer.set_weights([np.array(scale, np.float32), np.array(c, np.float32)] if use_scale
                       else [np.array(c, np.float32)])
-    kout, kw = _keras_call(layer, q, v, mask)
     D = q.shape[-1]
     eye = np.eye(D, dtype=np.float32) * (scale if use_scale else 1.0)
     att = attncore.Attention("concat", q_weight=eye, k_weight=eye, v=np.full(D, c, np.float32))
-    ctx, w = att(q, v, mask=mask, return_weights=True)
-    np.testing.assert_allclose(w, kw, rtol=1e-5, atol=2e-6)
-    np.testing.assert_allclose(ctx, kout, rtol=1e-5, atol=2e-6)
+    _assert_as_keras(layer, att, q, v, mask)
 
 
 @pytest.mark.parametrize("S", [20, 300])

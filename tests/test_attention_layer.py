@@ -8,20 +8,12 @@ import pytest
 
 import attncore
 from attncore import alignments
+from reference import additive_attention, additive_scores, masked_softmax
 
 
 def plain_attention(scores, vals, mask=None):
     """float64 reference: masked softmax of given scores, then the context."""
-    s = np.array(scores, np.float64)
-    if mask is not None:
-        s = np.where(mask[:, None, :], s, -np.inf)
-    w = np.zeros_like(s)
-    for idx in np.ndindex(s.shape[:-1]):
-        r = s[idx]
-        ok = np.isfinite(r)
-        if ok.any():
-            e = np.where(ok, np.exp(r - r[ok].max()), 0)
-            w[idx] = e / e.sum()
+    w = masked_softmax(scores, mask)
     return w @ np.asarray(vals, np.float64), w
 
 
@@ -387,12 +379,6 @@ def _bilinear_ref(q, k, vals, W):
     return plain_attention(np.asarray(q, np.float64) @ W @ np.swapaxes(k, -1, -2), vals)[0]
 
 
-def _mlp_ref(q, k, vals, Wq, Wk, v):
-    """float64: softmax(v . tanh(Wq q + Wk k)) vals (Bahdanau's additive score)."""
-    s = np.tanh((q @ Wq.T)[:, :, None, :] + (k @ Wk.T)[:, None, :, :]) @ v
-    return plain_attention(s, vals)[0]
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_replaced_or_edited_parameters_are_seen_in_every_dtype(seq, dtype):
     """A parameter replaced (assignment) or edited in place (``+=``) after a
@@ -451,7 +437,7 @@ def test_mlp_with_empty_batches_and_steps(dtype):
     assert ctx.shape == (2, 3, 4) and w.shape == (2, 3, 0) and not ctx.any()
     # and a non-empty call still matches the float64 reference
     k = rng.standard_normal((2, 5, 4))
-    np.testing.assert_allclose(m(q, k.astype(dtype)), _mlp_ref(q.astype(np.float64), k, k, Wq, Wk, v),
+    np.testing.assert_allclose(m(q, k.astype(dtype)), additive_attention(q, k, k, v, Wq, Wk)[0],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -480,7 +466,7 @@ def test_layer_num_threads_reaches_its_projections(seq, kind, monkeypatch):
     else:
         Wq, Wk, v, b = (rng.standard_normal(sh) * 0.4 for sh in ((5, 6), (5, 6), (5,), (5,)))
         att = attncore.Attention("mlp", q_weight=Wq, k_weight=Wk, v=v, bias=b, num_threads=3)
-        s = np.tanh((q @ Wq.T)[:, :, None, :] + (k @ Wk.T + b)[:, None, :, :]) @ v
+        s = additive_scores(q, k, v, Wq, Wk, b)
     out = att(q, k, vals, mask=mask)
     want = plain_attention(s, vals, mask)[0]
     np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)

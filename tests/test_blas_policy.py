@@ -99,6 +99,54 @@ def test_other_unheld_blas_gets_one_thread(monkeypatch):
     assert calls[0][0].plan.nthreads == 1
 
 
+# --------------------------------------------------------------------------
+# the planner's documented rules (attncore._call.plan; the paged door's key
+# splits, attncore._paged._split_plan): the other test files check results
+# only, and name the rule here that makes their shapes reach a kernel path
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_plan_fused_blocks_of_two_panels_or_key_chunks(path):
+    """The fused float32 kernel: query blocks of two panels (its C
+    constant ``PANEL_ROWS``); over more than ``kchunk_keys`` float32 keys,
+    blocks of ``KCHUNK_PANELS`` panels taking turns over chunks of that
+    many keys (512 for D = Dv = 64: 256 KiB)."""
+    panel = _sdpa.PANEL_ROWS[path]
+    pl = _call.plan(np.float32, 1000, 400, 64, 64, 0, 1, 1, kernel_path=path)
+    assert pl.fused and pl.Bq == 2 * panel and pl.kchunk == 0
+    assert _call.kchunk_keys(64, 64) == 512
+    for N, M, nb in ((1000, 1000, 1), (300, 1100, 2)):  # test_kernel_paths' key chunks
+        pl = _call.plan(np.float32, N, M, 64, 64, 0, nb, 1, kernel_path=path)
+        assert pl.fused and pl.Bq == _call.KCHUNK_PANELS * panel and pl.kchunk == 512
+
+
+def test_plan_splits_the_keys_of_a_few_rows_over_idle_threads():
+    """Fewer work items than threads and at least 1024 keys: the keys split
+    (flash decoding) into chunks of at least 256 keys, one per idle thread
+    (test_int8's key-split case: one query block, 5000 keys, two threads);
+    one thread or few keys: no split."""
+    N = min(20, _sdpa.PANEL_ROWS.get(_sdpa.kernel_path(), 20))
+    pl = _call.plan(np.float32, N, 5000, 64, 64, 0, 1, 2)
+    assert pl.nsplit == 2 and pl.chunk >= 256 and pl.nthreads == 2
+    assert pl.nsplit * pl.chunk >= 5000 and pl.chunk % pl.Bk == 0
+    assert _call.plan(np.float32, N, 5000, 64, 64, 0, 1, 1).nsplit == 1
+    assert _call.plan(np.float32, N, 1000, 64, 64, 0, 1, 2).nsplit == 1
+
+
+def test_paged_split_plan_splits_few_long_sequences():
+    """The paged door: when the work list gives a thread fewer than 4 items
+    and the longest sequence has at least 1024 keys, the keys split in
+    chunks of whole blocks of at least 512 keys (test_paged's key-split
+    case: 2 items of 3000 keys for 2 threads); otherwise no split."""
+    from attncore import _paged
+
+    lens = np.array([3000, 2500])
+    nsplit, chunk = _paged._split_plan(lens, 2, 2, 32)
+    assert nsplit > 1 and chunk % 32 == 0 and chunk >= 512 and nsplit * chunk >= 3000
+    assert _paged._split_plan(lens, 8, 2, 32) == (1, 0)
+    assert _paged._split_plan(lens, 2, 1, 32) == (1, 0)
+    assert _paged._split_plan(np.array([1000, 900]), 2, 2, 32) == (1, 0)
+
+
 def test_plan_call_keeps_the_kernel_path(openblas_unheld):
     """Re-planning for the BLAS keeps the path and the converted-operand
     choice (a re-plan used to drop them and take the fused kernel's tiles)."""
@@ -123,7 +171,7 @@ def test_l2_size_is_the_cpus():
             want = int(res.stdout.strip())
     if want <= 0:
         pytest.skip("getconf does not report the L2 size here")
-    assert _call._l2_bytes() == want
+    assert _kernels._l2_bytes() == want
 
 
 def test_l2_size_unknown(monkeypatch):
@@ -133,9 +181,9 @@ def test_l2_size_unknown(monkeypatch):
     def no_sysfs(path):
         raise OSError(path)
 
-    monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
-    monkeypatch.setattr(_call.os, "listdir", no_sysfs)
-    assert _call._l2_bytes() == 1 << 20
+    monkeypatch.setattr(_kernels.os, "sysconf", no_sysconf)
+    monkeypatch.setattr(_kernels.os, "listdir", no_sysfs)
+    assert _kernels._l2_bytes() == 1 << 20
 
 
 def test_l2_size_from_sysfs(monkeypatch, tmp_path):
@@ -150,10 +198,10 @@ def test_l2_size_from_sysfs(monkeypatch, tmp_path):
         (tmp_path / idx).mkdir()
         (tmp_path / idx / "level").write_text(level + "\n")
         (tmp_path / idx / "size").write_text(size + "\n")
-    monkeypatch.setattr(_call.os, "sysconf", no_sysconf)
-    monkeypatch.setattr(_call, "_CACHE_SYSFS", str(tmp_path))
-    assert _call._l2_bytes() == 512 << 10
+    monkeypatch.setattr(_kernels.os, "sysconf", no_sysconf)
+    monkeypatch.setattr(_kernels, "_CACHE_SYSFS", str(tmp_path))
+    assert _kernels._l2_bytes() == 512 << 10
     (tmp_path / "index2" / "size").write_text("2M\n")
-    assert _call._l2_bytes() == 2 << 20
+    assert _kernels._l2_bytes() == 2 << 20
     (tmp_path / "index2" / "size").write_text("junk\n")
-    assert _call._l2_bytes() == 1 << 20
+    assert _kernels._l2_bytes() == 1 << 20

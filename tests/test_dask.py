@@ -16,7 +16,7 @@ import attncore  # noqa: E402
 import attncore.dask as ad  # noqa: E402
 from attncore.alignments import _registry  # noqa: E402
 
-from reference import allowed, lse_ref, sdpa_ref  # noqa: E402
+from reference import allowed, lse_ref, make_mask, sdpa_ref  # noqa: E402
 from reference import attention as ref  # noqa: E402
 from reference import rand  # noqa: E402
 
@@ -143,31 +143,6 @@ def test_tree_reduction(split_every):
 
 
 MASKS = ["bool", "float", "padding", "query_padding", "2d", "bool_with_empty_rows"]
-
-
-def make_mask(kind, B, H, N, M, seed=7):
-    rng = np.random.default_rng(seed)
-    if kind == "bool":
-        return rng.random((B, H, N, M)) > 0.4
-    if kind == "float":
-        m = rng.standard_normal((B, H, N, M))
-        m[rng.random((B, H, N, M)) < 0.3] = -np.inf
-        return m
-    if kind == "padding":                          # (B, 1, 1, M) key padding
-        m = np.ones((B, 1, 1, M), dtype=bool)
-        m[-1, ..., M // 3:] = False
-        return m
-    if kind == "query_padding":                    # (B, 1, N, 1)
-        m = np.ones((B, 1, N, 1), dtype=bool)
-        m[0, :, : N // 2] = False
-        return m
-    if kind == "2d":                               # (N, M) float, shared
-        return np.where(rng.random((N, M)) > 0.2, rng.standard_normal((N, M)), -np.inf)
-    if kind == "bool_with_empty_rows":             # fully masked rows
-        m = rng.random((B, H, N, M)) > 0.5
-        m[:, :, ::3] = False
-        return m
-    raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -16,6 +16,7 @@ import attncore
 from attncore import _kernels
 from attncore._core import _linalg, _sdpa
 
+from reference import additive_attention
 from reference import attention as ref
 from reference import rand
 
@@ -71,13 +72,9 @@ def test_additive_kernel(forced, masked):
     att = attncore.Attention("mlp", q_weight=wq, k_weight=wk, v=v)
     ctx, w = att(q, k, vals, mask=mask, return_weights=True)
     only("additive", forced)
-    s = np.einsum("a,btsa->bts", v, np.tanh((q @ wq.T)[:, :, None] + (k @ wk.T)[:, None]))
-    if mask is not None:
-        s = np.where(mask[:, None], s, -np.inf)
-    r_w = np.exp(s - s.max(-1, keepdims=True))
-    r_w /= r_w.sum(-1, keepdims=True)
+    r_ctx, r_w = additive_attention(q, k, vals, v, wq, wk, mask=mask)
     np.testing.assert_allclose(w, r_w, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(ctx, r_w @ vals, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(ctx, r_ctx, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-6), (np.float64, 1e-14)])
@@ -110,16 +107,11 @@ def test_one_home_for_the_kernel_path():
 
 
 def test_constants_read_from_c():
-    # the planner's constants are the C kernels' (not a second copy)
+    # the planner's constants are the C kernels' (not a second copy); the
+    # planner's rules over them: test_blas_policy
     from attncore import functional
 
     assert functional._SMALL_ROWS == _sdpa.SMALL_ROWS == _sdpa.cpu_features()["small_rows"]
     for path in PATHS[1:]:
         with _kernels.forced_kernel_path(path):
             assert _sdpa.cpu_features()["fused_panel_rows"] == _sdpa.PANEL_ROWS[path]
-            pl = functional.plan(np.float32, 1000, 400, 64, 64, 0, 1, 1)
-            assert pl.fused and pl.Bq == 2 * _sdpa.PANEL_ROWS[path] and pl.kchunk == 0
-            # over more than 256 KiB of float32 keys and values: blocks of
-            # 8 panels taking turns over chunks of 256 KiB of them
-            pl = functional.plan(np.float32, 1000, 1000, 64, 64, 0, 1, 1)
-            assert pl.fused and pl.Bq == 8 * _sdpa.PANEL_ROWS[path] and pl.kchunk == 512

@@ -373,3 +373,25 @@ def test_dask_module_without_dask_names_the_extra(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "pip install 'attncore[dask]'" in r.stderr, r.stderr
+
+
+def test_every_spelling_of_a_storage_dtype_is_one_name():
+    """The one parser of storage dtype arguments (layers, caches, rotary,
+    interop): a string, a NumPy / ml_dtypes / JAX dtype or scalar type and
+    a torch dtype name the same dtype; bfloat16 is recognized in each
+    spelling and in an array's ``.dtype``; anything else names nothing."""
+    from attncore._dtypes import is_bf16_arg, storage_name
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = ["bfloat16", torch.bfloat16, ml_dtypes.bfloat16, np.dtype(ml_dtypes.bfloat16),
+            torch.zeros(1, dtype=torch.bfloat16).dtype,
+            np.zeros(1, ml_dtypes.bfloat16).dtype]
+    for d in bf16:
+        assert storage_name(d) == "bfloat16" and is_bf16_arg(d), d
+    for want, spellings in (("float16", ["float16", np.float16, np.dtype("f2"), torch.float16]),
+                            ("float32", [None, "float32", np.float32, torch.float32]),
+                            ("float64", [float, np.float64, torch.float64])):
+        for d in spellings:
+            assert storage_name(d) == want and not is_bf16_arg(d), d
+    assert storage_name(object()) is None and not is_bf16_arg(object())
+    assert storage_name(None, None) is None and not is_bf16_arg(None)

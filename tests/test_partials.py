@@ -12,31 +12,12 @@ import attncore
 from attncore import merge_attention
 from attncore import scaled_dot_product_attention as sdpa
 
-from reference import allowed, lse_ref
+from reference import allowed, lse_ref, make_mask
 from reference import attention as ref
 from reference import rand
 
 TOL = {np.float32: dict(rtol=2e-5, atol=2e-6), np.float64: dict(rtol=1e-11, atol=1e-12)}
 LTOL = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float64: dict(rtol=1e-12, atol=1e-12)}
-
-
-def make_mask(kind, B, H, N, M, seed=5):
-    """None, a bool (B, H, N, M) mask, a float one (finite and -inf entries),
-    or key padding (B, 1, 1, M)."""
-    rng = np.random.default_rng(seed)
-    if kind is None:
-        return None
-    if kind == "bool":
-        return rng.random((B, H, N, M)) > 0.3
-    if kind == "float":
-        m = rng.standard_normal((B, H, N, M))
-        m[rng.random((B, H, N, M)) < 0.2] = -np.inf
-        return m
-    if kind == "padding":
-        m = np.ones((B, 1, 1, M), dtype=bool)
-        m[0, ..., M // 2:] = False
-        return m
-    raise AssertionError(kind)
 
 
 def slice_keys(mask, sl):
@@ -54,7 +35,7 @@ CASES = [(1, 1), (5, 9), (9, 5), (40, 70), (70, 40), (1, 1500), (3, 2100), (64, 
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float", "padding"])
 def test_lse_against_reference(dtype, N, M, mask_kind):
     q, k, v = rand((2, 3, N, 16), 1, dtype), rand((2, 3, M, 16), 2, dtype), rand((2, 3, M, 8), 3, dtype)
-    mask = make_mask(mask_kind, 2, 3, N, M)
+    mask = make_mask(mask_kind, 2, 3, N, M, seed=5)
     out, lse = sdpa(q, k, v, mask, return_lse=True)
     assert lse.shape == (2, 3, N) and lse.dtype == dtype
     np.testing.assert_allclose(out, ref(q, k, v, mask)[0], **TOL[dtype])
@@ -153,7 +134,7 @@ def parts_of(q, k, v, mask, bounds, **kw):
 def test_merge_equals_one_call(dtype, mask_kind, bounds):
     N, M = 13, 47
     q, k, v = rand((2, 3, N, 16), 1, dtype), rand((2, 3, M, 16), 2, dtype), rand((2, 3, M, 8), 3, dtype)
-    mask = make_mask(mask_kind, 2, 3, N, M)
+    mask = make_mask(mask_kind, 2, 3, N, M, seed=5)
     outs, lses, _ = parts_of(q, k, v, mask, bounds)
     out, lse = merge_attention(outs, lses)
     assert out.dtype == dtype and lse.dtype == dtype
@@ -252,7 +233,7 @@ def test_merge_with_weights(dtype, causal):
     exp(lse_part - lse_total) they are the full weights over its keys."""
     N, M = 8, 33
     q, k, v = rand((2, 2, N, 8), 1, dtype), rand((2, 2, M, 8), 2, dtype), rand((2, 2, M, 8), 3, dtype)
-    mask = make_mask("bool", 2, 2, N, M)
+    mask = make_mask("bool", 2, 2, N, M, seed=5)
     if causal:  # upper-left causal given as a mask, sliced with the keys
         mask = mask & allowed(N, M, causal=1)
     bounds = (0, 5, 20, M)

@@ -8,7 +8,7 @@ import attncore
 from attncore import scaled_dot_product_attention as sdpa
 from attncore._quant import dequantize
 
-from reference import allowed, sdpa_ref
+from reference import allowed, make_mask, sdpa_ref
 from reference import attention as ref
 from reference import rand
 
@@ -22,20 +22,7 @@ TOL = {np.float16: dict(rtol=3e-3, atol=3e-3), np.float32: dict(rtol=3e-5, atol=
        np.float64: dict(rtol=1e-10, atol=1e-11)}
 
 
-MASKS = ["none", "bool_full", "keypad", "float"]
-
-
-def make_mask(kind, B, N, M, seed=3):
-    rng = np.random.default_rng(seed)
-    if kind == "none":
-        return None
-    if kind == "bool_full":
-        return rng.random((B, 1, N, M)) > 0.3
-    if kind == "keypad":
-        m = np.ones((B, 1, 1, M), bool)
-        m[0, ..., : M // 4] = False
-        return m
-    return np.where(rng.random((1, 1, N, M)) > 0.2, rng.standard_normal((1, 1, N, M)), -np.inf)
+MASKS = ["none", "bool_full", "padding", "2d"]     # reference.make_mask kinds
 
 
 # ------------------------------------------------------------------ window
@@ -46,20 +33,14 @@ def make_mask(kind, B, N, M, seed=3):
 def test_window_against_band_reference(path, window, causal, mask_kind, N, M):
     B, H, D = 2, 2, 16
     q, k, v = rand((B, H, N, D), 1, np.float64), rand((B, H, M, D), 2, np.float64), rand((B, H, M, 8), 3, np.float64)
-    mask = make_mask(mask_kind, B, N, M)
-    ok = allowed(N, M, causal=causal, window=window)
-    if mask is None:
-        full = ok
-    elif mask.dtype == bool:
-        full = mask & ok
-    else:
-        full = np.where(ok, mask, -np.inf)
+    mask = make_mask(mask_kind, B, 1, N, M, seed=3)
+    want = ref(q, k, v, mask, causal, window=window)[0]
     for dtype in (np.float32, np.float64):
         out = attncore.scaled_dot_product_attention(
             q.astype(dtype), k.astype(dtype), v.astype(dtype),
             None if mask is None else mask.astype(dtype) if mask.dtype != bool else mask,
             is_causal=causal, window=window)
-        np.testing.assert_allclose(out, ref(q, k, v, full)[0], **TOL[dtype])
+        np.testing.assert_allclose(out, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("Hk", [1, 2])
@@ -119,15 +100,8 @@ def test_softcap_against_tanh_reference(path, mask_kind, causal, cap):
     B, N, M = 2, 70, 150
     q, k, v = (rand((B, 2, N, 16), 1, np.float64) * 3, rand((B, 2, M, 16), 2, np.float64),
                rand((B, 2, M, 8), 3, np.float64))
-    mask = make_mask(mask_kind, B, N, M)
-    ok = allowed(N, M, causal=causal)
-    if mask is None:
-        full = ok
-    elif mask.dtype == bool:
-        full = mask & ok
-    else:
-        full = np.where(ok, mask, -np.inf)
-    expected = sdpa_ref(q, k, v, full, softcap=cap)
+    mask = make_mask(mask_kind, B, 1, N, M, seed=3)
+    expected = sdpa_ref(q, k, v, mask, causal, softcap=cap)
     for dtype in (np.float32, np.float64):
         m = None if mask is None else mask if mask.dtype == bool else mask.astype(dtype)
         out = attncore.scaled_dot_product_attention(
@@ -314,7 +288,7 @@ def test_mha_window_is_validated_by_every_loader():
 @pytest.mark.parametrize("N", [5, 8, 9, 12, 13, 16, 17, 18, 20, 21, 33, 35, 40, 44, 48, 50, 52, 66])
 @pytest.mark.parametrize("opts", [
     {}, {"is_causal": True}, {"is_causal": "lower_right"}, {"window": (7, 3)},
-    {"softcap": 2.0}, {"mask": "bool_full"}, {"mask": "float"},
+    {"softcap": 2.0}, {"mask": "bool_full"}, {"mask": "2d"},
     {"alibi_slopes": np.array([0.5, 0.125])}, {"sinks": np.array([0.3, -1.0])}])
 def test_panel_tail_rows_against_reference(path, N, opts):
     """A call whose last query panel has a few rows (the fused kernel
@@ -327,7 +301,7 @@ def test_panel_tail_rows_against_reference(path, N, opts):
     q, k, v = rand((B, H, N, D), 1), rand((B, H, M, D), 2), rand((B, H, M, Dv), 3)
     opts = dict(opts)
     kind = opts.pop("mask", "none")
-    mask = make_mask(kind, B, N, M)
+    mask = make_mask(kind, B, 1, N, M, seed=3)
     if mask is not None and mask.dtype != bool:
         mask = mask.astype(np.float32)
     out, lse = sdpa(q, k, v, mask, return_lse=True, **opts)

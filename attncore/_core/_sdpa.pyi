@@ -1,4 +1,4 @@
-# Stub for the compiled attention driver (private; see attncore.functional).
+# Stub for the compiled attention driver (private; its front door is attncore._call).
 import numpy as np
 from typing import Any, Optional
 

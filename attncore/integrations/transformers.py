@@ -58,7 +58,7 @@ import warnings
 import numpy as np
 
 from .._dtypes import parse_precision
-from .._interop import numpy_to_torch, torch_to_numpy
+from .._interop import numpy_to_torch, torch_bits_tensor, torch_bits_view, torch_to_numpy
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
 from .._varlen import varlen_attention
@@ -236,27 +236,8 @@ def attention_mask(*args, **kwargs):
 # --------------------------------------------------------------------------
 # the attention function
 # --------------------------------------------------------------------------
-def _as_numpy(t, name):
-    """A CPU torch tensor as a NumPy array: attncore's one conversion
-    (a view; bfloat16 as an ml_dtypes view, a float32 copy without ml_dtypes)."""
-    if t.device.type != "cpu":
-        raise TypeError(
-            f"{name} is on device {t.device}; attncore computes on the CPU: move the model "
-            f"there (model.to('cpu')) or use another attn_implementation")
-    return torch_to_numpy(t, name)[0]
-
-
-def _fast_numpy(t, bits):
-    """A view of a CPU tensor of the model's own dtype (float32 / float16;
-    bfloat16 as its int16 bits where ``bits``), without the general
-    conversion's checks and caching (one call per layer and step)."""
-    if bits:
-        t = t.view(sys.modules["torch"].int16)
-    try:
-        return t.numpy()
-    except RuntimeError:    # a tensor that requires grad: its detached view
-        return t.detach().numpy()
-
+# what a tensor on another device is told (attncore._interop converts)
+_MOVE_MODEL = "move the model there (model.to('cpu')) or use another attn_implementation"
 
 # ---- sliding windows (transformers' convention) ----------------------------
 # The ``sliding_window`` keyword a model passes to the attention function is
@@ -326,7 +307,8 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     elif dt is not torch.float32 and dt is not torch.float16:
         return None
     try:
-        q, k, v = _fast_numpy(query, bits), _fast_numpy(key, bits), _fast_numpy(value, bits)
+        q, k = torch_bits_view(query, bits), torch_bits_view(key, bits)
+        v = torch_bits_view(value, bits)
     except (TypeError, RuntimeError, NotImplementedError):  # not a CPU strided tensor:
         return None  # the general path says why
     causal, win, mask = _sliding_window(module, is_causal, kwargs, q.shape[2], k.shape[2])
@@ -340,9 +322,7 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     B, H, L, Dv = out.shape
     if L == 1:  # (B, H, 1, Dv) is (B, 1, H, Dv) in memory (NumPy's reshape: the cheaper op)
         out = out.reshape(B, 1, H, Dv)
-    t = torch.from_numpy(out)  # a fresh, writable array
-    if bits:
-        t = t.view(torch.bfloat16)
+    t = torch_bits_tensor(out, bits)  # a fresh, writable array
     return t if L == 1 else t.transpose(1, 2).contiguous()
 
 
@@ -355,12 +335,12 @@ def _mask(module, attention_mask, is_causal, L, S, kwargs):
         m = attention_mask
         if m.shape[-1] > S:  # a mask sized for a longer (static) cache
             m = m[..., :S]
-        mask = _as_numpy(m, "attention_mask")
+        mask = torch_to_numpy(m, "attention_mask", remedy=_MOVE_MODEL)[0]
     else:   # the kernel's band where it can (out-of-band key tiles skipped)
         causal, win, mask = _sliding_window(module, is_causal, kwargs, L, S)
     bias = kwargs.get("position_bias")
     if bias is not None:
-        b = _as_numpy(bias, "position_bias")
+        b = torch_to_numpy(bias, "position_bias", remedy=_MOVE_MODEL)[0]
         if mask is None:
             mask = b
         elif mask.dtype == np.bool_:
@@ -368,12 +348,6 @@ def _mask(module, attention_mask, is_causal, L, S, kwargs):
         else:
             mask = mask + b
     return causal, win, mask
-
-
-def _to_torch(a, dtype):
-    """A NumPy result as a torch tensor of ``dtype``."""
-    t = numpy_to_torch(a)
-    return t if t.dtype is dtype else t.to(dtype)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -427,19 +401,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _lean(module, query, key, value, is_causal, scaling, kwargs)
         if out is not None:
             return out, None
-    q = _as_numpy(query, "query")
-    k = _as_numpy(key, "key")
-    v = _as_numpy(value, "value")
+    q = torch_to_numpy(query, "query", remedy=_MOVE_MODEL)[0]
+    k = torch_to_numpy(key, "key", remedy=_MOVE_MODEL)[0]
+    v = torch_to_numpy(value, "value", remedy=_MOVE_MODEL)[0]
     causal, win, mask = _mask(module, attention_mask, is_causal, q.shape[2], k.shape[2], kwargs)
     torch = sys.modules["torch"]
     res = scaled_dot_product_attention(
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
         enable_gqa=True, return_weights=bool(need_weights), window=win,
         softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads(),
-        sinks=None if s_aux is None else _as_numpy(s_aux, "s_aux"), precision=precision)
+        sinks=None if s_aux is None else torch_to_numpy(s_aux, "s_aux", remedy=_MOVE_MODEL)[0],
+        precision=precision)
     out, w = res if need_weights else (res, None)
-    return (_to_torch(out, query.dtype).transpose(1, 2).contiguous(),
-            None if w is None else _to_torch(w, query.dtype))
+    return (numpy_to_torch(out, query.dtype).transpose(1, 2).contiguous(),
+            None if w is None else numpy_to_torch(w, query.dtype))
 
 
 # --------------------------------------------------------------------------
@@ -535,6 +510,37 @@ def _sinks(module, kwargs):
     return s if isinstance(s, torch.Tensor) else None
 
 
+def _paged_offsets(query, key, value, kwargs):
+    """(cu_seq_lens_q, cu_seq_lens_k) of a continuous-batching step, checked
+    against the packed tensors and each other."""
+    total_q, total_k = query.shape[2], key.shape[2]
+    if value.shape[2] != total_k:
+        raise ValueError(f"key and value hold {total_k} and {value.shape[2]} positions; they "
+                         f"must match")
+    cq = _offsets(kwargs, "cu_seq_lens_q", total_q)
+    ck = _offsets(kwargs, "cu_seq_lens_k", total_k)
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k give {cq.shape[0] - 1} and "
+                         f"{ck.shape[0] - 1} sequences; they must match")
+    return cq, ck
+
+
+def _paged_with_sinks(out, q, k, v, cq, ck, sinks, opts):
+    """Attention with per-head ``sinks``, sequence by sequence, into the
+    (total_q, H, Dv) tensor ``out``; ``opts``: the calls' keywords."""
+    for b in range(cq.shape[0] - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            raise ValueError(f"sequence {b} has {q1 - q0} queries and no key "
+                             f"(cu_seq_lens_k)")
+        o = scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+            is_causal="lower_right", enable_gqa=True, sinks=sinks, **opts)
+        out[q0:q1] = o.transpose(0, 1)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                             scaling=None, **kwargs):
     """Attention of transformers' continuous batching, per sequence.
@@ -615,15 +621,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
         # the layer type's cu_seq_lens_k), as transformers' own does
         key, value = cache.update(key_states=key, value_states=value,
                                   layer_idx=module.layer_idx, kwargs=kwargs)
-    total_q, total_k = query.shape[2], key.shape[2]
-    if value.shape[2] != total_k:
-        raise ValueError(f"key and value hold {total_k} and {value.shape[2]} positions; they "
-                         f"must match")
-    cq = _offsets(kwargs, "cu_seq_lens_q", total_q)
-    ck = _offsets(kwargs, "cu_seq_lens_k", total_k)
-    if cq.shape != ck.shape:
-        raise ValueError(f"cu_seq_lens_q and cu_seq_lens_k give {cq.shape[0] - 1} and "
-                         f"{ck.shape[0] - 1} sequences; they must match")
+    total_q = query.shape[2]
+    cq, ck = _paged_offsets(query, key, value, kwargs)
     nq, nk = int(cq[-1]), int(ck[-1])   # past them: padding (static shapes)
     q = query[0, :, :nq].transpose(0, 1)      # (total_q, H, D) views
     k = key[0, :, :nk].transpose(0, 1)
@@ -641,19 +640,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
             max_seqlen_k=mk if isinstance(mk, int) and mk >= 1 else None)
     else:
         out = query.new_zeros((nq, query.shape[1], value.shape[3]))
-        s = _as_numpy(sinks, "s_aux")
-        for b in range(cq.shape[0] - 1):
-            q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
-            if q1 == q0:
-                continue
-            if k1 == k0:
-                raise ValueError(f"sequence {b} has {q1 - q0} queries and no key "
-                                 f"(cu_seq_lens_k)")
-            o = scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
-                is_causal="lower_right", scale=scaling, enable_gqa=True, window=win,
-                softcap=kwargs.get("softcap"), num_threads=nthreads, sinks=s)
-            out[q0:q1] = o.transpose(0, 1)
+        s = torch_to_numpy(sinks, "s_aux", remedy=_MOVE_MODEL)[0]
+        _paged_with_sinks(out, q, k, v, cq, ck, s, dict(
+            scale=scaling, window=win, softcap=kwargs.get("softcap"), num_threads=nthreads))
     if out.dtype is not query.dtype:
         out = out.to(query.dtype)
     if nq < total_q:

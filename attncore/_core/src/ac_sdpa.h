@@ -227,13 +227,13 @@ static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
 #define AC_BAD_OVF 4
 
 /* query blocks of at most this many rows use direct loops, not BLAS
-   (attncore.functional reads it: _sdpa.SMALL_ROWS) */
+   (the planner in attncore._call reads it: _sdpa.SMALL_ROWS) */
 #ifndef AC_SMALL_ROWS
 #define AC_SMALL_ROWS 4
 #endif
 
 /* query rows per panel of the fused kernel: two vectors of floats
-   (attncore.functional.plan reads them: _sdpa.PANEL_ROWS) */
+   (attncore._call.plan reads them: _sdpa.PANEL_ROWS) */
 #define AC_PANEL_ROWS_AVX512 32
 #define AC_PANEL_ROWS_AVX2 16
 
