@@ -74,7 +74,7 @@ def header():
 
     info = _config.config_dict()
     bf = {"bfloat16": "yes", "bfloat16-emulated": "emulated"}.get(
-        info["bf16_products"], "no, " + _config._BF16_LINES[_config._bf16_line(info)])
+        info["bf16_products"], "no, " + " ".join(_config._BF16_LINES[_config._bf16_line(info)]))
     return (f"cpu: {cpu_model()}, {os.cpu_count()} CPUs, flags {' '.join(_flags())}, "
             f"python {platform.python_version()}\n"
             f"attncore {attncore.__version__} (kernel path {attncore._kernels.kernel_path()}, "
