@@ -29,7 +29,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["QuantizedKV", "fwht", "rotation_blocks", "quantize4", "check_format"]
+__all__ = ["QuantizedKV", "fwht", "rotation_blocks", "quantize4", "check_format",
+           "kernel_slots", "checked"]
 
 _F16_MAX = 65504.0
 DEFAULT_GROUP = 32
@@ -269,7 +270,72 @@ def quantize4(a: np.ndarray, group_size: int, symmetric: bool) -> tuple:
         c = np.clip(np.rint((g - lo64) / den), 0, 15)
         off = lo
     codes = _pack(c.astype(np.uint8).reshape(sh))
-    return codes, s, off
+    if off is None:
+        return codes, s, None
+    # scale and offset side by side in memory (the kernels read each pair
+    # as one 32-bit slot, in place: kernel_slots)
+    so = np.empty(s.shape + (2,), np.float16)
+    so[..., 0] = s
+    so[..., 1] = off
+    return codes, so[..., 0], so[..., 1]
+
+
+def kernel_slots(kv: "QuantizedKV") -> np.ndarray:
+    """The (scale, offset) pairs of a 4-bit container as the kernels read
+    them: float32 ``(..., M, G)`` slots, each the two float16 of a group
+    (scale in the low half).  A view where the container's scales and
+    offsets lie side by side (as :func:`attncore.quantize_kv` makes them),
+    else a copy (symmetric groups: offset ``-8 scale``)."""
+    s, o = kv.scales, kv.offsets
+    if (o is not None and s.shape == o.shape and s.strides == o.strides
+            and o.ctypes.data == s.ctypes.data + 2 and s.ctypes.data % 4 == 0
+            and all(st % 4 == 0 and st >= 0 for st in s.strides)):
+        pair = np.lib.stride_tricks.as_strided(s, s.shape + (2,), s.strides + (2,),
+                                               writeable=False)
+        return pair.view(np.float32)[..., 0]
+    if o is None:
+        with np.errstate(over="ignore"):
+            o = (np.float32(-8) * s.astype(np.float32)).astype(np.float16)
+        if not np.all(np.isfinite(o[np.isfinite(s)])):
+            raise ValueError("symmetric 4-bit scales above 8188 (|x| beyond about 57000) "
+                             "are not read by the kernels: quantize asymmetrically")
+    so = np.empty(s.shape + (2,), np.float16)
+    so[..., 0] = s
+    so[..., 1] = o
+    return so.view(np.float32)[..., 0]
+
+
+def checked(kv: "QuantizedKV", name: str) -> "QuantizedKV":
+    """A container given as a key / value, its arrays as NumPy arrays,
+    checked for one consistent format (ValueError / TypeError naming
+    ``name``)."""
+    kv = kv.numpy()
+    c, s, o = kv.codes, kv.scales, kv.offsets
+    if kv.bits not in (4, 8) or kv.axis != -1 or c.ndim < 2:
+        raise ValueError(f"{name}: a QuantizedKV of bits 4 or 8 along axis -1 with at least 2 "
+                         f"dimensions, got bits={kv.bits}, axis={kv.axis}, codes {c.shape}")
+    want = np.uint8 if kv.bits == 4 else np.int8
+    if c.dtype != want:
+        raise TypeError(f"{name}: {kv.bits}-bit codes must be {np.dtype(want)}, got {c.dtype}")
+    D = kv.shape[-1]
+    gs = kv.group_size
+    sdt = np.float16 if kv.bits == 4 else np.float32
+    if (isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs <= 0 or D % gs
+            or (kv.bits == 8 and gs != D)):
+        raise ValueError(f"{name}: group_size {gs!r} does not fit D = {D} ({kv.bits} bits)")
+    G = D // gs
+    for nm, a in (("scales", s), ("offsets", o)):
+        if a is None:
+            continue
+        if a.dtype != sdt or a.shape != c.shape[:-1] + (G,):
+            raise ValueError(f"{name}: {nm} of a {kv.bits}-bit container must be {np.dtype(sdt)} "
+                             f"{c.shape[:-1] + (G,)} (one per group of {gs}), got {a.dtype} "
+                             f"{a.shape}")
+    if o is not None and kv.bits == 8:
+        raise ValueError(f"{name}: 8-bit containers are symmetric (offsets None)")
+    if kv.rotate:
+        rotation_blocks(D)
+    return kv
 
 
 def check_format(bits: Any, group_size: Any, rotate: Any, symmetric: Any, D: int,
