@@ -421,26 +421,22 @@ def _split_int8(query, key, value):
     (quantized operands take no part in the dtype rules)."""
     kq = _kv_checked(key, "key") if isinstance(key, QuantizedKV) else None
     vq = _kv_checked(value, "value") if isinstance(value, QuantizedKV) else None
-    if kq is not None or vq is not None:
-        qdt = as_float_array(query, "query", allow_bf16=True).dtype
-        if kq is not None:
-            key = np.broadcast_to(np.zeros((), qdt), kq.shape)
-        if vq is not None:
-            value = np.broadcast_to(np.zeros((), qdt), vq.shape)
-    key, k_scales = split_quantized(key, "key")
-    value, v_scales = split_quantized(value, "value")
-    k8 = None if kq is None else _kernel_pair(kq)
-    v8 = None if vq is None else _kernel_pair(vq)
+    k8 = _kernel_pair(kq) if kq is not None else None
+    v8 = _kernel_pair(vq) if vq is not None else None
+    if kq is None:
+        key, k_scales = split_quantized(key, "key")
+        k8 = None if k_scales is None else (key, k_scales)
+    if vq is None:
+        value, v_scales = split_quantized(value, "value")
+        v8 = None if v_scales is None else (value, v_scales)
     if k8 is not None or v8 is not None:
-        return key, value, k8, v8, kq, vq
-    k8 = v8 = None
-    if k_scales is not None or v_scales is not None:
         qdt = as_float_array(query, "query", allow_bf16=True).dtype
-        if k_scales is not None:
-            k8, key = (key, k_scales), np.broadcast_to(np.zeros((), qdt), key.shape)
-        if v_scales is not None:
-            v8, value = (value, v_scales), np.broadcast_to(np.zeros((), qdt), value.shape)
-    return key, value, k8, v8, None, None
+        if k8 is not None:
+            key = np.broadcast_to(np.zeros((), qdt), kq.shape if kq is not None else k8[0].shape)
+        if v8 is not None:
+            value = np.broadcast_to(np.zeros((), qdt),
+                                    vq.shape if vq is not None else v8[0].shape)
+    return key, value, k8, v8, kq, vq
 
 
 def check(query, key, value, attn_mask=None, is_causal=False, scale=None,

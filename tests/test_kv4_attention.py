@@ -197,3 +197,14 @@ def test_int8_pairs_unchanged():
     out = attncore.scaled_dot_product_attention(q, k8, k8)
     d = k8[0].astype(np.float64) * k8[1][..., None]
     close(out, sdpa_ref(q, d, d))
+
+
+def test_int8_pair_beside_a_container(path):
+    # an int8 (array, scales) key with a 4-bit value, and the other way round
+    q = rand((1, 2, 2, 64), 36)
+    k8 = quantize_kv(kv_data((1, 2, 40, 64), 37))
+    v4 = quantize_kv(kv_data((1, 2, 40, 64), 38), bits=4, rotate=True)
+    d8 = k8[0].astype(np.float64) * k8[1][..., None]
+    close(attncore.scaled_dot_product_attention(q, k8, v4), sdpa_ref(q, d8, values_of(v4)))
+    k4 = quantize_kv(kv_data((1, 2, 40, 64), 39), bits=4)
+    close(attncore.scaled_dot_product_attention(q, k4, k8), sdpa_ref(q, values_of(k4), d8))

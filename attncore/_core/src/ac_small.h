@@ -188,10 +188,26 @@ static AC_TGT_AVX2 AC_SINLINE __m256 ac_ld8_q4(const void *p)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(b, _mm_set1_epi8(8))));
 }
 
-/* float16 bits as a float (F16C) */
-static AC_TGT_AVX2 AC_SINLINE float ac_h2f_x86(uint16_t h)
+/* the n2 (even) float16 at p, (scale, offset) pairs, as floats (s, o + 8 s)
+ * at out: the pairs of the centred codes (F16C, 8 or 4 at a time) */
+static AC_TGT_AVX2 AC_SINLINE void ac_q4_pairs(const uint16_t *p, int n2, float *out)
 {
-    return _cvtsh_ss(h);
+    int i = 0;
+    for (; i + 8 <= n2; i += 8) {
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i)));
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_moveldup_ps(x),
+                                                  _mm256_setr_ps(0, 8, 0, 8, 0, 8, 0, 8), x));
+    }
+    if (i + 4 <= n2) {
+        const __m128 x = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + i)));
+        _mm_storeu_ps(out + i, _mm_fmadd_ps(_mm_moveldup_ps(x), _mm_setr_ps(0, 8, 0, 8), x));
+        i += 4;
+    }
+    if (i < n2) {
+        const float sc = _cvtsh_ss(p[i]);
+        out[i] = sc;
+        out[i + 1] = _cvtsh_ss(p[i + 1]) + 8.0f * sc;
+    }
 }
 
 /* bfloat16 pairs: 2 x 16 / 2 x 8 elements at p as two vectors of floats,
