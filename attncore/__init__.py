@@ -35,6 +35,7 @@ Attention, Alignment, alignments, plot_alignment
 """
 from .functional import merge_attention, scaled_dot_product_attention
 from ._quant import quantize_kv
+from ._kv4 import QuantizedKV
 from ._varlen import varlen_attention
 from ._paged import paged_attention
 from ._paged_cache import PagedKVCache
@@ -49,7 +50,8 @@ from ._plot import plot_alignment
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "show_config", "__version__"]
+__all__ = ["scaled_dot_product_attention", "merge_attention", "quantize_kv", "QuantizedKV",
+           "show_config", "__version__"]
 __all__ += ["MultiHeadAttention", "KVCache", "sinusoidal_encoding", "add_positional_encoding"]
 __all__ += ["rotary_embedding", "varlen_attention", "paged_attention",
             "PagedKVCache"]

@@ -41,6 +41,7 @@ from . import _int8
 from ._core import _sdpa
 from ._dtypes import HALF_BF16, Policy, half_code, resolve, to_float
 from ._kernels import L2_BYTES as _L2
+from ._kv4 import QuantizedKV, checked as _kv_checked, fwht, kernel_slots, rotation_blocks
 from ._quant import split_quantized
 from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
                        blas_small_products_ok, resolve_num_threads, serial_or)
@@ -357,6 +358,8 @@ class Checked(NamedTuple):
     sinks: np.ndarray | None
     need_weights: bool
     need_lse: bool
+    kq: Any = None            #: the key's QuantizedKV (4-bit / rotated), NumPy
+    vq: Any = None            #: the value's
 
     @property
     def empty(self) -> bool:
@@ -365,20 +368,38 @@ class Checked(NamedTuple):
                 or self.k.shape[-2] == 0 or self.v.shape[-1] == 0)
 
 
+def _kernel_pair(kv: QuantizedKV) -> tuple:
+    """What the kernels read of a container: (codes, scales) -- int8 rows
+    and their float32 scales (..., M), or 4-bit codes and their float32
+    slots of float16 (scale, offset) pairs (..., M, G)."""
+    if kv.bits == 8:
+        return kv.codes, kv.scales[..., 0]
+    return kv.codes, kernel_slots(kv)
+
+
 def _split_int8(query, key, value):
-    """(key, value, k8, v8): an int8 (array, scales) key / value replaced
-    by a float stand-in of the query's dtype for the shape checks (int8
-    takes no part in the dtype rules)."""
-    key, k_scales = split_quantized(key, "key")
-    value, v_scales = split_quantized(value, "value")
-    k8 = v8 = None
-    if k_scales is not None or v_scales is not None:
+    """(key, value, k8, v8, kq, vq): an int8 (array, scales) key / value,
+    or a QuantizedKV (kq / vq, checked, its kernel pair in k8 / v8),
+    replaced by a float stand-in of the query's dtype for the shape checks
+    (quantized operands take no part in the dtype rules)."""
+    kq = _kv_checked(key, "key") if isinstance(key, QuantizedKV) else None
+    vq = _kv_checked(value, "value") if isinstance(value, QuantizedKV) else None
+    k8 = _kernel_pair(kq) if kq is not None else None
+    v8 = _kernel_pair(vq) if vq is not None else None
+    if kq is None:
+        key, k_scales = split_quantized(key, "key")
+        k8 = None if k_scales is None else (key, k_scales)
+    if vq is None:
+        value, v_scales = split_quantized(value, "value")
+        v8 = None if v_scales is None else (value, v_scales)
+    if k8 is not None or v8 is not None:
         qdt = as_float_array(query, "query", allow_bf16=True).dtype
-        if k_scales is not None:
-            k8, key = (key, k_scales), np.broadcast_to(np.zeros((), qdt), key.shape)
-        if v_scales is not None:
-            v8, value = (value, v_scales), np.broadcast_to(np.zeros((), qdt), value.shape)
-    return key, value, k8, v8
+        if k8 is not None:
+            key = np.broadcast_to(np.zeros((), qdt), kq.shape if kq is not None else k8[0].shape)
+        if v8 is not None:
+            value = np.broadcast_to(np.zeros((), qdt),
+                                    vq.shape if vq is not None else v8[0].shape)
+    return key, value, k8, v8, kq, vq
 
 
 def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
@@ -387,9 +408,13 @@ def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
           precision=None, *, alibi=None, sinks=None) -> Checked:
     """Check a call's arguments (``window`` / ``softcap`` / the bools
     already parsed); raises the documented TypeError / ValueError."""
-    key, value, k8, v8 = _split_int8(query, key, value)
+    key, value, k8, v8, kq, vq = _split_int8(query, key, value)
     q, k, v = check_operands(query, key, value)
     pol = policy((q.dtype, k.dtype, v.dtype), ("query", "key", "value"), precision)
+    if _q4(kq) or _q4(vq):
+        # 4-bit keys / values: float32 products of the dequantized codes
+        # (their loops read the codes in place)
+        pol = pol._replace(products="float32")
     N, D, M = q.shape[-2], q.shape[-1], k.shape[-2]
     m, mask_kind = check_mask(attn_mask, N, M)
     bshape, group = batch_shape(q, k, v, m, enable_gqa)
@@ -406,7 +431,12 @@ def check(query, key, value, attn_mask=None, is_causal=False, scale=None,
         pol = pol._replace(products="float32")
     return Checked(q, k, v, k8, v8, m, mask_kind, pol, bshape, group, causal,
                    parse_scale(scale, D), resolve_num_threads(num_threads), window, softcap,
-                   slopes, sk, return_weights, return_lse)
+                   slopes, sk, return_weights, return_lse, kq, vq)
+
+
+def _q4(kv) -> int:
+    """The group size of a 4-bit container, else 0."""
+    return kv.group_size if kv is not None and kv.bits == 4 else 0
 
 
 # --------------------------------------------------------------------------
@@ -452,6 +482,8 @@ class Call(NamedTuple):
     block_table: np.ndarray | None = None   #: paged calls: (S, max_blocks) int32
     seq_lens: np.ndarray | None = None      #: paged calls: (S,) int64 keys per sequence
     fold: bool = False        #: paged: a one-query sequence's query heads as rows of one item
+    q4: tuple | None = None   #: (key, value) 4-bit group sizes (0: not 4-bit)
+    rot_out: int = 0          #: rotated values: the output rotated back (fwht blocks)
 
 
 # _sdpa.sdpa reads the leading fields of a Call and its Plan by position
@@ -459,15 +491,26 @@ if (Call._fields[:len(_sdpa.CALL_FIELDS)] != _sdpa.CALL_FIELDS
         or Plan._fields[:len(_sdpa.PLAN_FIELDS)] != _sdpa.PLAN_FIELDS):
     raise ImportError("attncore._core._sdpa reads other Call / Plan fields than "
                       "attncore._call defines: rebuild the extension")
+if Call._fields.index("q4") != getattr(_sdpa, "CALL_Q4_INDEX", -1):
+    raise ImportError("attncore._core._sdpa reads the 4-bit formats elsewhere than "
+                      "attncore._call defines them: rebuild the extension")
 
 
-def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt):
+def _quantized_operand(data: np.ndarray, scales: np.ndarray, cdt, q4: int = 0):
     """An int8 operand laid out for the kernel (last axis contiguous, rows
-    at least D apart) and its scales as (..., M, 1) of the compute dtype."""
+    at least D apart) and its scales as (..., M, 1) of the compute dtype;
+    a 4-bit one (``q4``, its group size) with its (..., M, G) slots as
+    they are (see attncore._kv4.kernel_slots)."""
     D = data.shape[-1]
     st = data.strides
     if (D > 1 and st[-1] != 1) or (data.shape[-2] > 1 and st[-2] < D) or any(s < 0 for s in st):
         data = np.ascontiguousarray(data)
+    if q4:
+        sst = scales.strides
+        if ((scales.shape[-1] > 1 and sst[-1] != 4) or any(x % 4 or x < 0 for x in sst)
+                or not scales.flags.aligned):
+            scales = np.ascontiguousarray(scales)
+        return data, scales
     sc = scales.astype(cdt, copy=False)
     if any(s % sc.itemsize or s < 0 for s in sc.strides) or not sc.flags.aligned:
         sc = np.ascontiguousarray(sc)
@@ -522,12 +565,12 @@ def _layout(chk: Checked):
     cdt = chk.pol.compute
     q, qf = _float_operand(chk.q, cdt)
     if chk.k8 is not None:
-        (k, ks), kf = _quantized_operand(chk.k8[0], chk.k8[1], cdt), 0
+        (k, ks), kf = _quantized_operand(chk.k8[0], chk.k8[1], cdt, _q4(chk.kq)), 0
     else:
         (k, kf), ks = _float_operand(chk.k, cdt), None
     aliased = False
     if chk.v8 is not None:
-        (v, vs), vf = _quantized_operand(chk.v8[0], chk.v8[1], cdt), 0
+        (v, vs), vf = _quantized_operand(chk.v8[0], chk.v8[1], cdt, _q4(chk.vq)), 0
     else:
         (v, vf), vs = _float_operand(chk.v, cdt), None
         aliased = (not vf and cdt == F32 and not chk.need_weights
@@ -662,7 +705,7 @@ def _folded_decode(chk: Checked) -> Call | None:
     without sinks take :func:`grouped_rows` first."""
     q, k, v = chk.q, chk.k, chk.v
     k8, v8 = chk.k8, chk.v8
-    if (not _grouped_step(chk) or (k8 is None) != (v8 is None)
+    if (not _grouped_step(chk) or (k8 is None) != (v8 is None) or _q4(chk.kq) or _q4(chk.vq)
             or (k8 is None and not q.dtype == k.dtype == v.dtype)):
         return None
     from . import _paged  # noqa: PLC0415 - it builds on this module
@@ -703,17 +746,27 @@ def describe(chk: Checked) -> Call:
             q=to_float(chk.q, cdt) if half_code(chk.q.dtype) else chk.q,
             k=to_float(chk.k, cdt) if half_code(chk.k.dtype) and chk.k8 is None else chk.k,
             v=to_float(chk.v, cdt) if half_code(chk.v.dtype) and chk.v8 is None else chk.v)
+    rot_out = 0
+    if chk.kq is not None and chk.kq.rotate:
+        # rotated keys: the queries rotated the same way (q . k = qH . kH)
+        qf = to_float(chk.q, cdt) if half_code(chk.q.dtype) else chk.q
+        chk = chk._replace(q=fwht(qf.astype(cdt, copy=False)).astype(cdt, copy=False))
+    if chk.vq is not None and chk.vq.rotate:
+        rot_out = rotation_blocks(chk.v.shape[-1])
     folded = _folded_decode(chk)
     if folded is not None:
-        return folded
+        return folded._replace(rot_out=rot_out)
     (_, _, _, _, _, _, mask_kind, pol, bshape, group, causal, scale, nthreads, window, softcap,
-     slopes, sinks, need_w, need_lse) = chk
+     slopes, sinks, need_w, need_lse) = chk[:19]
+    q4 = (_q4(chk.kq), _q4(chk.vq))
     N, D = chk.q.shape[-2:]
     M, Dv = chk.k.shape[-2], chk.v.shape[-1]
     if max(N, M, D, Dv) > INT32_MAX:
         raise ValueError("sequence lengths and head dimensions must be below 2**31")
     q, k, v, ks, vs, m, fmts, aliased = _layout(chk)
     md = modes(pol, D)
+    if any(q4):
+        md = md._replace(bf16dot=0)
     q_scales = q_mu = None
     qk8 = md.qk8
     if qk8:
@@ -730,7 +783,7 @@ def describe(chk: Checked) -> Call:
     copied_kv = (not conv and not qk8 and cdt == F32 and not need_w
                  and copies_kv(N, M, D, Dv, _strided_rows(k) or _strided_rows(v)))
     pl = plan_call(cdt, N, M, D, Dv, causal, math.prod(bshape), nthreads, need_w,
-                   kernel_path="portable" if qk8 == 3 else None, converted_kv=conv,
+                   kernel_path="portable" if qk8 == 3 or any(q4) else None, converted_kv=conv,
                    copied_kv=copied_kv)
     if aliased and not pl.kvcopy:
         v = _dense_rows(v)
@@ -743,7 +796,8 @@ def describe(chk: Checked) -> Call:
             q_mu = np.float32(scale) * q_mu
     return Call(q, k, v, m, mask_kind, bshape, group, N, M, D, Dv, causal, scale, window,
                 softcap, ks, vs, q_scales, fmts, slopes, sinks, md.bf16dot if pl.fused else 0,
-                qk8, pl, cdt, need_w, need_lse, q_mu)
+                qk8, pl, cdt, need_w, need_lse, q_mu, q4=q4 if any(q4) else None,
+                rot_out=rot_out)
 
 
 # --------------------------------------------------------------------------
@@ -762,6 +816,8 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
         if c.N:  # a dense one-query call run folded (_folded_decode): its shapes
             nb = math.prod(c.bshape)
             out, lse = out.reshape(nb, 1, c.Dv), None if lse is None else lse.reshape(nb, 1)
+        if c.rot_out:  # rotated values: the output rotated back
+            out = fwht(out, c.rot_out)
         return out, None, lse, finite
     nb = math.prod(c.bshape)
     out = np.empty((nb, c.N, c.Dv), dtype=c.compute)
@@ -770,6 +826,8 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
     finite = _sdpa.sdpa(c, out, weights, lse)
     if lse is not None and c.lse_shift is not None:
         lse += c.lse_shift
+    if c.rot_out:  # rotated values: the output rotated back
+        out = fwht(out, c.rot_out)
     return out, weights, lse, finite
 
 

@@ -345,6 +345,8 @@ def _restore(r, kind, bf16, like):
         return r.astype(_bf16_numpy_dtype()) if bf16 else r
     if type(r) is tuple:
         return tuple(_restore(x, kind, bf16, like) for x in r)
+    if kind != _NUMPY and hasattr(r, "_map_arrays"):   # a QuantizedKV: its arrays
+        return r._map_arrays(lambda a: _restore(a, kind, False, like))
     return r
 
 

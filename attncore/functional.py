@@ -21,6 +21,7 @@ from . import _call
 from ._core import _sdpa
 from ._dtypes import _CAST_MIN, HALF_BF16, cast, half_code, is_bf16
 from ._interop import _to_numpy, foreign_arrays
+from ._kv4 import QuantizedKV
 from ._quant import dequantize, split_quantized
 from ._threads import resolve_num_threads
 from ._validation import INT32_MAX, as_float_array, parse_bool, parse_softcap, parse_window
@@ -499,9 +500,13 @@ def _dequantized(chk: _call.Checked) -> _call.Checked:
     """The weights path multiplies whole rows: int8 keys / values
     dequantized (a copy)."""
     cdt = chk.pol.compute
-    k = chk.k if chk.k8 is None else dequantize(chk.k8[0], chk.k8[1], cdt)
-    v = chk.v if chk.v8 is None else dequantize(chk.v8[0], chk.v8[1], cdt)
-    return chk._replace(k=k, v=v, k8=None, v8=None)
+
+    def deq(x, x8, xq):
+        if xq is not None:   # a QuantizedKV: its values in the original basis
+            return xq.dequantize().astype(cdt, copy=False)
+        return x if x8 is None else dequantize(x8[0], x8[1], cdt)
+    return chk._replace(k=deq(chk.k, chk.k8, chk.kq), v=deq(chk.v, chk.v8, chk.vq), k8=None,
+                        v8=None, kq=None, vq=None)
 
 
 def _broadcast_query(chk: _call.Checked) -> bool:
@@ -542,7 +547,9 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
             softcap, precision)
     kw = dict(alibi=alibi, sinks=sinks, compute_out=compute_out, lse_f64=lse_f64)
     chk = _call.check(query, key, value, attn_mask, *opts, alibi=alibi, sinks=sinks)
-    if return_weights and (chk.k8 is not None or chk.v8 is not None):
+    if ((return_weights and (chk.k8 is not None or chk.v8 is not None))
+            or (chk.pol.compute == _call.F64 and (_call._q4(chk.kq) or _call._q4(chk.vq)))):
+        # (4-bit keys / values are read in place by float32 calls only)
         chk = _dequantized(chk)
     rdt = chk.pol.compute if compute_out else chk.pol.result
     if chk.empty:
@@ -571,6 +578,9 @@ def _float64_operands(operands) -> list:
     """(query, key, value) as float64 arrays (int8 pairs dequantized)."""
     ops = [as_float_array(operands[0], "query", allow_bf16=True).astype(np.float64)]
     for x, name in zip(operands[1:], ("key", "value")):
+        if isinstance(x, QuantizedKV):
+            ops.append(x.dequantize().astype(np.float64))
+            continue
         x, s = split_quantized(x, name)
         ops.append(dequantize(x, s, np.float64) if s is not None
                    else as_float_array(x, name, allow_bf16=True).astype(np.float64))

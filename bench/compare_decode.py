@@ -9,11 +9,13 @@ memory system.  The stream rate is measured in the same process and the
 same thread budget: NumPy's ``sdot`` over two 128 MiB float32 vectors
 (``stream``), the read rate a BLAS reduction reaches.  Each row times one
 K/V format -- float32, bfloat16, float16, and the int8 ``(array, scales)``
-pairs of :func:`attncore.quantize_kv` -- with the same query, and prints
+pairs of :func:`attncore.quantize_kv`, its rotated int8 and its 4-bit
+containers (``bits=4``, rotated or not) -- with the same query, and prints
 the K+V bytes the call reads per second, that rate as a fraction of the
-stream rate (the bar: >= 0.8 for float32), and the speed-up over the
-float32 call of the same path (the bars: >= 1.7 for the 16-bit formats,
->= 2.5 for int8).  Medians of interleaved repeats
+stream rate (the bar: >= 0.8 for float32), the speed-up over the float32
+call of the same path (the bars: >= 1.7 for the 16-bit formats, >= 2.5 for
+int8, >= 5 for 4-bit) and over the int8 call (``i8/x``; the bar for 4-bit:
+>= 1.6).  Medians of interleaved repeats
 (``timing.interleaved_medians``).  A benchmark, never a test.
 
 For benchmarking, unset OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the command
@@ -61,7 +63,8 @@ from attncore import _kernels  # noqa: E402
 from timing import cpu_model, interleaved_medians  # noqa: E402
 
 CASES = [(1, 8, 32768, 64), (8, 8, 4096, 128)]   # B, H, M, D (one query row)
-BARS = {"float32": None, "bfloat16": 1.7, "float16": 1.7, "int8": 2.5}
+BARS = {"float32": None, "bfloat16": 1.7, "float16": 1.7, "int8": 2.5, "int8 rot": 2.5,
+        "int4": 5.0, "int4 rot": 5.0}
 
 
 def stream_rate(threads, repeats):
@@ -84,7 +87,12 @@ def operands(B, H, M, D):
     fmts = {"float32": (k, v), "bfloat16": (k.astype(ml_dtypes.bfloat16),
                                              v.astype(ml_dtypes.bfloat16)),
             "float16": (k.astype(np.float16), v.astype(np.float16)),
-            "int8": (attncore.quantize_kv(k), attncore.quantize_kv(v))}
+            "int8": (attncore.quantize_kv(k), attncore.quantize_kv(v)),
+            "int8 rot": (attncore.quantize_kv(k, rotate=True),
+                         attncore.quantize_kv(v, rotate=True)),
+            "int4": (attncore.quantize_kv(k, bits=4), attncore.quantize_kv(v, bits=4)),
+            "int4 rot": (attncore.quantize_kv(k, bits=4, rotate=True),
+                         attncore.quantize_kv(v, bits=4, rotate=True))}
 
     def nbytes(x):
         return sum(p.nbytes for p in x) if isinstance(x, tuple) else x.nbytes
@@ -133,9 +141,12 @@ def run(path, threads, repeats, stream, cases=CASES, with_torch=False):
             rate = nb / med[f]
             sp = med["float32"] / med[f]
             bar = BARS[f]
+            i8 = med["int8"] / med[f]
             print(f"{path:<8} {f'decode {B}x{H}x1x{M}x{D}':<24} {threads:>3} {f:<9} "
                   f"{1e3 * med[f]:>8.3f} {rate / 1e9:>7.2f} {rate / stream:>6.2f} "
-                  f"{sp:>6.2f}{'' if bar is None else f' (bar {bar})'}", flush=True)
+                  f"{sp:>6.2f} {i8:>6.2f}{'' if bar is None else f' (bar {bar}'}"
+                  f"{' / 1.6 over int8)' if f.startswith('int4') else ')' if bar else ''}",
+                  flush=True)
         for f in ("float32", "bfloat16", "float16") if with_torch else ():
             nb = fmts[f][1]
             t = med["torch " + f]
@@ -226,7 +237,7 @@ def main(argv=None):
                 run_prefetch_ab(path, threads, args.repeats, args.prefetch_ab, cases)
         return
     print(f"{'path':<8} {'case (BxHxNxMxD)':<24} {'thr':>3} {'K/V':<9} {'ms':>8} {'GB/s':>7} "
-          f"{'/strm':>6} {'f32/x':>6}")
+          f"{'/strm':>6} {'f32/x':>6} {'i8/x':>6}")
     for threads in args.threads:
         stream = stream_rate(threads, args.repeats)
         print(f"stream (numpy sdot, 2 x 128 MiB) at {threads} thread(s): {stream / 1e9:.2f} GB/s")

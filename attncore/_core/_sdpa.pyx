@@ -59,6 +59,7 @@ cdef extern from "ac_sdpa.h" nogil:
         double softcap
         int kq8, vq8
         Py_ssize_t ks_rs, vs_rs, dq_off
+        int kq4, vq4
         int qh, kh, vh
         Py_ssize_t qb_off, mp_off
         int alibi_on
@@ -771,14 +772,14 @@ cdef inline int _flash_item(const ac_params *p0, _Ops *ops, floating *buf,
         q = <const floating *>(ops.q + ops.qo[b])
     else:
         q = (<const floating *>ops.q) + ops.qo[b]
-    if p.kq8:
+    if p.kq8 or p.kq4:
         k = <const floating *>(ops.k + ops.ko[b])
         ksc = (<const floating *>ops.ksc) + ops.kso[b]
     elif p.kh:
         k = <const floating *>((<const uint16_t *>ops.k) + ops.ko[b])
     else:
         k = (<const floating *>ops.k) + ops.ko[b]
-    if p.vq8:
+    if p.vq8 or p.vq4:
         v = <const floating *>(ops.v + ops.vo[b])
         vsc = (<const floating *>ops.vsc) + ops.vso[b]
     elif p.vh:
@@ -1131,6 +1132,40 @@ cdef enum:
     _C_FMTS, _C_SLOPES, _C_SINKS, _C_BF16DOT, _C_QK8, _C_PLAN
 cdef enum:
     _P_BQ, _P_BK, _P_NSPLIT, _P_CHUNK, _P_NTHREADS, _P_FUSED, _P_KVCOPY, _P_KCHUNK
+# where a Call holds its 4-bit group sizes (key, value), when it is that
+# long (a shorter tuple: none); _call checks its class against it
+CALL_Q4_INDEX = 33
+
+
+cdef int _q4_operand(Py_buffer *bx, Py_buffer *bs, int gs, int D) except -1:
+    """Check a 4-bit operand: uint8 codes (..., M, >= D / 2) and float32
+    slots (..., M, D / gs) of (scale, offset) float16 pairs."""
+    if (bx == NULL or bs == NULL or gs <= 0 or gs % 2 or D % gs or bx.itemsize != 1
+            or bs.itemsize != 4 or bx.shape[bx.ndim - 1] * 2 < D
+            or bs.shape[bs.ndim - 1] != D // gs
+            or (bs.shape[bs.ndim - 1] > 1 and bs.strides[bs.ndim - 1] != 4)):
+        raise ValueError("4-bit operands: uint8 codes (..., M, D / 2) and (..., M, D / gs) "
+                         "float32 slots of float16 (scale, offset) pairs")
+    return 0
+
+
+cdef int _set_q4(ac_params *p, tuple q4, Py_buffer *bk, Py_buffer *bv, Py_buffer *bks,
+                 Py_buffer *bvs, int D, int Dv, bint other) except -1:
+    """The 4-bit key / value formats of a call (its (key, value) group
+    sizes, 0: not 4-bit): float32 calls without int8 / bfloat16 products."""
+    cdef int kq4 = q4[0], vq4 = q4[1]
+    if (kq4 or vq4) and other:
+        raise ValueError("4-bit keys / values: float32 calls only, without int8 / bfloat16 "
+                         "products")
+    if kq4:
+        _q4_operand(bk, bks, kq4, D)
+        p.kq4 = kq4
+        p.kq8 = 0
+    if vq4:
+        _q4_operand(bv, bvs, vq4, Dv)
+        p.vq4 = vq4
+        p.vq8 = 0
+    return 0
 
 
 def sdpa(call, out, weights=None, lse=None):
@@ -1320,6 +1355,9 @@ def sdpa(call, out, weights=None, lse=None):
         if have_vs:
             _fill_offsets(bvs, nd, shp, group, offs + 5 * nb)
             p.vs_rs = _row_stride(bvs)
+        if len(c) > CALL_Q4_INDEX and c[CALL_Q4_INDEX] is not None:
+            _set_q4(&p, c[CALL_Q4_INDEX], bk, bv, bks, bvs, D, Dv,
+                    is64 or qk8 != 0 or bf16dot != 0)
         p.q_rs = _row_stride(bq)
         p.k_rs = _row_stride(bk)
         p.v_rs = _row_stride(bv)

@@ -11,6 +11,8 @@ import attncore
 x = np.ones((1, 2, 4, 8), np.float32)
 kv8 = attncore.quantize_kv(x)
 assert_type(kv8, tuple[np.ndarray, np.ndarray])
+kv4 = attncore.quantize_kv(x, bits=4, rotate=True)
+assert_type(kv4, attncore.QuantizedKV)
 assert_type(attncore.varlen_attention(x[0], x[0], x[0], [0, 2], [0, 2]), np.ndarray)
 assert_type(attncore.sinusoidal_encoding(5, 8), np.ndarray)
 assert_type(attncore.add_positional_encoding(x), np.ndarray)

@@ -66,6 +66,15 @@ typedef struct {
                                  row: the k / v pointers then point at
                                  int8_t data, the scales come separately */
     ptrdiff_t ks_rs, vs_rs;   /* row strides of the scales (elements)      */
+    int kq4, vq4;             /* key / value given as 4-bit codes (the
+                                 group size; 0: not): the k / v pointers
+                                 point at uint8_t codes, two per byte
+                                 (even element low; row strides in bytes),
+                                 the scales at per row D / kq4 float16
+                                 (scale, offset) pairs, each pair one
+                                 float32 slot (ks_rs / vs_rs: slots per
+                                 row); kq8 / vq8 are then 0.  float32
+                                 calls only                               */
     ptrdiff_t dq_off;         /* offset (elements) in the score scratch of
                                  the dequantized key / value tile buffers  */
     int qh, kh, vh;           /* AC_H_BF16 / AC_H_F16: that operand is
@@ -155,6 +164,24 @@ typedef struct {
             T *o_ = (out) + (ptrdiff_t)c_ * (D);                            \
             _Pragma("omp simd")                                             \
             for (int d_ = 0; d_ < (D); d_++) o_[d_] = s_ * (T)xr_[d_];      \
+        }                                                                   \
+    } while (0)
+
+/* rows [0, nk) of a 4-bit tile (codes of row stride x_rs bytes; per row
+   D / gs float16 (scale, offset) pairs at sp, row stride s_rs pairs) into
+   out (nk x D, dense): s c + o */
+#define AC_DEQUANT4(T, x, x_rs, sp, s_rs, nk, D, gs, out)                    \
+    do {                                                                    \
+        for (int c_ = 0; c_ < (nk); c_++) {                                 \
+            const uint8_t *xr_ = (x) + (ptrdiff_t)c_ * (x_rs);             \
+            const uint16_t *pr_ = (sp) + (ptrdiff_t)c_ * (s_rs) * 2;        \
+            T *o_ = (out) + (ptrdiff_t)c_ * (D);                            \
+            for (int g_ = 0; g_ < (D) / (gs); g_++) {                       \
+                const T s_ = (T)ac_f16_f32(pr_[2 * g_]);                    \
+                const T z_ = (T)ac_f16_f32(pr_[2 * g_ + 1]);                \
+                for (int d_ = g_ * (gs); d_ < (g_ + 1) * (gs); d_++)        \
+                    o_[d_] = s_ * (T)((xr_[d_ >> 1] >> ((d_ & 1) * 4)) & 15) + z_; \
+            }                                                               \
         }                                                                   \
     } while (0)
 
@@ -308,6 +335,8 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
     p->s_len = AC_ROUND16(p->s_len);
     p->kq8 = have_ks;
     p->vq8 = have_vs;
+    p->kq4 = 0;
+    p->vq4 = 0;
     p->qh = q_fmt;
     p->kh = k_fmt;
     p->vh = v_fmt;
