@@ -210,7 +210,9 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
         kernel_path = _sdpa.kernel_path()
     if 2.0 * nb * N * M * (D + Dv) < SERIAL_FLOPS:
         nthreads = 1
-    fused = (dtype == np.float32 and not return_weights and kernel_path != "portable"
+    # (the fused kernels: the x86 paths; the neon path runs BLAS tiles as
+    # the portable one)
+    fused = (dtype == np.float32 and not return_weights and kernel_path in _sdpa.PANEL_ROWS
              and N > SMALL_ROWS)
     if fused:
         panel = _sdpa.PANEL_ROWS[kernel_path]

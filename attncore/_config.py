@@ -163,6 +163,11 @@ def show_config() -> None:
           f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
+    if info["kernel_path"] == "neon":
+        print(f"{'':>16}  neon: the decode body (query blocks of up to "
+              f"{_call.SMALL_ROWS} rows) on NEON, bfloat16 / float16 / int8 K/V read "
+              f"in place; prefill, dense layers and the rest on the portable path's "
+              f"code (BLAS + portable loops)")
     if info["cpu_features_masked"]:
         print(f"{'CPU features':>16}: taken as absent (ATTNCORE_CPU_FEATURES): "
               f"{', '.join(info['cpu_features_masked'])}")

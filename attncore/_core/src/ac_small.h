@@ -366,8 +366,9 @@ static void ac_pv_small_x86(int avx512, int fmt, int nq, int nk, int Dv, const f
 #if AC_HAVE_NEON
 /* aarch64: the same body on 128-bit NEON vectors (4 float lanes; NEON is
  * the AArch64 baseline, so no target attribute).  One query row scores 4
- * keys at a time (4 accumulators, 32 vector registers leave room), the
- * sums reduced by a transposing tree of 3 vpaddq_f32 (ac_hsum4_neon);
+ * keys at a time, two accumulators each (AC_SACC2: even / odd vectors of
+ * columns, 8 independent FMA chains); the sums reduced by a transposing tree of 3 vpaddq_f32
+ * (ac_hsum4_neon);
  * P.V keeps up to 16 vectors (64 columns) of accumulators for one row.
  * Partial vectors go through a small buffer (NEON has no masked loads). */
 
@@ -384,9 +385,10 @@ static AC_SINLINE float32x4_t ac_ld4(int fmt, const void *p)
         return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)p), 16));
     if (fmt == AC_SE_F16)
         return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p)));
-    int32_t w;
-    memcpy(&w, p, 4); /* 4 bytes: never past the row */
-    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    uint32_t w;
+    memcpy(&w, p, 4); /* 4 bytes: never past the row; one ldr s (a dup
+                         of them cost one more instruction a vector) */
+    const int16x8_t h = vmovl_s8(vcreate_s8((uint64_t)w));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
 }
 
@@ -458,7 +460,15 @@ static AC_SINLINE float32x4_t ac_hsum4_neon(const float32x4_t *a)
 #define SLDBF2(p, lo, hi) ac_ldbf2_4((p), (lo), (hi))
 #define SDEINT(a, b, e, o) ac_deint4((a), (b), (e), (o))
 #define SINTER(e, o, a, b) ac_inter4((e), (o), (a), (b))
-#define AC_SKEYMAJ(D) ((D) % 4 == 0 && (D) <= 32)
+/* not key-major: with the row in registers (D <= 32 here) each key is
+ * one chain of FMAs, and the unrolled block's guards cost more than the
+ * column loop's two accumulators per key (llvm-mca, D 64: 66.7 against
+ * 48.6 cycles per 4 keys on apple-m1, 107 / 105 on neoverse-n1) */
+#define AC_SKEYMAJ(D) 0
+#define AC_SIDX ptrdiff_t
+/* 8 accumulators for one row: 2 per key (4-cycle FMA latency, 2 pipes) */
+#define AC_SACC2 1
+#define SADD(a, b) vaddq_f32((a), (b))
 #include "ac_small_impl.inc"
 
 /* the products of operand format fmt (AC_SE_*) on the neon path */
