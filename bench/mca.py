@@ -37,7 +37,9 @@ Usage::
     python bench/mca.py --asm fused-exp   # print a region's modelled lines
 
 Needs gcc and llvm-mca-14; aarch64-linux-gnu-gcc for the aarch64 part
-(``apt-get install gcc-aarch64-linux-gnu``; skipped without it).  Does not
+(``apt-get install gcc-aarch64-linux-gnu``; skipped without it), which runs
+on the newest llvm-mca on PATH: LLVM 14's neoverse-n1 / neoverse-v1 are
+the Cortex-A57 model, LLVM 18+ (``apt-get install llvm-19``) has theirs.  Does not
 need the extensions built.
 """
 from __future__ import annotations

@@ -3,7 +3,10 @@
  *
  * - AC_HAVE_X86: the x86-64 kernels are compiled (GCC / Clang on x86-64,
  *   unless the build defines AC_NO_X86_KERNELS); without them every kernel
- *   runs its portable loops and ac_cpu_init picks AC_PATH_PORTABLE;
+ *   runs its portable loops and ac_cpu_init picks AC_PATH_PORTABLE --
+ *   or, where AC_HAVE_NEON (aarch64), AC_PATH_NEON: the portable path's
+ *   code but for the small-row decode body, compiled for NEON in
+ *   ac_small.h (ac_neon_on);
  * - the target attributes of those kernels: one macro per instruction set,
  *   the only place where a target string is spelled;
  * - CPU feature detection (ac_cpu_init, ac_cpu_bf16_dot,
