@@ -84,13 +84,14 @@ AC_TGT_AVX2 void mca_dqk_##SUF(int nk, int D, const float *q, const void *k,    
                                ptrdiff_t krb, const float *ks, float *S)               \
 {                                                                                       \
     ac_scores_rows_avx2(FMT, 1, KB, 0, nk, D, 0.125f, q, D, (const char *)k, krb, ks,   \
-                        1, S, nk);                                                      \
+                        1, S, nk, NULL);                                                \
 }                                                                                       \
 AC_TGT_AVX2 void mca_dpv_##SUF(int nk, int Dv, const float *S, const void *v,           \
                                ptrdiff_t vrb, const float *vs, float *acc)             \
 {                                                                                       \
     ac_pv_chunk_avx2(FMT, MCA_SBF2(FMT, NV), 1, NV, NV * 8, nk, S, 1, (const char *)v,  \
-                     vrb, vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT)); \
+                     vrb, vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT),  \
+                     NULL);                                                             \
 }
 MCA_DEC(f32_d64, AC_SE_F32, 8, 8)
 MCA_DEC(f32_d128, AC_SE_F32, 4, 16)
@@ -146,13 +147,14 @@ void mca_nqk_##SUF(int nk, int D, const float *q, const void *k, ptrdiff_t krb, 
                    const float *ks, float *S)                                           \
 {                                                                                       \
     ac_scores_rows_neon(FMT, 1, 4, 0, nk, D, 0.125f, q, D, (const char *)k, krb, ks, 1, \
-                        S, nk);                                                         \
+                        S, nk, NULL);                                                   \
 }                                                                                       \
 void mca_npv_##SUF(int nk, int Dv, const float *S, const void *v, ptrdiff_t vrb,        \
                    const float *vs, float *acc)                                         \
 {                                                                                       \
     ac_pv_chunk_neon(FMT, MCA_SBF2(FMT, 16), 1, 16, 64, nk, S, 1, (const char *)v, vrb,  \
-                     vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT));    \
+                     vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT),     \
+                     NULL);                                                             \
 }
 MCA_NDEC(f32, AC_SE_F32)
 MCA_NDEC(bf16, AC_SE_BF16)

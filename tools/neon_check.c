@@ -131,7 +131,10 @@ static void kernel_case(int neon, int fmt, int D, int nq, int nk, int ss, int fi
     for (int i = 0; i < 4 * ldS + PAD; i++) S[i] = SENT;
     for (int i = 0; i < 4 * Dv + PAD; i++) acc[i] = acc0[i] = i < nq * Dv ? frand() : SENT;
     if (neon)
-        ac_scores_small_neon[fmt](nq, nk, D, scale, q, q_rs, k, k_rs, ks, ss, S, ldS);
+        /* kn / vn (the rows read next, prefetched: no result changes): the
+           same rows again in every other case */
+        ac_scores_small_neon[fmt](nq, nk, D, scale, q, q_rs, k, k_rs, ks, ss, S, ldS,
+                                  first ? k : NULL);
     else
         ac_scores_small_f32(nq, nk, D, scale, q, q_rs, kf, D, S, ldS);
     for (int r = 0; r < 4; r++)
@@ -155,7 +158,8 @@ static void kernel_case(int neon, int fmt, int D, int nq, int nk, int ss, int fi
         }
     /* P.V: the scores as probabilities (any values will do) */
     if (neon)
-        ac_pv_small_neon[fmt](nq, nk, Dv, S, ldS, v, k_rs, vs, ss, acc, first);
+        ac_pv_small_neon[fmt](nq, nk, Dv, S, ldS, v, k_rs, vs, ss, acc, first,
+                              first ? v : NULL);
     else
         ac_pv_small_f32(nq, nk, Dv, S, ldS, vf, Dv, acc, first);
     for (int r = 0; r < 4; r++)
