@@ -189,6 +189,13 @@ def show_config() -> None:
           f"(OMP_NUM_THREADS={info['OMP_NUM_THREADS']}), {info['omp_num_procs']} processors")
     print(f"{'float32 kernels':>16}: {info['kernel_path']} (this CPU runs "
           f"{', '.join(info['kernel_paths_available'])})")
+    if info["kernel_path"] == "neon":
+        from . import _call
+
+        _print_lines("neon path", [
+            f"the decode body (query blocks of up to {_call.SMALL_ROWS} rows) on NEON,",
+            "bfloat16 / float16 / int8 keys and values read in place;",
+            "prefill, dense layers and the rest: the portable path (BLAS + portable loops)"])
     if info["cpu_features_masked"]:
         print(f"{'CPU features':>16}: taken as absent (ATTNCORE_CPU_FEATURES): "
               f"{', '.join(info['cpu_features_masked'])}")

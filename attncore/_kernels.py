@@ -4,6 +4,10 @@
 without BLAS: queries / rows in SIMD lanes, keys / weights read in place),
 chosen at import for the best instruction set the CPU runs.
 ``'portable'``: BLAS products plus portable loops (also every float64 call).
+``'neon'`` (aarch64 only, its best path): the portable path's code but for
+the decode body -- query blocks of at most ``_sdpa.SMALL_ROWS`` rows --, which
+runs on NEON and reads bfloat16 / float16 / int8 keys and values in place;
+prefill, the dense layers and the rest run BLAS and the portable loops.
 
 :func:`set_kernel_path` forces a path so that a machine with AVX-512 also
 tests the others; the forced path also picks the compiled variant (baseline,
@@ -25,7 +29,7 @@ __all__ = ["kernel_path", "set_kernel_path", "available_kernel_paths", "forced_k
            "L2_BYTES"]
 
 def kernel_path() -> str:
-    """The float32 path in use: 'avx512', 'avx2' or 'portable'."""
+    """The float32 path in use: 'avx512', 'avx2', 'portable' or 'neon'."""
     return _sdpa.kernel_path()
 
 
@@ -35,7 +39,7 @@ def available_kernel_paths() -> tuple:
 
 
 def set_kernel_path(path: str | None) -> str:
-    """Force a path ('avx512', 'avx2', 'portable'; None = the best this CPU
+    """Force a path ('avx512', 'avx2', 'portable', 'neon'; None = the best this CPU
     runs); returns the previous one.  ValueError for an unknown name or a
     path the CPU cannot run."""
     return _sdpa.set_kernel_path(path)

@@ -37,7 +37,9 @@ Usage::
     python bench/mca.py --asm fused-exp   # print a region's modelled lines
 
 Needs gcc and llvm-mca-14; aarch64-linux-gnu-gcc for the aarch64 part
-(``apt-get install gcc-aarch64-linux-gnu``; skipped without it).  Does not
+(``apt-get install gcc-aarch64-linux-gnu``; skipped without it), which runs
+on the newest llvm-mca on PATH: LLVM 14's neoverse-n1 / neoverse-v1 are
+the Cortex-A57 model, LLVM 18+ (``apt-get install llvm-19``) has theirs.  Does not
 need the extensions built.
 """
 from __future__ import annotations
@@ -54,6 +56,12 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "attncore", "_core", "src")
 MCA = "llvm-mca-14"
+# the aarch64 models: the newest llvm-mca on PATH (--arm-mca).  LLVM 14 has
+# no Neoverse models -- its -mcpu=neoverse-n1 / neoverse-v1 schedule on the
+# Cortex-A57 model (64-bit FP pipes: a 128-bit FMA takes 2 cycles of one,
+# latency 10; one load pipe) --; LLVM 18+ has N1's and V1's own
+ARM_MCA_CANDIDATES = [f"llvm-mca-{v}" for v in range(21, 14, -1)] + [MCA]
+ARM_MCA = next((t for t in ARM_MCA_CANDIDATES if shutil.which(t)), MCA)
 # setup.py's flags (BuildExt.build_extensions) after Python's own CFLAGS
 FLAGS = ["-O3", "-fwrapv", "-fPIC", "-DNDEBUG", "-fno-math-errno", "-fno-trapping-math",
          "-Wno-unused-function", "-fopenmp", "-DAC_MCA"]
@@ -82,7 +90,8 @@ AC_TGT_AVX2 void mca_dpv_##SUF(int nk, int Dv, const float *S, const void *v,   
                                ptrdiff_t vrb, const float *vs, float *acc)             \
 {                                                                                       \
     ac_pv_chunk_avx2(FMT, MCA_SBF2(FMT, NV), 1, NV, NV * 8, nk, S, 1, (const char *)v,  \
-                     vrb, vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT), NULL); \
+                     vrb, vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT),  \
+                     NULL);                                                             \
 }
 MCA_DEC(f32_d64, AC_SE_F32, 8, 8)
 MCA_DEC(f32_d128, AC_SE_F32, 4, 16)
@@ -118,8 +127,7 @@ AC_TGT_AVX2 void mca_sgemm_16x6(int K, const float *A, const float *B, float *C,
 """
 
 # aarch64: the portable path's decode loops (the compiler's vectorization of
-# ac_scores_small / ac_pv_small), one query row.  A neon path would add its
-# driver here (NEON_DRIVER, same function names with mca_n*): issue 55.
+# ac_scores_small / ac_pv_small), one query row.
 ARM_PORTABLE_DRIVER = r"""
 #include "ac_sdpa.h"
 void mca_pqk(int nk, int D, const float *q, const float *k, float *S)
@@ -127,7 +135,34 @@ void mca_pqk(int nk, int D, const float *q, const float *k, float *S)
 void mca_ppv(int nk, int Dv, const float *S, const float *v, float *acc)
 { ac_pv_small_f32(1, nk, Dv, S, nk, v, Dv, acc, 0); }
 """
-NEON_DRIVER = None  # the neon path does not exist yet (issue 55)
+# aarch64, the neon path: the decode body's NEON instantiation (ac_small.h)
+# for one query row as ac_scores_small_neon / ac_pv_rows_neon run it --
+# blocks of 4 keys (AC_SW; rows of up to 512 bytes), P.V chunks of 16
+# vectors (64 columns) -- per format (NEON_DECODE)
+NEON_DRIVER = r"""
+#include "ac_sdpa.h"
+#define MCA_SBF2(fmt, nv) (AC_SMALL_BF2 && (fmt) == AC_SE_BF16 && (nv) % 2 == 0)
+#define MCA_NDEC(SUF, FMT)                                                              \
+void mca_nqk_##SUF(int nk, int D, const float *q, const void *k, ptrdiff_t krb,         \
+                   const float *ks, float *S)                                           \
+{                                                                                       \
+    ac_scores_rows_neon(FMT, 1, 4, 0, nk, D, 0.125f, q, D, (const char *)k, krb, ks, 1, \
+                        S, nk, NULL);                                                   \
+}                                                                                       \
+void mca_npv_##SUF(int nk, int Dv, const float *S, const void *v, ptrdiff_t vrb,        \
+                   const float *vs, float *acc)                                         \
+{                                                                                       \
+    ac_pv_chunk_neon(FMT, MCA_SBF2(FMT, 16), 1, 16, 64, nk, S, 1, (const char *)v, vrb,  \
+                     vs, 1, acc, Dv, 0, (ptrdiff_t)Dv * (ptrdiff_t)ac_se_size(FMT),     \
+                     NULL);                                                             \
+}
+MCA_NDEC(f32, AC_SE_F32)
+MCA_NDEC(bf16, AC_SE_BF16)
+MCA_NDEC(f16, AC_SE_F16)
+MCA_NDEC(i8, AC_SE_I8)
+"""
+# (format, bytes per element) of the neon rows
+NEON_DECODE = {"f32": 4, "bf16": 2, "f16": 2, "i8": 1}
 
 
 @dataclass
@@ -241,6 +276,11 @@ def fma_as_mul(insns):
 _CACHE: dict = {}
 
 
+def _tool(triple):
+    """The llvm-mca of a target: ARM_MCA for aarch64, MCA for x86."""
+    return ARM_MCA if triple else MCA
+
+
 def mca(insns, model, iterations=200):
     """llvm-mca on a block of instructions: cycles per iteration, the
     FMA-pipe pressure and the busiest resource."""
@@ -249,11 +289,11 @@ def mca(insns, model, iterations=200):
         cpu, insns = "znver3", fma_as_mul(insns)
     if model in ARM_MODELS:
         triple = ["-mtriple=aarch64"]
-    key = (tuple(insns), model, iterations)
+    key = (tuple(insns), model, iterations, _tool(triple))
     if key in _CACHE:
         return _CACHE[key]
     text = "\n".join(insns) + "\n"
-    p = subprocess.run([MCA, *triple, f"-mcpu={cpu}", f"-iterations={iterations}",
+    p = subprocess.run([_tool(triple), *triple, f"-mcpu={cpu}", f"-iterations={iterations}",
                         "-instruction-info=false", "-resource-pressure=true"],
                        input=text, capture_output=True, text=True, check=True)
     out = p.stdout
@@ -288,7 +328,7 @@ def fma_pipes(cpu, triple):
             body = [f"\tfmla\tv{i}.4s, v20.4s, v21.4s" for i in range(12)]
         else:
             body = [f"\tvfmadd231ps\t%ymm12, %ymm13, %ymm{i}" for i in range(12)]
-        p = subprocess.run([MCA, *triple, f"-mcpu={cpu}", "-iterations=100",
+        p = subprocess.run([_tool(triple), *triple, f"-mcpu={cpu}", "-iterations=100",
                             "-instruction-info=false"], input="\n".join(body) + "\n",
                            capture_output=True, text=True, check=True)
         out = p.stdout
@@ -313,7 +353,7 @@ def fma_rate(model):
 
 def model_of(cpu, triple=()):
     """The scheduling model a -mcpu name maps to (its resources' prefix)."""
-    p = subprocess.run([MCA, *triple, f"-mcpu={cpu}", "-iterations=1"],
+    p = subprocess.run([_tool(triple), *triple, f"-mcpu={cpu}", "-iterations=1"],
                        input="\tnop\n",
                        capture_output=True, text=True)
     m = re.search(r"^\[\d+\]\s+-\s+([A-Z][A-Za-z0-9]*?)(?:Port|Unit|FP|AGU|ALU|Divider|Div)",
@@ -436,6 +476,28 @@ def arm_key(funcs, D, model, prefix="mca_p"):
     return tot
 
 
+def neon_key(funcs, fmt, D, model):
+    """Cycles per key of the neon path's decode body, one query row:
+    scores of 4 keys a block (the dot product's loop over columns, 8 an
+    iteration into two accumulators per key -- bfloat16 pairs: 8 into one
+    --, the transposing sum and scale per block, the prefetch of the rows
+    4 KiB ahead) and P.V (a key's block of products per 64-column chunk,
+    the prefetch of its row); as decode_key composes the AVX2 body's.
+    (Keys' own loop counters left out, as there.)"""
+    es = NEON_DECODE[fmt]
+    qf, pf = funcs["mca_nqk_" + fmt], funcs["mca_npv_" + fmt]
+    rb = D * es
+    if fmt == "bf16":
+        dot = D / 8 * mca(loop_body(region(qf, "decode-qk-bf2")), model).cycles
+    else:
+        dot = D / 8 * mca(loop_body(region(qf, "decode-qk2")), model).cycles
+    qsum = mca(block(region(qf, "decode-qk-sum")), model).cycles
+    pfl = mca(loop_body(region(pf, "decode-pv-pf")), model).cycles
+    qpf = 4 * (rb / 64) * pfl
+    pv = -(-D // 64) * mca(block(region(pf, "decode-pv")), model).cycles
+    return (dot + qsum + qpf) / 4 + pv + rb / 64 * pfl
+
+
 def _row(label, vals, fmt="{:>15.1f}"):
     w = int(re.search(r">(\d+)", fmt).group(1))
     return f"{label:<22}" + "".join(fmt.format(v) if isinstance(v, float) else f"{v:>{w}}"
@@ -494,30 +556,43 @@ def report_arm(models, summary, quick):
         return
     funcs = functions(compile_asm(cc, ARM_PORTABLE_DRIVER))
     neon = functions(compile_asm(cc, NEON_DRIVER)) if NEON_DRIVER else None
-    print("\naarch64 decode, one query row: cycles per key, llvm-mca prediction "
-          "(portable: the compiler's NEON vectorization of the portable loops; "
-          "neon: not written yet, issue 55)")
+    tri = ("-mtriple=aarch64",)
+    print(f"\naarch64 models ({ARM_MCA}): " + ", ".join(f"{m} = {model_of(m, tri)}"
+                                                       for m in models))
+    print("aarch64 decode, one query row: cycles per key, llvm-mca prediction "
+          "(neon: the decode body on NEON, ac_small.h; portable: the compiler's NEON "
+          "vectorization of the portable loops, vector loops only -- for 16-bit and "
+          "int8 rows the float32 loops, the rows' conversion left out: both in the "
+          "portable path's favour)")
     print(_row("kernel", [f"{m[:11]} {p[:4]}" for m in models for p in ("neon", "portable")],
                "{:>17.1f}"))
-    for D in ((64,) if quick else (64, 128)):
+    cfgs = [("f32", 64)] if quick else [("f32", 64), ("f32", 128), ("bf16", 128),
+                                        ("f16", 128), ("i8", 128)]
+    for fmt, D in cfgs:
         vals = []
         for m in models:
-            n = arm_key(neon, D, m, "mca_n") if neon else None
+            n = neon_key(neon, fmt, D, m) if neon else None
             p = arm_key(funcs, D, m)
             vals += ["-" if n is None else n, p]
-            summary.append(f"mca decode-f32-d{D} {m} neon "
+            summary.append(f"mca decode-{fmt}-d{D} {m} neon "
                            f"{'-' if n is None else f'{n:.1f}'} portable {p:.1f} per key")
-        print(_row(f"decode-f32-d{D}", vals, "{:>17.1f}"))
+        print(_row(f"decode-{fmt}-d{D}", vals, "{:>17.1f}"))
 
 
 def main(argv=None):
+    global ARM_MCA
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="znver3-fma2 and neoverse-n1 only (the test's smoke run)")
     ap.add_argument("--models", help="comma-separated x86 models (default: all)")
+    ap.add_argument("--arm-mca", metavar="TOOL",
+                    help=f"llvm-mca for the aarch64 models (default: the newest on PATH, "
+                         f"now {ARM_MCA}; llvm-mca-14's neoverse models are Cortex-A57's)")
     ap.add_argument("--asm", metavar="REGION",
                     help="print a fused region's modelled instructions (qk6, exp, pv6, ...)")
     a = ap.parse_args(argv)
+    if a.arm_mca:
+        ARM_MCA = a.arm_mca
     if shutil.which(MCA) is None:
         raise SystemExit(f"{MCA} not found on PATH")
     funcs = functions(compile_asm(shutil.which("gcc") or "gcc", X86_DRIVER))

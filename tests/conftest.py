@@ -9,6 +9,9 @@ import pytest  # noqa: E402
 from attncore import _kernels  # noqa: E402
 
 KERNEL_PATHS = ["avx512", "avx2", "portable"]
+# aarch64: the neon path (the portable path's code but for the decode body)
+if "neon" in _kernels.available_kernel_paths():
+    KERNEL_PATHS.append("neon")
 # ATTNCORE_TEST_KERNEL_PATH=avx2 (or portable) runs the whole session on that
 # float32 path, as a CPU without AVX-512 (or without AVX2) would: CI runs the
 # kernel tests so on its AVX-512 machine.  The `path` fixture then runs that

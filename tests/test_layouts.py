@@ -203,7 +203,7 @@ def test_head_views_with_aliasing_rows(path, N, width, copy_bytes, monkeypatch):
     assert aliasing_rows(v) and not aliasing_rows(np.ascontiguousarray(v))
     before, qbefore = kvb.copy(), qb.copy()
     c = _call.describe(_call.check(q, k, v))
-    fused = path != "portable"
+    fused = path in _sdpa.PANEL_ROWS
     assert c.plan.kvcopy == (N > _call.ALIASED_V_ROWS and fused and copy_bytes is None)
     assert c.v.flags.c_contiguous == (N > _call.ALIASED_V_ROWS and not c.plan.kvcopy)
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
@@ -229,7 +229,7 @@ def test_aliasing_values_copied_by_blocks_long_keys(path):
     q, k, v = rand((B, H, N, hd), 8), heads(kvb, 0), heads(kvb, 3)
     v = v[..., :40]  # Dv 40: rows of 160 bytes, 2 KiB apart
     c = _call.describe(_call.check(q, k, v))
-    assert c.plan.kvcopy == (path != "portable")
+    assert c.plan.kvcopy == (path in _sdpa.PANEL_ROWS)
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     for causal, code in ((False, 0), ("upper_left", 1)):
         r, _ = ref(q64, k64, v64, causal=code)
@@ -264,7 +264,7 @@ def test_strided_key_value_rows_copied_by_blocks(path, which):
     assert not aliasing_rows(k) and not aliasing_rows(v)
     before = buf.copy()
     c = _call.describe(_call.check(q, k, v))
-    assert c.plan.kvcopy == (path != "portable")
+    assert c.plan.kvcopy == (path in _sdpa.PANEL_ROWS)
     assert np.shares_memory(c.k, buf) == ("k" in which)
     assert np.shares_memory(c.v, buf) == ("v" in which)
     c2 = _call.describe(_call.check(q, np.ascontiguousarray(k), np.ascontiguousarray(v)))
@@ -295,7 +295,7 @@ def test_prepared_head_views_copied_by_blocks(path, pad):
     before = x.copy()
     prep = F._prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
                             q.dtype, 2, None, 2, (-1, -1), 0.0, _sdpa.kernel_path(), 0)
-    if path == "portable":
+    if path not in _sdpa.PANEL_ROWS:
         assert prep is None   # the BLAS path: the general call
         return
     from attncore import _call

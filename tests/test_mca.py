@@ -59,6 +59,9 @@ def test_quick_run_prints_a_summary_line_per_region():
     assert want <= got, want - got
     if shutil.which("aarch64-linux-gnu-gcc"):
         assert ("decode-f32-d64", "neoverse-n1") in got
+        # the neon column: the NEON body compiled and modelled (a number, not '-')
+        neon = [rest for k, m, rest, _ in lines if (k, m) == ("decode-f32-d64", "neoverse-n1")]
+        assert re.match(r"neon \d+\.\d+ portable \d+\.\d+$", neon[0]), neon
     vals = {(k, m): float(rest.split()[-1]) for k, m, rest, _ in lines if m == "znver3-fma2"}
     for D, bk in ((64, 128), (128, 64)):
         # the sgemm tile's products, 16 rows x bk keys x (D + Dv) / 8 lanes

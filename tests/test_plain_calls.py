@@ -10,6 +10,7 @@ import pytest
 
 import attncore
 from attncore import _kernels, functional
+from attncore._core import _sdpa
 from reference import rand, sdpa_ref
 
 sdpa = attncore.scaled_dot_product_attention
@@ -43,7 +44,7 @@ def test_new_data_same_metadata(path, fresh, dtype, shape):
             close(out, sdpa_ref(q.astype(np.float64), k.astype(np.float64),
                                 v.astype(np.float64), is_causal=causal, scale=0.3), dtype)
     # cached wherever no BLAS product runs: the fused kernel, or a few rows
-    blas = N > 4 and (path == "portable" or dtype == np.float64)
+    blas = N > 4 and (path not in _sdpa.PANEL_ROWS or dtype == np.float64)
     assert any(hit for hit in fresh.values()) != blas
 
 
@@ -70,7 +71,7 @@ def test_bfloat16_operands_are_cached_too(path, fresh, qdt, shape):
                              for a in (q, k, v)), is_causal="lower_right")
             tol = 1.01 * 2.0 ** -8 * np.abs(ref).max() + 1e-6 if qdt == bf else 3e-5
             np.testing.assert_allclose(out.astype(np.float64), ref, atol=tol, rtol=0)
-    blas = N > 4 and path == "portable"
+    blas = N > 4 and path not in _sdpa.PANEL_ROWS
     assert any(hit for hit in fresh.values()) != blas
 
 
@@ -96,7 +97,7 @@ def test_int8_pairs_are_cached_too(path, fresh, shape):
                                                        for a in (kr, vr)),
                                is_causal="lower_right")
                 close(out, ref)
-    blas = N > 4 and path == "portable"
+    blas = N > 4 and path not in _sdpa.PANEL_ROWS
     assert any(hit for hit in fresh.values()) != blas
     for hit in fresh.values():
         assert not hit or (hit[0][functional._KS] is None and hit[0][functional._VS] is None)
@@ -198,7 +199,7 @@ def test_misaligned_operand_of_cached_metadata(path, fresh, which):
     ref = sdpa_ref(*ops)
     close(sdpa(*ops), ref)
     # (the portable path's BLAS tiles are the general call's)
-    assert (functional.attention_prepared(*ops, 0, None, 1) is None) == (path == "portable")
+    assert (functional.attention_prepared(*ops, 0, None, 1) is None) == (path not in _sdpa.PANEL_ROWS)
     raw = np.zeros(ops[which].nbytes + 1, np.uint8)
     odd = raw[1:].view(np.float32).reshape(ops[which].shape)
     odd[...] = ops[which]

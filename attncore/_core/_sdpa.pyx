@@ -123,6 +123,8 @@ cdef extern from "ac_sdpa.h" nogil:
     int ac_pf_l2_rows
     int ac_best_path
     int ac_kernel_path
+    int ac_neon_on
+    int AC_HAVE_NEON
     int ac_set_kernel_path(int path)
     int ac_fused_panel_rows()
     int ac_cpu_bf16_dot()
@@ -146,7 +148,7 @@ cdef extern from "ac_sdpa.h" nogil:
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
     int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2, AC_BAD_OVF, AC_BK
-    int AC_PATH_AVX512, AC_PATH_AVX2, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
+    int AC_PATH_AVX512, AC_PATH_AVX2, AC_PATH_NEON, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
     int AC_I8_ROW_ALIGN
 
 
@@ -192,7 +194,20 @@ ac_cpu_init()
 _kernel_state = PyCapsule_New(ac_state_home(), "attncore._core._sdpa._kernel_state", NULL)
 
 
-_PATHS = ("portable", "avx2", "avx512")
+# by code (AC_PATH_*); "neon" (aarch64) is the portable path's code but for
+# the small-row decode body, which runs on NEON (ac_small.h): there
+# ac_kernel_path stays AC_PATH_PORTABLE and ac_neon_on is set
+_PATHS = ("portable", "avx2", "avx512", "neon")
+
+
+cdef inline int _path_code() noexcept nogil:
+    """The code (AC_PATH_*) of the path in use."""
+    return AC_PATH_NEON if ac_neon_on else ac_kernel_path
+
+
+cdef inline int _best_code() noexcept nogil:
+    """The code of the best path this CPU runs."""
+    return AC_PATH_NEON if AC_HAVE_NEON else ac_best_path
 # constants of the C kernels that attncore.functional plans with
 SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loops
 PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
@@ -215,7 +230,7 @@ def set_prefetch_l2_rows(int nbytes):
 
 def cpu_features():
     """Instruction-set paths chosen at run time."""
-    return {"kernel_path": _PATHS[ac_kernel_path], "best_path": _PATHS[ac_best_path],
+    return {"kernel_path": _PATHS[_path_code()], "best_path": _PATHS[_best_code()],
             "avx512_small_rows": bool(ac_avx512_ok),
             "bf16_dot": bool(ac_cpu_bf16_dot()),
             "bf16_dot_fast": bool(ac_cpu_bf16_dot_fast()),
@@ -536,8 +551,9 @@ def int8_col_stats(x, int fmt, mean, mabs, amax, int nthreads):
 
 
 def kernel_path():
-    """The float32 kernel path in use: 'avx512', 'avx2' or 'portable'."""
-    return _PATHS[ac_kernel_path]
+    """The float32 kernel path in use: 'avx512', 'avx2', 'portable' or (aarch64)
+    'neon'."""
+    return _PATHS[_path_code()]
 
 
 def call_state():
@@ -545,7 +561,7 @@ def call_state():
     (the kernel path in use, the bfloat16, int8 and int16 P.V modes): the
     key of the descriptions cached by operand metadata
     (functional._plain_call)."""
-    return ((ac_kernel_path * 4 + _bf16_mode) * 16 + _int8_mode + 1) * 8 + _pv16_mode
+    return ((_path_code() * 4 + _bf16_mode) * 16 + _int8_mode + 1) * 8 + _pv16_mode
 
 
 class Misaligned(ValueError):
@@ -556,13 +572,14 @@ class Misaligned(ValueError):
 def set_kernel_path(path):
     """Select the float32 kernel path (private; for tests and benchmarks).
 
-    path: 'avx512', 'avx2', 'portable' or None (the best this CPU runs).
+    path: 'avx512', 'avx2', 'portable', 'neon' (aarch64) or None (the best this
+    CPU runs).
     Process-wide (every extension reads this module's state, so the path of
     every kernel, the dense layers' included, follows): meant for test
     set-up, not for use while other threads call attncore.  Raises ValueError for an unknown name or a path this
     CPU cannot run.  Returns the previous path.
     """
-    prev = _PATHS[ac_kernel_path]
+    prev = _PATHS[_path_code()]
     if path is None:
         ac_set_kernel_path(-1)
         return prev
@@ -570,7 +587,7 @@ def set_kernel_path(path):
         raise ValueError(f"kernel path must be one of {_PATHS} or None, got {path!r}")
     if ac_set_kernel_path(_PATHS.index(path)) != 0:
         raise ValueError(f"this CPU cannot run the {path!r} kernel path "
-                         f"(best available: {_PATHS[ac_best_path]!r})")
+                         f"(best available: {_PATHS[_best_code()]!r})")
     return prev
 
 
@@ -588,7 +605,7 @@ def _variants_ran(bint reset=True):
 
 def available_kernel_paths():
     """The kernel paths this CPU can run, best last."""
-    return _PATHS[:ac_best_path + 1]
+    return _PATHS[:ac_best_path + 1] + (("neon",) if AC_HAVE_NEON else ())
 
 
 # --------------------------------------------------------------------------

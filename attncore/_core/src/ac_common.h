@@ -35,8 +35,13 @@ typedef void (*ac_dgemm_t)(char *, char *, int *, int *, int *, double *,
                            double *, int *, double *, int *, double *,
                            double *, int *);
 
-/* kernel paths: the portable loops + BLAS, AVX2 + FMA, AVX-512 */
-enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2 };
+/* kernel paths: the portable loops + BLAS, AVX2 + FMA, AVX-512; on
+   aarch64, NEON (ac_cpu.h: the small-row decode body on NEON, everything
+   else the portable path's code -- ac_kernel_path stays AC_PATH_PORTABLE
+   there and ac_neon_on says whether the NEON body is on; AC_PATH_NEON is
+   the code _sdpa._PATHS names it by, and the code ac_set_kernel_path
+   takes) */
+enum { AC_PATH_PORTABLE = 0, AC_PATH_AVX2 = 1, AC_PATH_AVX512 = 2, AC_PATH_NEON = 3 };
 
 /* kernels whose variants ac_state->ran records (bits AC_VAR_BITS * kernel
    + variant) */
@@ -54,6 +59,8 @@ typedef struct {
     unsigned cpu_mask; /* CPU features taken as absent (AC_F_* bits of
                           ac_cpu.h; ATTNCORE_CPU_FEATURES, read once at
                           import by the _sdpa extension)                  */
+    int neon_on;     /* aarch64: the small-row decode body on NEON (the
+                        neon path); 0 elsewhere                          */
 } ac_state_t;
 
 /* llvm-mca regions (bench/mca.py): assembler comments around the hot
@@ -82,13 +89,14 @@ typedef struct {
 
 /* this extension's copy, and the one in use (the _sdpa extension's once
    ac_state_attach has run) */
-static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u, 0, 0u};
+static AC_UNUSED ac_state_t ac_state_own = {AC_PATH_PORTABLE, AC_PATH_PORTABLE, 0, 0u, 0, 0u, 0};
 static AC_UNUSED ac_state_t *ac_state = &ac_state_own;
 #define ac_best_path (ac_state->best_path)
 #define ac_kernel_path (ac_state->kernel_path)
 #define ac_avx512_ok (ac_state->avx512_ok)
 #define ac_pf_l2_rows (ac_state->pf_l2_rows)
 #define ac_cpu_mask (ac_state->cpu_mask)
+#define ac_neon_on (ac_state->neon_on)
 
 static AC_UNUSED void *ac_state_home(void) { return (void *)&ac_state_own; }
 static AC_UNUSED void ac_state_attach(void *home)

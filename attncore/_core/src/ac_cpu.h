@@ -3,7 +3,10 @@
  *
  * - AC_HAVE_X86: the x86-64 kernels are compiled (GCC / Clang on x86-64,
  *   unless the build defines AC_NO_X86_KERNELS); without them every kernel
- *   runs its portable loops and ac_cpu_init picks AC_PATH_PORTABLE;
+ *   runs its portable loops and ac_cpu_init picks AC_PATH_PORTABLE --
+ *   or, where AC_HAVE_NEON (aarch64), AC_PATH_NEON: the portable path's
+ *   code but for the small-row decode body, compiled for NEON in
+ *   ac_small.h (ac_neon_on);
  * - the target attributes of those kernels: one macro per instruction set,
  *   the only place where a target string is spelled;
  * - CPU feature detection (ac_cpu_init, ac_cpu_bf16_dot,
@@ -61,6 +64,16 @@ enum {
 
 /* set the mask (before ac_cpu_init) */
 static AC_UNUSED void ac_cpu_set_mask(unsigned mask) { ac_cpu_mask = mask; }
+
+/* AC_HAVE_NEON: aarch64 with NEON (the baseline of every AArch64 core: no
+ * run-time detection), GCC / Clang: the small-row decode body is compiled
+ * for NEON (ac_small.h) and the neon path (AC_PATH_NEON) runs it */
+#if defined(__GNUC__) && defined(__aarch64__) && defined(__ARM_NEON)
+#define AC_HAVE_NEON 1
+#include <arm_neon.h>
+#else
+#define AC_HAVE_NEON 0
+#endif
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(AC_NO_X86_KERNELS)
 #define AC_HAVE_X86 1
@@ -174,12 +187,28 @@ static AC_UNUSED int ac_set_kernel_path(int path)
 #else
 #define AC_HAVE_X86 0
 #define AC_VTGT_PORTABLE
-static AC_UNUSED void ac_cpu_init(void) {}
 static AC_UNUSED int ac_cpu_bf16_dot(void) { return 0; }
 static AC_UNUSED int ac_cpu_bf16_dot_fast(void) { return 0; }
 static AC_UNUSED int ac_cpu_vnni(void) { return 0; }
 static AC_UNUSED int ac_cpu_avxvnni(void) { return 0; }
-static AC_UNUSED int ac_set_kernel_path(int path) { return path <= 0 ? 0 : -1; }
+
+/* the best path without x86 kernels: neon on aarch64, else portable */
+#define AC_BEST_NOX86 (AC_HAVE_NEON ? AC_PATH_NEON : AC_PATH_PORTABLE)
+
+/* select a path (-1: the best; AC_PATH_NEON where AC_HAVE_NEON); 0 on
+   success, -1 if this build lacks it.  ac_kernel_path stays
+   AC_PATH_PORTABLE: the neon path is the portable path's code but for
+   the small-row decode body (ac_neon_on) */
+static AC_UNUSED int ac_set_kernel_path(int path)
+{
+    if (path < 0) path = AC_BEST_NOX86;
+    if (path != AC_PATH_PORTABLE && path != AC_BEST_NOX86) return -1;
+    ac_kernel_path = AC_PATH_PORTABLE;
+    ac_neon_on = path == AC_PATH_NEON;
+    return 0;
+}
+
+static AC_UNUSED void ac_cpu_init(void) { ac_set_kernel_path(-1); }
 #endif /* AC_HAVE_X86 */
 
 /* the variant to run for kernel `kernel` (AC_PATH_*: 0 baseline, 1 AVX2, 2

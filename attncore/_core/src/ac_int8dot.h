@@ -1463,4 +1463,11 @@ static void ac_pv16_rows32(int mode, const uint32_t *PT, int np, const uint32_t 
 }
 #endif /* AC_HAVE_X86 */
 
+#if !AC_HAVE_X86
+/* the dispatcher's test of the AVX2 panel's codes (ac_sdpa_variant.inc):
+   never true without the x86 kernels (it was an undeclared function on
+   aarch64) */
+#define AC_QK8_AVX2(c) ((void)(c), 0)
+#endif
+
 #endif /* AC_INT8DOT_H */
