@@ -385,7 +385,9 @@ def test_thread_count_follows_torch(monkeypatch):
     n = torch.get_num_threads()
     with torch.no_grad():
         attention_forward(_Module(), q, k, v, None)
-    assert seen == [n]
+    # (the lean path's call, or, where it declines -- the portable path --,
+    # the general one after it: each with torch's count)
+    assert seen and set(seen) == {n}
     assert np.all(np.asarray(seen) >= 1)
 
 
