@@ -49,6 +49,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
@@ -182,8 +183,12 @@ def compile_asm(cc, driver, extra=()):
         with open(src, "w", encoding="utf-8") as f:
             f.write(driver)
         out = os.path.join(tmp, "mca_driver.s")
-        subprocess.run([cc, "-S", *FLAGS, *extra, "-I" + SRC, "-I" + inc, src, "-o", out],
-                       check=True, capture_output=True, text=True)
+        if not os.path.isfile(os.path.join(SRC, "ac_cpu.h")):
+            sys.exit(f"mca.py: the kernels' C sources are not in {SRC} (run it from a source checkout)")
+        p = subprocess.run([cc, "-S", *FLAGS, *extra, "-I" + SRC, "-I" + inc, src, "-o", out],
+                           capture_output=True, text=True)
+        if p.returncode:
+            sys.exit(f"mca.py: {cc} could not compile the driver:\n{p.stderr[-2000:]}")
         with open(out, encoding="utf-8") as f:
             return f.read()
 
