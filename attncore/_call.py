@@ -45,11 +45,12 @@ from ._kv4 import QuantizedKV, checked as _kv_checked, fwht, kernel_slots, rotat
 from ._quant import split_quantized
 from ._threads import (OPENBLAS_SERIAL_MNK, blas_hold_supported, blas_parallel_threads,
                        blas_small_products_ok, resolve_num_threads, serial_or)
-from ._validation import (INT32_MAX, aliasing_rows, all_finite, as_float_array, batch_shape,
-                          blas_rows, check_mask, check_operands, head_values, parse_causal,
-                          parse_scale)
+from ._validation import (INT32_MAX, aligned, aliasing_rows, all_finite, as_float_array,
+                          batch_shape, blas_rows, check_mask, check_operands, head_values,
+                          parse_causal, parse_scale)
 
-__all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe", "launch",
+__all__ = ["Plan", "plan", "plan_call", "Checked", "Call", "check", "describe",
+           "describe_paged", "launch",
            "modes", "per_batch"]
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -251,6 +252,60 @@ def plan_call(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthr
 
 
 _plan_cached = functools.lru_cache(maxsize=1024)(plan)
+
+
+# paged / packed calls' key splits: a sequence splits over keys when the
+# work list would give a thread fewer than PAGED_ITEMS_PER_THREAD items, in
+# chunks of at least PAGED_MIN_CHUNK keys
+PAGED_ITEMS_PER_THREAD = 4
+PAGED_MIN_CHUNK = 512
+# panels (fused-kernel query rows) of a prompt chunk's query block
+PREFILL_PANELS = 8
+
+
+def paged_splits(lens: np.ndarray, items: int, nthreads: int,
+                 block_size: int) -> tuple[int, int]:
+    """(nsplit, chunk): key splits of a paged call (chunks of whole blocks)
+    where its work list would leave threads idle; (1, 0) for none."""
+    longest = int(lens.max()) if lens.size else 0
+    if (nthreads <= 1 or items >= PAGED_ITEMS_PER_THREAD * nthreads
+            or longest < 2 * PAGED_MIN_CHUNK):
+        return 1, 0
+    want = -(-PAGED_ITEMS_PER_THREAD * nthreads // max(items, 1))
+    chunk = max(PAGED_MIN_CHUNK, -(-longest // want))
+    chunk = -(-chunk // block_size) * block_size
+    nsplit = -(-longest // chunk)
+    return (nsplit, chunk) if nsplit > 1 else (1, 0)
+
+
+def _paged_items(lq: np.ndarray, one: np.ndarray, Bq: int, Hq: int) -> int:
+    """Work items of a paged call before key splits: a query block of a
+    head, or one item for a folded one-query sequence."""
+    return int(((-(-lq // Bq)) * Hq)[~one].sum() + one.sum())
+
+
+def plan_paged(pl: Plan, lq: np.ndarray, lens: np.ndarray, Hq: int, block_size: int,
+               fold_rows: np.ndarray) -> Plan:
+    """The plan of a paged call from :func:`plan_call`'s plan ``pl`` of its
+    longest sequence: prompt chunks' query blocks of up to
+    ``PREFILL_PANELS`` panels on the fused kernel (each staged range of
+    keys serving more rows; measured: 256 rows against 64 take the mixed
+    batch of compare_serving from 0.84 to ~1.0 of varlen's time), fewer
+    where threads would idle; folded one-query sequences (``fold_rows``)
+    one item each; key splits (:func:`paged_splits`)."""
+    fold = bool(fold_rows.any())
+    maxq = int(lq.max()) if lq.size else 1
+    Bq = pl.Bq
+    if pl.fused:
+        panel = _sdpa.PANEL_ROWS[_sdpa.kernel_path()]
+        Bq = max(Bq, min(PREFILL_PANELS * panel, -(-maxq // panel) * panel))
+        while Bq > pl.Bq and _paged_items(lq, fold_rows, Bq, Hq) < 2 * pl.nthreads:
+            Bq = max(pl.Bq, Bq // 2)
+    Bq = max(Bq, Hq) if fold else Bq
+    items = _paged_items(lq, fold_rows, Bq, Hq)
+    nsplit, chunk = paged_splits(lens, items, pl.nthreads, block_size)
+    nthr = max(1, min(pl.nthreads, items * nsplit))
+    return pl._replace(Bq=Bq, nsplit=nsplit, chunk=chunk, nthreads=nthr)
 
 
 # --------------------------------------------------------------------------
@@ -710,15 +765,15 @@ def _folded_decode(chk: Checked) -> Call | None:
     if (not _grouped_step(chk) or (k8 is None) != (v8 is None) or _q4(chk.kq) or _q4(chk.vq)
             or (k8 is None and not q.dtype == k.dtype == v.dtype)):
         return None
-    from . import _paged  # noqa: PLC0415 - it builds on this module
-
     B, M = q.shape[0], k.shape[2]
     kp, vp = (x[0] if x is not None else y for x, y in ((k8, k), (v8, v)))
     ks, vs = (None if x is None else x[1].transpose(0, 2, 1) for x in (k8, v8))
-    c = _paged._paged_call(q[:, :, 0], kp.transpose(0, 2, 1, 3), ks, vp.transpose(0, 2, 1, 3),
-                           vs, np.arange(B, dtype=np.int32)[:, None], np.full(B, M, np.int64),
-                           np.arange(B + 1, dtype=np.int64), chk.pol, chk.group, chk.scale, 0,
-                           (-1, -1), chk.softcap, None, chk.sinks, chk.nthreads, chk.need_lse)
+    c = describe_paged(q[:, :, 0], kp.transpose(0, 2, 1, 3), ks, vp.transpose(0, 2, 1, 3), vs,
+                       block_table=np.arange(B, dtype=np.int32)[:, None],
+                       seq_lens=np.full(B, M, np.int64), cu_q=np.arange(B + 1, dtype=np.int64),
+                       pol=chk.pol, group=chk.group, scale=chk.scale, causal=0,
+                       window=(-1, -1), softcap=chk.softcap, slopes=None, sinks=chk.sinks,
+                       nthreads=chk.nthreads, need_lse=chk.need_lse)
     return c._replace(bshape=chk.bshape, N=1, M=M)
 
 
@@ -796,10 +851,87 @@ def describe(chk: Checked) -> Call:
         # call's float64 re-run handles it, NumPy need not warn)
         with np.errstate(over="ignore"):
             q_mu = np.float32(scale) * q_mu
-    return Call(q, k, v, m, mask_kind, bshape, group, N, M, D, Dv, causal, scale, window,
-                softcap, ks, vs, q_scales, fmts, slopes, sinks, md.bf16dot if pl.fused else 0,
-                qk8, pl, cdt, need_w, need_lse, q_mu, q4=q4 if any(q4) else None,
-                rot_out=rot_out)
+    return Call(q=q, k=k, v=v, mask=m, mask_kind=mask_kind, bshape=bshape, group=group, N=N,
+                M=M, D=D, Dv=Dv, causal=causal, scale=scale, window=window, softcap=softcap,
+                k_scales=ks, v_scales=vs, q_scales=q_scales, fmts=fmts, slopes=slopes,
+                sinks=sinks, bf16dot=md.bf16dot if pl.fused else 0, qk8=qk8, plan=pl,
+                compute=cdt, need_weights=need_w, need_lse=need_lse, lse_shift=q_mu,
+                q4=q4 if any(q4) else None, rot_out=rot_out)
+
+
+# --------------------------------------------------------------------------
+# describing a paged call (attncore.paged_attention, varlen_attention, a
+# folded decoding step) -> Call
+# --------------------------------------------------------------------------
+def _cache_layout(a: np.ndarray) -> np.ndarray:
+    """A cache array (num_blocks, block_size, H, D) as the kernel reads it
+    in place (last axis contiguous, strides non-negative multiples of the
+    item size, a block's rows at least D apart, within a BLAS leading
+    dimension), else a contiguous copy (only for caches the kernel cannot
+    read)."""
+    a = aligned(a)
+    isz, st = a.itemsize, a.strides
+    ok = all(s >= 0 and s % isz == 0 for s in st)
+    if ok and a.shape[-1] > 1 and st[-1] != isz:
+        ok = False
+    if ok and a.shape[1] > 1 and (st[1] < a.shape[-1] * isz or st[1] // isz > INT32_MAX):
+        ok = False
+    return a if ok else np.ascontiguousarray(a)
+
+
+def _paged_layout(q, k, ks, v, vs, cdt):
+    """(q, k, k_scales, v, v_scales, fmts): a paged call's operands laid out
+    for the kernel (16-bit ones read in place, converted for float64)."""
+    if cdt == F64:
+        # the float64 kernel takes 16-bit operands converted (a copy)
+        q, k, v = (a if not half_code(a.dtype) else to_float(a, cdt) for a in (q, k, v))
+    fmts = (half_code(q.dtype), 0 if ks is not None else half_code(k.dtype),
+            0 if vs is not None else half_code(v.dtype))
+    q = blas_rows(q if (fmts[0] or q.dtype == cdt) else q.astype(cdt))
+    # the kernels' row axis of q is its tokens' (axis 0: BLAS's leading
+    # dimension of a prompt chunk); blas_rows checked the heads' (axis 1)
+    st0 = q.strides[0]
+    if q.shape[0] > 1 and (st0 < q.shape[2] * q.itemsize or st0 % q.itemsize
+                           or st0 // q.itemsize > INT32_MAX):
+        q = np.ascontiguousarray(q)
+    if ks is None:
+        k = k if (fmts[1] or k.dtype == cdt) else k.astype(cdt)
+        v = v if (fmts[2] or v.dtype == cdt) else v.astype(cdt)
+    else:
+        ks, vs = (_cache_layout(s.astype(cdt, copy=False)) for s in (ks, vs))
+    return q, _cache_layout(k), ks, _cache_layout(v), vs, fmts
+
+
+def describe_paged(q, k, ks, v, vs, *, block_table, seq_lens, cu_q, pol: Policy, group: int,
+                   scale: float, causal: int, window: tuple, softcap: float, slopes, sinks,
+                   nthreads: int, need_lse: bool, cu_k=None) -> Call:
+    """The description of one paged call: q (total_q, Hq, D), k / v block
+    pools (num_blocks, block_size, Hk, D / Dv) (int8 ones with scales
+    ``ks`` / ``vs``), checked; ``cu_k``: each sequence's first slot in its
+    blocks (packed variable-length calls: the keys are one block, the
+    sequences' offsets), else 0."""
+    cdt = pol.compute
+    q, k, ks, v, vs, fmts = _paged_layout(q, k, ks, v, vs, cdt)
+    Hq, D, Dv = q.shape[1], q.shape[2], v.shape[3]
+    lq = np.diff(cu_q)
+    flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), seq_lens.astype(np.float64))) * \
+        (D + Dv)
+    md = modes(pol._replace(products="float32") if pol.products == "int8" else pol, D)
+    maxq = int(lq.max()) if lq.size else 1
+    pl = plan_call(cdt, max(maxq, 1), max(int(seq_lens.max()), 1), D, Dv, causal,
+                   len(lq) * Hq, serial_or(flops, nthreads),
+                   converted_kv=conversion(md, 0, fmts, ks, vs))
+    # one-query sequences: all query heads in one item (fold), each key
+    # head's group of rows on each block in turn
+    one = (lq == 1) & (slopes is None)
+    pl = plan_paged(pl, lq, seq_lens, Hq, k.shape[1], one)
+    q, k, v = (bits(a, f) for a, f in zip((q, k, v), fmts))
+    return Call(q=q, k=k, v=v, mask=None, mask_kind=0, bshape=(Hq,), group=group, N=0, M=0,
+                D=D, Dv=Dv, causal=causal, scale=scale, window=window, softcap=softcap,
+                k_scales=ks, v_scales=vs, q_scales=None, fmts=fmts, slopes=slopes,
+                sinks=sinks, bf16dot=md.bf16dot if pl.fused else 0, qk8=0, plan=pl,
+                compute=cdt, need_lse=need_lse, cu_q=cu_q, cu_k=cu_k,
+                block_table=block_table, seq_lens=seq_lens, fold=bool(one.any()))
 
 
 # --------------------------------------------------------------------------

@@ -17,23 +17,15 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _call
-from ._dtypes import half_code, to_float
+from ._dtypes import to_float
 from ._interop import foreign_arrays
 from ._quant import split_quantized
-from ._threads import resolve_num_threads, serial_or
-from ._validation import (INT32_MAX, aligned, as_float_array, check_offsets, head_values,
+from ._threads import resolve_num_threads
+from ._validation import (INT32_MAX, as_float_array, check_offsets, head_values,
                           int_sequence, packed_group, parse_bool, parse_scale, parse_softcap,
                           parse_window, to_array)
 
 __all__ = ["paged_attention"]
-
-# key splits: a sequence splits over keys when the work list would give a
-# thread fewer than this many items, in chunks of at least this many keys
-_ITEMS_PER_THREAD = 4
-_MIN_CHUNK = 512
-# panels (fused-kernel query rows) of a prompt chunk's query block
-_PREFILL_PANELS = 8
-
 
 def _cache_operand(x: Any, name: str, qdtype: np.dtype):
     """(array, scales or None): a float cache (num_blocks, block_size, Hk, D)
@@ -126,101 +118,6 @@ def _per_head(x, name: str, S: int, Hq: int, compute, **kw) -> Optional[np.ndarr
         raise ValueError(f"{name} must have shape (Hq,) = ({Hq},) or (num_seqs, Hq) = "
                          f"({S}, {Hq}), got {f.shape}")
     return np.ascontiguousarray(np.broadcast_to(f, (S, Hq))).reshape(-1)
-
-
-def _cache_layout(a: np.ndarray) -> np.ndarray:
-    """A cache array (num_blocks, block_size, H, D) as the kernel reads it
-    in place (last axis contiguous, strides non-negative multiples of the
-    item size, a block's rows at least D apart, within a BLAS leading
-    dimension), else a contiguous copy (only for caches the kernel cannot
-    read)."""
-    a = aligned(a)
-    isz, st = a.itemsize, a.strides
-    ok = all(s >= 0 and s % isz == 0 for s in st)
-    if ok and a.shape[-1] > 1 and st[-1] != isz:
-        ok = False
-    if ok and a.shape[1] > 1 and (st[1] < a.shape[-1] * isz or st[1] // isz > INT32_MAX):
-        ok = False
-    return a if ok else np.ascontiguousarray(a)
-
-
-def _split_plan(lens: np.ndarray, items: int, nthreads: int,
-                block_size: int) -> Tuple[int, int]:
-    """(nsplit, chunk): key splits (chunks of whole blocks) where the work
-    list would leave threads idle; (1, 0) for none."""
-    longest = int(lens.max()) if lens.size else 0
-    if nthreads <= 1 or items >= _ITEMS_PER_THREAD * nthreads or longest < 2 * _MIN_CHUNK:
-        return 1, 0
-    want = -(-_ITEMS_PER_THREAD * nthreads // max(items, 1))
-    chunk = max(_MIN_CHUNK, -(-longest // want))
-    chunk = -(-chunk // block_size) * block_size
-    nsplit = -(-longest // chunk)
-    return (nsplit, chunk) if nsplit > 1 else (1, 0)
-
-
-def _items(lq: np.ndarray, one: np.ndarray, Bq: int, Hq: int) -> int:
-    """Work items before key splits: a query block of a head, or one
-    item for a folded one-query sequence."""
-    return int(((-(-lq // Bq)) * Hq)[~one].sum() + one.sum())
-
-
-def _paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group, sc, causal, win, cap, slopes,
-                sinks, nthreads, need_lse, koff=None) -> _call.Call:
-    """The description of one paged call (attncore._call.Call).  ``koff``:
-    each sequence's first slot in its blocks (packed variable-length
-    calls: the keys are one block, the sequences' offsets), else 0."""
-    cdt = pol.compute
-    if cdt == np.float64:
-        # the float64 kernel takes 16-bit operands converted (a copy)
-        qa, ka, va = (a if not half_code(a.dtype) else to_float(a, cdt) for a in (qa, ka, va))
-    fmts = (half_code(qa.dtype), 0 if ks is not None else half_code(ka.dtype),
-            0 if vs is not None else half_code(va.dtype))
-    qa = _call.blas_rows(qa if (fmts[0] or qa.dtype == cdt) else qa.astype(cdt))
-    # the kernels' row axis of q is its tokens' (axis 0: BLAS's leading
-    # dimension of a prompt chunk); blas_rows checked the heads' (axis 1)
-    st0 = qa.strides[0]
-    if qa.shape[0] > 1 and (st0 < qa.shape[2] * qa.itemsize or st0 % qa.itemsize
-                            or st0 // qa.itemsize > INT32_MAX):
-        qa = np.ascontiguousarray(qa)
-    if ks is None:
-        ka = ka if (fmts[1] or ka.dtype == cdt) else ka.astype(cdt)
-        va = va if (fmts[2] or va.dtype == cdt) else va.astype(cdt)
-    else:
-        ks, vs = (_cache_layout(s.astype(cdt, copy=False)) for s in (ks, vs))
-    ka, va = _cache_layout(ka), _cache_layout(va)
-    Hq, D, Dv, bs = qa.shape[1], qa.shape[2], va.shape[3], ka.shape[1]
-    lq = np.diff(cq)
-    flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), lens.astype(np.float64))) * (D + Dv)
-    nthreads = serial_or(flops, nthreads)
-    md = _call.modes(pol._replace(products="float32") if pol.products == "int8" else pol, D)
-    conv = _call.conversion(md, 0, fmts, ks, vs)
-    maxq = int(lq.max()) if lq.size else 1
-    pl = _call.plan_call(cdt, max(maxq, 1), max(int(lens.max()), 1), D, Dv, causal,
-                         len(lq) * Hq, nthreads, converted_kv=conv)
-    # one-query sequences: all query heads in one item (fold), each key
-    # head's group of rows on each block in turn
-    one = (lq == 1) & (slopes is None)
-    fold = bool(one.any())
-    Bq = pl.Bq
-    if pl.fused:
-        # prompt chunks: query blocks of up to 8 panels, each staged range
-        # of keys serving more rows (measured: 256 rows against 64 take the
-        # mixed batch of compare_serving from 0.84 to ~1.0 of varlen's
-        # time), fewer where threads would idle
-        panel = _call._sdpa.PANEL_ROWS[_call._sdpa.kernel_path()]
-        Bq = max(Bq, min(_PREFILL_PANELS * panel, -(-maxq // panel) * panel))
-        while Bq > pl.Bq and _items(lq, one, Bq, Hq) < 2 * pl.nthreads:
-            Bq = max(pl.Bq, Bq // 2)
-    Bq = max(Bq, Hq) if fold else Bq
-    items = _items(lq, one, Bq, Hq)
-    nsplit, chunk = _split_plan(lens, items, pl.nthreads, bs)
-    nthr = max(1, min(pl.nthreads, items * nsplit))
-    pl = pl._replace(Bq=Bq, nsplit=nsplit, chunk=chunk, nthreads=nthr)
-    qa, ka, va = (_call.bits(a, f) for a, f in zip((qa, ka, va), fmts))
-    return _call.Call(qa, ka, va, None, 0, (Hq,), group, 0, 0, D, Dv, causal, sc, win, cap, ks,
-                      vs, None, fmts, slopes, sinks, md.bf16dot if pl.fused else 0, 0, pl, cdt,
-                      need_lse=need_lse, cu_q=cq, cu_k=koff, block_table=bt, seq_lens=lens,
-                      fold=fold)
 
 
 def _query_offsets(cu_seqlens_q, qshape: tuple, lens: np.ndarray) -> np.ndarray:
@@ -457,9 +354,10 @@ def paged_attention(
         out = np.zeros((total_q, Hq, Dv), dtype=rdt)
         return (out, lse) if return_lse else out
     causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
-    out, _, lse, finite = _call.launch(_paged_call(qa, ka, ks, va, vs, bt, lens, cq, pol, group,
-                                                   sc, causal, win, cap, slopes, snk, nthreads,
-                                                   return_lse))
+    out, _, lse, finite = _call.launch(_call.describe_paged(
+        qa, ka, ks, va, vs, block_table=bt, seq_lens=lens, cu_q=cq, pol=pol, group=group,
+        scale=sc, causal=causal, window=win, softcap=cap, slopes=slopes, sinks=snk,
+        nthreads=nthreads, need_lse=return_lse))
     if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum), or
         # finite scores overflowed, or inf / NaN inputs reached the output:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _call, _paged
+from . import _call
 from ._dtypes import to_float
 from ._interop import foreign_arrays
 from ._threads import resolve_num_threads
@@ -54,9 +54,11 @@ def _packed_call(qa, ka, va, cq, ck, pol, group: int, scale: float, causal: int,
     values one block (a (1, total_k, Hk, D) view) that every sequence
     reads from its offset."""
     S = ck.shape[0] - 1
-    return _paged._paged_call(qa, ka[None], None, va[None], None, np.zeros((S, 1), np.int32),
-                              np.diff(ck), cq, pol, group, scale, causal, win, cap, slopes, None,
-                              nthreads, False, koff=ck)
+    return _call.describe_paged(qa, ka[None], None, va[None], None,
+                                block_table=np.zeros((S, 1), np.int32), seq_lens=np.diff(ck),
+                                cu_q=cq, pol=pol, group=group, scale=scale, causal=causal,
+                                window=win, softcap=cap, slopes=slopes, sinks=None,
+                                nthreads=nthreads, need_lse=False, cu_k=ck)
 
 
 def _check_packed(q, k, v, enable_gqa: bool):

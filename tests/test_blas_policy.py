@@ -101,7 +101,7 @@ def test_other_unheld_blas_gets_one_thread(monkeypatch):
 
 # --------------------------------------------------------------------------
 # the planner's documented rules (attncore._call.plan; the paged door's key
-# splits, attncore._paged._split_plan): the other test files check results
+# splits, attncore._call.paged_splits): the other test files check results
 # only, and name the rule here that makes their shapes reach a kernel path
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("path", ["avx2", "avx512"])
@@ -137,14 +137,12 @@ def test_paged_split_plan_splits_few_long_sequences():
     and the longest sequence has at least 1024 keys, the keys split in
     chunks of whole blocks of at least 512 keys (test_paged's key-split
     case: 2 items of 3000 keys for 2 threads); otherwise no split."""
-    from attncore import _paged
-
     lens = np.array([3000, 2500])
-    nsplit, chunk = _paged._split_plan(lens, 2, 2, 32)
+    nsplit, chunk = _call.paged_splits(lens, 2, 2, 32)
     assert nsplit > 1 and chunk % 32 == 0 and chunk >= 512 and nsplit * chunk >= 3000
-    assert _paged._split_plan(lens, 8, 2, 32) == (1, 0)
-    assert _paged._split_plan(lens, 2, 1, 32) == (1, 0)
-    assert _paged._split_plan(np.array([1000, 900]), 2, 2, 32) == (1, 0)
+    assert _call.paged_splits(lens, 8, 2, 32) == (1, 0)
+    assert _call.paged_splits(lens, 2, 1, 32) == (1, 0)
+    assert _call.paged_splits(np.array([1000, 900]), 2, 2, 32) == (1, 0)
 
 
 def test_plan_call_keeps_the_kernel_path(openblas_unheld):

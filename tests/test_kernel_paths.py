@@ -310,9 +310,12 @@ def test_kernel_entry_odd_tiles(path, Bq, Bk, nsplit, causal):
     chunk = -(-M // nsplit)
     out = np.empty((2, N, Dv), np.float32)
     fused = _sdpa.kernel_path() in _sdpa.PANEL_ROWS
-    call = _call.Call(q, k, v, mask, 1, (2,), 1, N, M, D, Dv, causal, 0.3, (-1, -1), 0.0,
-                      None, None, None, (0, 0, 0), None, None, 0, 0,
-                      _call.Plan(Bq, Bk, nsplit, chunk, 2, fused), np.dtype(np.float32))
+    call = _call.Call(q=q, k=k, v=v, mask=mask, mask_kind=1, bshape=(2,), group=1, N=N, M=M,
+                      D=D, Dv=Dv, causal=causal, scale=0.3, window=(-1, -1), softcap=0.0,
+                      k_scales=None, v_scales=None, q_scales=None, fmts=(0, 0, 0), slopes=None,
+                      sinks=None, bf16dot=0, qk8=0,
+                      plan=_call.Plan(Bq, Bk, nsplit, chunk, 2, fused),
+                      compute=np.dtype(np.float32))
     _sdpa.sdpa(call, out)
     np.testing.assert_allclose(out, ref(q, k, v, mask, causal=causal, scale=0.3)[0], **TOL32)
 
