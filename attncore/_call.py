@@ -777,6 +777,16 @@ def _folded_decode(chk: Checked) -> Call | None:
     return c._replace(bshape=chk.bshape, N=1, M=M)
 
 
+def broadcast_query(chk: Checked) -> bool:
+    """Whether every query row of a batch element is the same row with the
+    same keys (a stride-0 query row axis, nothing row-dependent): the call
+    computes one row and broadcasts it (attncore.functional)."""
+    m = chk.mask
+    return (chk.q.shape[-2] > 1 and chk.q.strides[-2] == 0 and not chk.causal
+            and chk.window == (-1, -1) and chk.k8 is None and chk.v8 is None
+            and chk.slopes is None and chk.sinks is None and (m is None or m.shape[-2] == 1))
+
+
 def grouped_rows(chk: Checked) -> Checked | None:
     """A one-query grouped-query call (a decoding step, (B, Hq, 1, D) over
     (B, Hk, M, D)) as a dense call over the Hk key heads whose rows are
@@ -968,7 +978,7 @@ def launch(c: Call) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, b
 def launch_plain(fields: tuple, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
     """:func:`launch` of a dense call without weights, lse or lse shift
     whose :class:`Call` comes as a plain tuple of its fields (the lean path
-    of the descriptions that attncore.functional caches by operand
+    of the descriptions that attncore._lean caches by operand
     metadata): (out, whether it is all finite), out allocated in ``shape``
     (its elements those of (nb, N, Dv) in order) of the compute dtype."""
     out = np.empty(shape, dtype=dtype)

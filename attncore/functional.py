@@ -1,16 +1,17 @@
-"""Public functions: :func:`scaled_dot_product_attention`,
-:func:`merge_attention`, and the lean call of integrations.
+"""Public functions: :func:`scaled_dot_product_attention` and
+:func:`merge_attention`.
 
 Every call goes through the front door (attncore._call)::
 
     scaled_dot_product_attention
+        |- _lean.plain_call: a call without options, from its description
+        |  cached by operand metadata (made by check -> describe once)
         `- _attention: empty shapes, a broadcast query row axis, an
            overflowed float32 output (again in float64); else
            _call.check -> _call.describe -> _call.launch
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Iterable, Literal, Sequence, overload
 
@@ -18,20 +19,15 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _call
-from ._core import _sdpa
-from ._dtypes import _CAST_MIN, HALF_BF16, cast, half_code, is_bf16
+from ._dtypes import cast, is_bf16
 from ._interop import _to_numpy, foreign_arrays
+from ._lean import int8_pair, plain_call
 from ._kv4 import QuantizedKV
 from ._quant import dequantize, split_quantized
-from ._threads import resolve_num_threads
-from ._validation import INT32_MAX, as_float_array, parse_bool, parse_softcap, parse_window
+from ._validation import as_float_array, parse_bool, parse_softcap, parse_window
 
 __all__ = ["scaled_dot_product_attention", "merge_attention"]
 
-# the planner lives with the call description (attncore._call); its names
-# stay importable from here
-_SMALL_ROWS = _call.SMALL_ROWS
-Plan, plan, plan_call = _call.Plan, _call.plan, _call.plan_call
 
 
 # --------------------------------------------------------------------------
@@ -315,10 +311,10 @@ def scaled_dot_product_attention(
             and (precision is None or (type(precision) is str and precision == "int8"))
             and alibi_slopes is None and sinks is None and return_weights is False
             and return_lse is False and type(query) is np.ndarray
-            and (type(key) is np.ndarray or _int8_pair(key))
-            and (type(value) is np.ndarray or _int8_pair(value))):
-        out = _plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads,
-                          precision)
+            and (type(key) is np.ndarray or int8_pair(key))
+            and (type(value) is np.ndarray or int8_pair(value))):
+        out = plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads,
+                         precision)
         if out is not None:
             return out
     return_weights = parse_bool(return_weights, "return_weights")
@@ -334,168 +330,6 @@ def scaled_dot_product_attention(
     return (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
 
 
-# --------------------------------------------------------------------------
-# plain calls: the description decided once per operand metadata
-# --------------------------------------------------------------------------
-# (query, key, value metadata, options, threads, kernel path, bfloat16 mode)
-# -> (the fields of the call's description after its operands, the shape q
-# is read in or None, the output's shape, the compute dtype, the result
-# dtype where it differs or None, threads), or False where a call of that
-# metadata needs the general path every time (copies, conversions, BLAS
-# products, broadcast query rows, an empty call)
-_PLAIN: dict = {}
-_PLAIN_MAX = 256
-# where a description's int8 scales sit among its fields after the operands
-# (a cached description holds None there: each call's own scales go in)
-_KS = _call.Call._fields.index("k_scales") - 3
-_VS = _call.Call._fields.index("v_scales") - 3
-
-
-def _int8_pair(x) -> bool:
-    """Whether ``x`` is an ``(int8 array, scales)`` tuple of two NumPy
-    arrays (:func:`attncore.quantize_kv`'s pair), which a plain call takes."""
-    return (type(x) is tuple and len(x) == 2 and type(x[0]) is np.ndarray
-            and type(x[1]) is np.ndarray and x[0].dtype == np.int8)
-
-
-def _meta(a) -> tuple:
-    """An operand's metadata for the plain calls' cache: shape, strides and
-    dtype (of both arrays of an int8 pair)."""
-    if type(a) is tuple:
-        d, s = a
-        return (d.shape, d.strides, d.dtype, s.shape, s.strides, s.dtype)
-    return (a.shape, a.strides, a.dtype)
-
-
-def _plain_call(query: np.ndarray, key, value, is_causal, scale,
-                enable_gqa, num_threads, precision=None) -> np.ndarray | None:
-    """A call without mask or options beyond ``is_causal`` / ``scale`` /
-    ``enable_gqa`` / ``num_threads`` on NumPy arrays or ``(int8 array,
-    scales)`` key / value pairs of NumPy arrays (and ``precision=
-    "int8"`` where the size rule gives it float32 products: a call whose
-    products are int8 takes the general path, its int8 stage runs on
-    every call), from its description
-    cached by the operands' metadata (shapes, strides, dtypes: everything
-    :func:`attncore._call.check` and :func:`attncore._call.describe`
-    decide from).  A small call's checks cost as much as its kernel, and
-    more when the caches are cold (an int8 pair's checks 50-70 us against
-    10 us for float32 operands: 8 heads x 1 key x 64, one thread).  None
-    where the general path must run (it then raises any error, as it
-    would have)."""
-    try:
-        nt = resolve_num_threads(num_threads)
-    except (TypeError, ValueError):
-        return None
-    # (the data's alignment is the one property of the operands the key
-    # leaves out: _sdpa.sdpa checks it, and a misaligned operand takes the
-    # general path, whose checks copy it; int8 pairs' scales are checked
-    # below)
-    key_ = (query.shape, query.strides, query.dtype, _meta(key), _meta(value),
-            type(is_causal), is_causal, type(scale),
-            scale, type(enable_gqa), enable_gqa, nt, precision, _sdpa.call_state())
-    try:
-        hit = _PLAIN.get(key_)
-    except TypeError:   # an unhashable argument: the general path says what it is
-        return None
-    if hit is None:
-        hit = _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads,
-                              precision)
-        if hit is None:
-            return None
-        if len(_PLAIN) >= _PLAIN_MAX:
-            _PLAIN.clear()
-        _PLAIN[key_] = hit
-    if hit is False:
-        return None
-    tail, qread, oshape, cdt, rdt, nthr, bits = hit
-    q = query if qread is None else query.reshape(qread)
-    if bits:   # bfloat16 operands: the kernel reads their bits (_call.bits)
-        q, key, value = (a.view(np.uint16) if b else a for a, b in zip((q, key, value), bits))
-    if type(key) is tuple or type(value) is tuple:
-        # int8 pairs: the data as the key / value, the scales as (..., M, 1)
-        # views in the description (their base must be aligned: a misaligned
-        # one takes the general path, whose checks copy it)
-        tail = list(tail)
-        if type(key) is tuple:
-            key, ks = key
-            if not ks.flags.aligned:
-                return None
-            tail[_KS] = ks[..., None]
-        if type(value) is tuple:
-            value, vs = value
-            if not vs.flags.aligned:
-                return None
-            tail[_VS] = vs[..., None]
-        tail = tuple(tail)
-    try:
-        # the description's fields with the operands in front
-        out, finite = _call.launch_plain((q, key, value) + tail, oshape, cdt)
-    except _sdpa.Misaligned:
-        return None
-    if not finite:
-        return None  # an overflow or non-finite inputs: the general path decides
-    return out if rdt is None else cast(out, rdt, nthr)
-
-
-def _plain_describe(query, key, value, is_causal, scale, enable_gqa, num_threads,
-                    precision=None):
-    """The cache entry of :func:`_plain_call` for these operands (their
-    checks raise as the general call's would); None for misaligned
-    operands (the checks copy them: nothing is cached for their
-    metadata, which aligned operands share)."""
-    if not all(a.flags.aligned for x in (query, key, value)
-               for a in (x if type(x) is tuple else (x,))):
-        return None
-    chk = _call.check(query, key, value, None, is_causal, scale,
-                      parse_bool(enable_gqa, "enable_gqa"), False, False, num_threads,
-                      precision=precision)
-    kd = key[0] if type(key) is tuple else key
-    vd = value[0] if type(value) is tuple else value
-    kr = chk.k if chk.k8 is None else chk.k8[0]
-    vr = chk.v if chk.v8 is None else chk.v8[0]
-    if (chk.empty or _broadcast_query(chk) or chk.q is not query or kr is not kd
-            or chk.pol.products == "int8" or vr is not vd
-            or (chk.k8 is None) != (type(key) is not tuple)
-            or (chk.v8 is None) != (type(value) is not tuple)):
-        return False   # (operands converted by the checks: a byte order, say)
-    rows = _call.grouped_rows(chk)
-    c = _call.describe(chk if rows is None else rows)
-    read = chk if rows is None else rows
-    pl = c.plan
-    ops = ((c.q, read.q), (c.k, kd), (c.v, vd))
-    if (c.block_table is not None or c.mask is not None
-            or not all(a is b or _bits_of(a, b) for a, b in ops)
-            or not (pl.fused or c.N <= _SMALL_ROWS) or c.need_weights
-            or c.need_lse or c.lse_shift is not None
-            or (type(key) is tuple and not _scales_of(c.k_scales, key[1]))
-            or (type(value) is tuple and not _scales_of(c.v_scales, value[1]))):
-        return False   # operands copied or converted, or the BLAS path
-    qread = None if rows is None else rows.q.shape
-    rdt = chk.pol.result
-    bits = tuple(a is not b for a, b in ops)
-    tail = list(tuple(c)[3:])
-    tail[_KS] = tail[_VS] = None   # (each call's own; the cache holds no data)
-    return (tuple(tail), qread, chk.bshape + (chk.q.shape[-2], c.Dv), c.compute,
-            None if rdt == c.compute else rdt, pl.nthreads, bits if any(bits) else None)
-
-
-def _scales_of(a, s: np.ndarray) -> bool:
-    """Whether the description's scales ``a`` are the caller's scales ``s``
-    as they are, viewed as (..., M, 1): no cast, no copy."""
-    return (isinstance(a, np.ndarray) and a.dtype == s.dtype and a.shape == s.shape + (1,)
-            and a.strides[:-1] == s.strides
-            and a.__array_interface__["data"][0] == s.__array_interface__["data"][0])
-
-
-def _bits_of(a, b) -> bool:
-    """Whether the kernel's operand ``a`` is the bits of the caller's
-    bfloat16 operand ``b`` (``_call.bits``: a uint16 view of the same
-    memory), which a plain call can take again from ``b``."""
-    return (isinstance(a, np.ndarray) and a.dtype == np.uint16 and is_bf16(b.dtype)
-            and a.shape == b.shape and a.strides == b.strides
-            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
-
-
 def _dequantized(chk: _call.Checked) -> _call.Checked:
     """The weights path multiplies whole rows: int8 keys / values
     dequantized (a copy)."""
@@ -507,15 +341,6 @@ def _dequantized(chk: _call.Checked) -> _call.Checked:
         return x if x8 is None else dequantize(x8[0], x8[1], cdt)
     return chk._replace(k=deq(chk.k, chk.k8, chk.kq), v=deq(chk.v, chk.v8, chk.vq), k8=None,
                         v8=None, kq=None, vq=None)
-
-
-def _broadcast_query(chk: _call.Checked) -> bool:
-    """Whether every query row of a batch element is the same row with the
-    same keys (a stride-0 query row axis, nothing row-dependent)."""
-    m = chk.mask
-    return (chk.q.shape[-2] > 1 and chk.q.strides[-2] == 0 and not chk.causal
-            and chk.window == (-1, -1) and chk.k8 is None and chk.v8 is None
-            and chk.slopes is None and chk.sinks is None and (m is None or m.shape[-2] == 1))
 
 
 def _finish(c: _call.Call, bshape: tuple, rdt, out, weights, lse):
@@ -555,7 +380,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa: bool,
     if chk.empty:
         return _empty_result(chk, rdt, lambda val: _attention(
             chk.q, key, val, attn_mask, *opts, **kw))
-    if _broadcast_query(chk):
+    if _call.broadcast_query(chk):
         # compute one row and broadcast it (never copy the N identical rows)
         return _broadcast_rows(
             _attention(chk.q[..., :1, :], key, value, chk.mask, *opts, **kw),
@@ -603,139 +428,6 @@ def _float64_rerun(operands, rdt, attn_mask, *args, **kwargs):
         with np.errstate(over="ignore"):  # an lse beyond float32 is -inf / inf there
             lse = lse.astype(np.float32)
     return (out.astype(rdt), None if weights is None else weights.astype(rdt), lse)
-
-
-# --------------------------------------------------------------------------
-# a lean call for integrations (the Hugging Face backend's decoding steps)
-# --------------------------------------------------------------------------
-def _rows_ok(shape: tuple, strides: tuple, isz: int) -> bool:
-    """Whether the kernel reads a 4-D operand of this shape and these
-    strides as it is (rows of contiguous elements, non-negative batch
-    strides; see blas_rows), its alignment aside."""
-    st = strides
-    return (st[3] == isz and st[2] >= shape[3] * isz and st[2] % isz == 0
-            and st[1] % isz == 0 and st[0] % isz == 0 and st[1] >= 0 and st[0] >= 0)
-
-
-@functools.lru_cache(maxsize=512)
-def _prepared_plan(qshape: tuple, qstrides: tuple, kshape: tuple, kstrides: tuple,
-                   vshape: tuple, vstrides: tuple, dt: np.dtype, causal: int, scale,
-                   nthreads: int, window: tuple, softcap: float, kernel_path: str,
-                   bf16: int) -> tuple | None:
-    """What the operands' metadata decide of a prepared call (cached):
-    (the fields of the call's description after its operands, the shape q
-    is read in (a decoding step of grouped-query heads) or None, the
-    output's shape, the compute dtype, the operands' 16-bit format code,
-    threads), or None where the call needs the general path.  ``bf16``: the CPU's
-    bfloat16 products (bfloat16 operands take them, as the policy has it;
-    float16 ones never)."""
-    # int16: bfloat16 bits (attention_prepared's bf16_bits)
-    fmt = HALF_BF16 if dt == np.int16 else half_code(dt)
-    if (len(qshape) != 4 or len(kshape) != 4 or len(vshape) != 4
-            or not (dt == np.float32 or fmt)):
-        return None
-    B, H, N, D = qshape
-    Bk, Hk, M, Dk = kshape
-    Dv = vshape[3]
-    isz = dt.itemsize
-    if (Bk != B or vshape[:3] != (B, Hk, M) or Dk != D or Hk == 0 or H % Hk
-            or 0 in (B, H, N, M, D, Dv) or max(N, M, D, Dv) > INT32_MAX
-            or not (_rows_ok(qshape, qstrides, isz) and _rows_ok(kshape, kstrides, isz)
-                    and _rows_ok(vshape, vstrides, isz))):
-        return None
-    if scale is None:
-        sc = 1.0 / math.sqrt(D)
-    else:
-        sc = float(scale)
-        if not (math.isfinite(sc) and sc > 0):
-            return None
-    if fmt != HALF_BF16:
-        bf16 = 0
-    oshape = (B, H, N, Dv)
-    qread = None
-    if N == 1 and H > Hk and causal != 1 and window == (-1, -1):
-        # a decoding step of grouped-query heads: the query heads of a key
-        # head are the rows of one block over that head's keys (every row
-        # sees every key), so its keys and values are read once per group;
-        # q (B, H, 1, D) read as (B, Hk, H / Hk, D) (a view: its rows H's)
-        qread = (B, Hk, H // Hk, D)
-        if not _rows_ok(qread, (qstrides[0], (H // Hk) * qstrides[1], qstrides[1], qstrides[3]),
-                        isz):
-            return None
-        N, H, causal = H // Hk, Hk, 0
-    # float32 keys / values of a head view (rows apart by more than a row,
-    # as a model's (B, S, H, D) projections viewed as (B, H, S, D)): the
-    # fused kernel copies them a query block at a time (the general call's
-    # rule, attncore._call.describe)
-    copied_kv = not fmt and _call.copies_kv(
-        N, M, D, Dv, kstrides[2] != D * isz or vstrides[2] != Dv * isz)
-    pl = _call.plan_call(np.dtype(np.float32 if fmt else dt), N, M, D, Dv, causal, B * H,
-                         nthreads, kernel_path=kernel_path,
-                         converted_kv=2 if bf16 and kernel_path == "avx512" else int(bool(fmt)),
-                         copied_kv=copied_kv)
-    if not pl.fused and N > _SMALL_ROWS:
-        return None  # the BLAS path: the general call decides its threads
-    cdt = np.dtype(np.float32 if fmt else dt)
-    c = _call.Call(None, None, None, None, 0, (B, H), H // Hk, N, M, D, Dv, causal, sc,
-                   window, softcap, None, None, None, (fmt, fmt, fmt), None, None,
-                   bf16 if pl.fused else 0, 0, pl, cdt)
-    return tuple(c)[3:], qread, oshape, cdt, fmt, pl.nthreads
-
-
-def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
-                       scale: float | None, nthreads: int, window: tuple[int, int] = (-1, -1),
-                       softcap: float = 0.0, bf16_bits: bool = False) -> np.ndarray | None:
-    """Attention of already-checked operands, without the general call's
-    argument handling (private: for integrations that call attncore per
-    layer and per decoding step, where that handling costs as much as a
-    small kernel call -- and more when the caches are cold, as they are
-    between a model's layers: every distinct Python or NumPy operation then
-    costs microseconds, so the metadata's verdict is cached and the call
-    does as few as it can).
-
-    q (B, H, L, D), k / v (B, Hk, S, D / Dv): NumPy arrays of one dtype
-    (float32, float16 or bfloat16), Hk dividing H, no mask; ``causal`` a
-    kernel code (0, 1 upper-left, 2 lower-right), ``nthreads`` >= 1,
-    ``window`` / ``softcap`` as parsed by the general call.  Returns the
-    output (B, H, L, Dv) in q's dtype, or None when the call needs the
-    general path (other layouts or dtypes, the BLAS path, empty shapes):
-    the caller then uses :func:`scaled_dot_product_attention`.
-
-    ``bf16_bits``: q, k and v are int16 arrays holding bfloat16 bits (a
-    bfloat16 tensor's ``view(torch.int16)``, no ml_dtypes needed); the
-    output then is an int16 array of bfloat16 bits too (rounded to
-    nearest, ties to even).  Each NumPy or torch operation of a call per
-    layer and step costs about a microsecond, more with cold caches: the
-    bits save the dtype views on both sides.
-    """
-    dt = q.dtype
-    if bf16_bits != (dt == np.int16):
-        return None  # bits only as int16, and int16 only as bits
-    if (k.dtype != dt or v.dtype != dt
-            or not (scale is None or type(scale) is float or type(scale) is int)):
-        return None  # (any other scale, as the general call takes or refuses it)
-    prep = _prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, dt,
-                          causal, scale, nthreads, window, softcap, _sdpa.kernel_path(),
-                          _sdpa.bf16_mode())
-    if prep is None:
-        return None
-    tail, qread, oshape, cdt, fmt, nthr = prep
-    if qread is not None:
-        q = q.reshape(qread)
-    if fmt == HALF_BF16 and not bf16_bits:
-        q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
-    try:
-        # the description's fields with the operands in front
-        out, finite = _call.launch_plain((q, k, v) + tail, oshape, cdt)
-    except _sdpa.Misaligned:
-        return None  # (the general call copies a misaligned operand)
-    if not finite:
-        return None  # an overflow or non-finite inputs: the general call decides
-    if bf16_bits:
-        bits = np.empty(oshape, np.int16)
-        _sdpa.cast_half(out, bits, HALF_BF16, nthr if out.size >= _CAST_MIN else 1)
-        return bits
-    return cast(out, dt, nthr) if fmt else out
 
 
 # --------------------------------------------------------------------------

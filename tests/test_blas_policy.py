@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import attncore
-from attncore import _call, _kernels, functional
+from attncore import _call, _kernels
 from attncore._core import _sdpa
 from attncore._threads import OPENBLAS_SERIAL_MNK
 from reference import sdpa_ref
@@ -148,7 +148,7 @@ def test_paged_split_plan_splits_few_long_sequences():
 def test_plan_call_keeps_the_kernel_path(openblas_unheld):
     """Re-planning for the BLAS keeps the path and the converted-operand
     choice (a re-plan used to drop them and take the fused kernel's tiles)."""
-    pl = functional.plan_call(np.float32, 1024, 1024, 64, 64, 0, 8, 2,
+    pl = _call.plan_call(np.float32, 1024, 1024, 64, 64, 0, 8, 2,
                               kernel_path="portable", converted_kv=True)
     assert not pl.fused
     assert pl.Bq * pl.Bk * 64 <= OPENBLAS_SERIAL_MNK

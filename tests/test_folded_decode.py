@@ -95,7 +95,7 @@ def test_prepared_grouped_decode(kernels, causal, B, H, Hk, M, D, dtype):
     key head's query heads as the rows of one block: one dense call over
     Hk heads, the reference's result for every query head, q given as the
     backend gives it (a transposed (B, 1, H, D) array)."""
-    from attncore.functional import attention_prepared
+    from attncore._lean import attention_prepared
 
     q = np.ascontiguousarray(rand((B, 1, H, D), 6)).astype(dtype).transpose(0, 2, 1, 3)
     k, v = rand((B, Hk, M, D), 7).astype(dtype), rand((B, Hk, M, D), 8).astype(dtype)
@@ -111,7 +111,7 @@ def test_prepared_layouts_share_no_verdict():
     transposed query) each read their own layout, and an operand the
     kernel cannot read in place (a misaligned view, a column stride) is
     handed back to the general call (None), whatever came before."""
-    from attncore.functional import attention_prepared
+    from attncore._lean import attention_prepared
 
     B, H, Hk, M, D = 2, 8, 2, 37, 16
     q = rand((B, H, 1, D), 20)
@@ -143,7 +143,7 @@ def test_prepared_equals_the_general_call(dtype, N):
     16-bit operands the same output, bit for bit (float16 never takes the
     bfloat16 products that bfloat16 operands take where the CPU has
     them)."""
-    from attncore.functional import attention_prepared
+    from attncore._lean import attention_prepared
 
     if dtype == "bfloat16":
         dt = pytest.importorskip("ml_dtypes").bfloat16
@@ -167,7 +167,7 @@ def test_prepared_bfloat16_bits(N):
     output's bfloat16 bits: the float64 reference of the rounded inputs,
     to bfloat16 rounding, and bit for bit the bfloat16-dtype call's
     result; any other dtype given as bits is handed back (None)."""
-    from attncore.functional import attention_prepared
+    from attncore._lean import attention_prepared
 
     def bits_of(x):   # float32 -> bfloat16 bits, round to nearest even (a published rule)
         u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)

@@ -110,9 +110,9 @@ def test_one_home_for_the_kernel_path():
 def test_constants_read_from_c():
     # the planner's constants are the C kernels' (not a second copy); the
     # planner's rules over them: test_blas_policy
-    from attncore import functional
+    from attncore import _call
 
-    assert functional._SMALL_ROWS == _sdpa.SMALL_ROWS == _sdpa.cpu_features()["small_rows"]
+    assert _call.SMALL_ROWS == _sdpa.SMALL_ROWS == _sdpa.cpu_features()["small_rows"]
     for path in PATHS[1:]:
         with _kernels.forced_kernel_path(path):
             assert _sdpa.cpu_features()["fused_panel_rows"] == _sdpa.PANEL_ROWS[path]

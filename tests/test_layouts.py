@@ -286,25 +286,25 @@ def test_prepared_head_views_copied_by_blocks(path, pad):
     the 1 KiB multiples: the fused kernel copies the keys and values a
     block at a time, as the general call does; against the float64
     reference, causal and not, one and two threads."""
-    from attncore import functional as F
+    from attncore import _call, _lean
     B, S, H, D = 2, 90, 4, 64
     x = rand((B, S, 3 * H * D + pad), 9)
     heads = lambda i: x[..., i * H * D:(i + 1) * H * D].reshape(  # noqa: E731
         B, S, H, D).transpose(0, 2, 1, 3)
     q, k, v = heads(0), heads(1), heads(2)
     before = x.copy()
-    prep = F._prepared_plan(q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
-                            q.dtype, 2, None, 2, (-1, -1), 0.0, _sdpa.kernel_path(), 0)
+    _lean._PREPARED.clear()
+    first = _lean.attention_prepared(q, k, v, 2, None, 2)
+    (prep,) = _lean._PREPARED.values()
     if path not in _sdpa.PANEL_ROWS:
-        assert prep is None   # the BLAS path: the general call
+        assert first is None and prep is False   # the BLAS path: the general call
         return
-    from attncore import _call
     assert dict(zip(_call.Call._fields[3:], prep[0]))["plan"].kvcopy
     q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
     for causal in (0, 2):
         r, _ = ref(q64, k64, v64, causal=causal)
         for nt in (1, 2):
-            out = F.attention_prepared(q, k, v, causal, None, nt)
+            out = _lean.attention_prepared(q, k, v, causal, None, nt)
             np.testing.assert_allclose(out, r, rtol=3e-5, atol=3e-6)
     np.testing.assert_array_equal(x, before)
 

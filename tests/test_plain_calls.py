@@ -1,6 +1,6 @@
 """Plain calls (NumPy operands, no mask or options beyond ``is_causal``,
 ``scale``, ``enable_gqa`` and ``num_threads``) run from a description cached
-by their operands' metadata (attncore.functional._plain_call).  What the
+by their operands' metadata (attncore._lean.plain_call).  What the
 cache must never do: serve a call whose data, layout, dtype, options,
 thread count or kernel path differ from the one that filled it, accept an
 argument the general path refuses, or skip the float64 re-run of an
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import attncore
-from attncore import _kernels, functional
+from attncore import _kernels, _lean
 from attncore._core import _sdpa
 from reference import rand, sdpa_ref
 
@@ -19,9 +19,9 @@ sdpa = attncore.scaled_dot_product_attention
 @pytest.fixture
 def fresh():
     """An empty cache before and after the test."""
-    functional._PLAIN.clear()
-    yield functional._PLAIN
-    functional._PLAIN.clear()
+    _lean._PLAIN.clear()
+    yield _lean._PLAIN
+    _lean._PLAIN.clear()
 
 
 def close(out, ref, dtype=np.float32):
@@ -100,7 +100,7 @@ def test_int8_pairs_are_cached_too(path, fresh, shape):
     blas = N > 4 and path not in _sdpa.PANEL_ROWS
     assert any(hit for hit in fresh.values()) != blas
     for hit in fresh.values():
-        assert not hit or (hit[0][functional._KS] is None and hit[0][functional._VS] is None)
+        assert not hit or (hit[0][_lean._KS] is None and hit[0][_lean._VS] is None)
 
 
 def test_int8_pair_scales_converted_or_misaligned(path, fresh):
@@ -199,7 +199,7 @@ def test_misaligned_operand_of_cached_metadata(path, fresh, which):
     ref = sdpa_ref(*ops)
     close(sdpa(*ops), ref)
     # (the portable path's BLAS tiles are the general call's)
-    assert (functional.attention_prepared(*ops, 0, None, 1) is None) == (path not in _sdpa.PANEL_ROWS)
+    assert (_lean.attention_prepared(*ops, 0, None, 1) is None) == (path not in _sdpa.PANEL_ROWS)
     raw = np.zeros(ops[which].nbytes + 1, np.uint8)
     odd = raw[1:].view(np.float32).reshape(ops[which].shape)
     odd[...] = ops[which]
@@ -208,7 +208,7 @@ def test_misaligned_operand_of_cached_metadata(path, fresh, which):
     bad[which] = odd
     for _ in range(2):
         close(sdpa(*bad), ref)
-        assert functional.attention_prepared(*bad, 0, None, 1) is None
+        assert _lean.attention_prepared(*bad, 0, None, 1) is None
 
 
 def test_kernel_path_is_part_of_the_key(fresh):

@@ -123,3 +123,32 @@ def test_no_import_circles():
     """No two attncore modules import each other, directly or through
     others (also by imports inside functions)."""
     assert circles(import_graph()) == []
+
+
+def call_constructions(root: str = ROOT) -> list[tuple[str, int, int]]:
+    """(module, line, positional arguments) of every construction of the
+    kernels' call description in the package: a call of a name ``Call``
+    (``Call(...)``, ``_call.Call(...)``, ``Call._make(...)``)."""
+    found = []
+    for name, path in sorted(_modules(root).items()):
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "_make":
+                f = f.value
+            named = (f.id if isinstance(f, ast.Name)
+                     else f.attr if isinstance(f, ast.Attribute) else None)
+            if named == "Call":
+                found.append((name, node.lineno, len(node.args)))
+    return found
+
+
+def test_call_built_in_the_front_door_by_keyword():
+    """attncore._call.Call (33 fields, two of them swapped would go
+    unnoticed) is built in attncore._call only, every field by keyword."""
+    sites = call_constructions()
+    assert sites, "no construction found: the checker reads nothing"
+    assert [s for s in sites if s[0] != "attncore._call" or s[2]] == []

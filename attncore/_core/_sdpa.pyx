@@ -560,7 +560,7 @@ def call_state():
     """The process-wide state a call's description depends on, as one int
     (the kernel path in use, the bfloat16, int8 and int16 P.V modes): the
     key of the descriptions cached by operand metadata
-    (functional._plain_call)."""
+    (attncore._lean)."""
     return ((_path_code() * 4 + _bf16_mode) * 16 + _int8_mode + 1) * 8 + _pv16_mode
 
 
@@ -1343,7 +1343,7 @@ def sdpa(call, out, weights=None, lse=None):
         if ((<size_t>bq.buf) % <size_t>bq.itemsize or (<size_t>bk.buf) % <size_t>bk.itemsize
                 or (<size_t>bv.buf) % <size_t>bv.itemsize):
             # (the checks give the kernels aligned operands; a call from a
-            # description cached by metadata, functional._plain_call, meets
+            # description cached by metadata, _lean.plain_call, meets
             # a misaligned one here and takes the general path)
             raise Misaligned("query, key and value must be aligned to their item size")
         if have_w and (have_ks or have_vs):

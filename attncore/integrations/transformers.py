@@ -62,7 +62,8 @@ from .._interop import numpy_to_torch, torch_bits_tensor, torch_bits_view, torch
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
 from .._varlen import varlen_attention
-from ..functional import attention_prepared, scaled_dot_product_attention
+from .._lean import attention_prepared
+from ..functional import scaled_dot_product_attention
 
 __all__ = ["register", "attention_forward", "attention_mask", "paged_attention_forward"]
 
