@@ -20,6 +20,7 @@ from . import _call
 from ._dtypes import to_float
 from ._interop import foreign_arrays
 from ._quant import split_quantized
+from ._rerun import PIECE, rerun_sequences, subset_heads
 from ._threads import resolve_num_threads
 from ._validation import (INT32_MAX, as_float_array, check_offsets, head_values,
                           int_sequence, packed_group, parse_bool, parse_scale, parse_softcap,
@@ -143,27 +144,11 @@ def _query_offsets(cu_seqlens_q, qshape: tuple, lens: np.ndarray) -> np.ndarray:
     return cq
 
 
-# elements of float64 scratch per piece of the float64 re-run's conversions
-_RERUN_PIECE = 1 << 18
-
-
-def _bad_rows(out: np.ndarray) -> np.ndarray:
-    """Whether each row (axis 0) of ``out`` holds a non-finite element,
-    checked a piece at a time (no output-sized temporary)."""
-    n = out.shape[0]
-    step = max(1, _RERUN_PIECE // max(1, out[:1].size))
-    bad = np.zeros(n, dtype=bool)
-    for i in range(0, n, step):
-        part = out[i:i + step]
-        bad[i:i + step] = ~np.isfinite(part.reshape(part.shape[0], -1)).all(axis=1)
-    return bad
-
-
 def _blocks_f64(a: np.ndarray, s: Optional[np.ndarray], ids: np.ndarray) -> np.ndarray:
     """Blocks ``ids`` of the pool ``a`` (int8 ones dequantized with scales
     ``s``) as one float64 array, converted a piece at a time."""
     dst = np.empty((ids.shape[0],) + a.shape[1:], dtype=np.float64)
-    step = max(1, _RERUN_PIECE // max(1, a[:1].size))
+    step = max(1, PIECE // max(1, a[:1].size))
     # inf / NaN scales of slots no sequence reads make NaN there (0 * inf):
     # not read, so not worth NumPy's warning
     with np.errstate(invalid="ignore", over="ignore"):
@@ -176,48 +161,28 @@ def _blocks_f64(a: np.ndarray, s: Optional[np.ndarray], ids: np.ndarray) -> np.n
     return dst
 
 
-def _subset_heads(x: Any, sel: np.ndarray) -> Any:
-    """Per-head values (Hq,) as given, (num_seqs, Hq) ones of sequences ``sel``."""
-    if x is None:
-        return None
-    a = np.asarray(x)
-    return a[sel] if a.ndim == 2 else a
-
-
-def _float64_rerun(out: np.ndarray, lse: Optional[np.ndarray], ops: tuple, bt: np.ndarray,
-                   lens: np.ndarray, cq: np.ndarray, kw: dict, rdt: np.dtype) -> Tuple[Any, Any]:
-    """The float32 call's result (out, lse) with the sequences whose
-    output rows are not all finite computed again in float64: only their
-    query rows and their own blocks are converted (an int8 pool's
-    dequantized), so the memory it takes beyond the output is those
-    blocks in float64 and pieces of scratch, never the pool."""
+def _float64_redo(ops: tuple, bt: np.ndarray, lens: np.ndarray, cq: np.ndarray, kw: dict):
+    """The float64 re-run of sequences ``sel`` (query rows ``rows``) of a
+    paged call (attncore._rerun.rerun_sequences): only their query rows and
+    their own blocks are converted (an int8 pool's dequantized)."""
     qa, ka, ks, va, vs = ops
-    bad = _bad_rows(out)
-    res = out if rdt == out.dtype else out.astype(rdt)
-    if not bad.any():
-        return res, lse
-    seq_of_row = np.searchsorted(cq, np.flatnonzero(bad), side="right") - 1
-    sel = np.unique(seq_of_row)
-    lq, sl = np.diff(cq)[sel], lens[sel]
-    rows = np.concatenate([np.arange(cq[s], cq[s + 1]) for s in sel])
-    bs = ka.shape[1]
-    tab = bt[sel]
-    used = np.arange(tab.shape[1])[None, :] < (-(-sl // bs))[:, None]
-    ids, local = np.unique(tab[used], return_inverse=True)
-    tab2 = np.zeros_like(tab)
-    tab2[used] = local.reshape(-1)
-    q64 = to_float(qa[rows], np.dtype(np.float64))
-    k64, v64 = _blocks_f64(ka, ks, ids), _blocks_f64(va, vs, ids)
-    kw = dict(kw, alibi_slopes=_subset_heads(kw["alibi_slopes"], sel),
-              sinks=_subset_heads(kw["sinks"], sel))
-    cq2 = np.concatenate([[0], np.cumsum(lq)])
-    got = paged_attention(q64, k64, v64, block_table=tab2, seq_lens=sl, cu_seqlens_q=cq2, **kw)
-    if lse is not None:   # return_lse
-        got, glse = got
-        with np.errstate(over="ignore"):  # an lse beyond float32: -inf / inf there
-            lse[rows] = glse.astype(lse.dtype)
-    res[rows] = got.astype(rdt)
-    return res, lse
+
+    def redo(sel: np.ndarray, rows: np.ndarray):
+        lq, sl = np.diff(cq)[sel], lens[sel]
+        bs = ka.shape[1]
+        tab = bt[sel]
+        used = np.arange(tab.shape[1])[None, :] < (-(-sl // bs))[:, None]
+        ids, local = np.unique(tab[used], return_inverse=True)
+        tab2 = np.zeros_like(tab)
+        tab2[used] = local.reshape(-1)
+        q64 = to_float(qa[rows], np.dtype(np.float64))
+        k64, v64 = _blocks_f64(ka, ks, ids), _blocks_f64(va, vs, ids)
+        kw2 = dict(kw, alibi_slopes=subset_heads(kw["alibi_slopes"], sel),
+                   sinks=subset_heads(kw["sinks"], sel))
+        got = paged_attention(q64, k64, v64, block_table=tab2, seq_lens=sl,
+                              cu_seqlens_q=np.concatenate([[0], np.cumsum(lq)]), **kw2)
+        return got if kw["return_lse"] else (got, None)
+    return redo
 
 
 @foreign_arrays(("q", "k_cache", "v_cache"),
@@ -362,9 +327,10 @@ def paged_attention(
         # float32 sums overflowed (values near the float32 maximum), or
         # finite scores overflowed, or inf / NaN inputs reached the output:
         # those sequences again in float64, over their own blocks
-        out, lse = _float64_rerun(out, lse, (qa, ka, ks, va, vs), bt, lens, cq, dict(
-            is_causal=is_causal, scale=sc, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
-            return_lse=return_lse, num_threads=num_threads), rdt)
+        out, lse = rerun_sequences(out, lse, cq, rdt, _float64_redo(
+            (qa, ka, ks, va, vs), bt, lens, cq, dict(
+                is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+                alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
+                return_lse=return_lse, num_threads=num_threads)))
     out = out if rdt == out.dtype else out.astype(rdt)
     return (out, lse) if return_lse else out

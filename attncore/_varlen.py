@@ -19,6 +19,7 @@ from numpy.typing import ArrayLike
 from . import _call
 from ._dtypes import to_float
 from ._interop import foreign_arrays
+from ._rerun import rerun_sequences, subset_heads
 from ._threads import resolve_num_threads
 from ._validation import (INT32_MAX, as_float_array, check_offsets, head_values,
                           packed_group, parse_bool, parse_scale, parse_softcap, parse_window)
@@ -229,10 +230,22 @@ def varlen_attention(
     if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum), or
         # finite scores overflowed, or inf / NaN inputs reached the output:
-        # the call again in float64 (functional._float64_rerun)
-        q64, k64, v64 = (to_float(a, np.dtype(np.float64)) for a in operands)
-        return varlen_attention(
-            q64, k64, v64, cq, ck, is_causal=is_causal, scale=sc, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, enable_gqa=enable_gqa,
-            num_threads=num_threads).astype(rdt)
+        # those sequences again in float64, over their own keys
+        return rerun_sequences(out, None, cq, rdt, _float64_redo(operands, cq, ck, dict(
+            is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, enable_gqa=enable_gqa, num_threads=num_threads)))[0]
     return out if rdt == cdt else out.astype(rdt)
+
+
+def _float64_redo(operands: tuple, cq: np.ndarray, ck: np.ndarray, kw: dict):
+    """The float64 re-run of sequences ``sel`` (query rows ``rows``) of a
+    packed call (attncore._rerun.rerun_sequences): only their rows of q, k
+    and v are converted."""
+    def redo(sel: np.ndarray, rows: np.ndarray):
+        krows = np.concatenate([np.arange(ck[s], ck[s + 1]) for s in sel])
+        f64 = np.dtype(np.float64)
+        qa, ka, va = (to_float(a[r], f64) for a, r in zip(operands, (rows, krows, krows)))
+        offsets = [np.concatenate([[0], np.cumsum(np.diff(c)[sel])]) for c in (cq, ck)]
+        return varlen_attention(qa, ka, va, *offsets, **dict(
+            kw, alibi_slopes=subset_heads(kw["alibi_slopes"], sel))), None
+    return redo

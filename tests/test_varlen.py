@@ -369,3 +369,32 @@ def test_bf16_products_as_the_dense_call(mode):
     finally:
         _sdpa.set_bf16_mode(prev)
         _sdpa.set_kernel_path(prev_path)
+
+
+def test_float64_rerun_converts_only_the_affected_sequences():
+    """A batch in which one sequence's float32 sums overflow (values near
+    3e38): only that sequence runs again in float64, over its own rows --
+    the memory the call takes beyond its output is that sequence's keys
+    and values in float64 and a little scratch (it converted the whole
+    batch: 32 MiB of float64 keys and values here), and every row is the
+    float64 reference's, the overflowing sequence's above 1e38."""
+    import tracemalloc
+
+    lq, lk = [4] * 8, [2048] * 8
+    q, k, v, cq, ck = packed(lq, lk, 4, 64, Hk=2, seed=7)
+    rng = np.random.default_rng(8)
+    v[ck[5]:ck[6]] = rng.uniform(2e38, 3e38, v[ck[5]:ck[6]].shape).astype(np.float32)
+    kw = dict(is_causal=True, enable_gqa=True, num_threads=1)
+    va(q, k, v, cq, ck, **kw)                           # warm (plans, imports)
+    tracemalloc.start()
+    try:
+        out = va(q, k, v, cq, ck, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    own = 2 * 2048 * 2 * 64 * 8                         # sequence 5's k and v, float64
+    assert peak - out.nbytes <= own + 4 * 2**20, (peak - out.nbytes) / 2**20
+    assert own + 4 * 2**20 < k.nbytes + v.nbytes       # half a float64 copy of them all
+    ref = reference(q, k, v, cq, ck, group=2, causal=True)
+    assert np.isfinite(ref).all() and np.abs(ref[cq[5]:cq[6]]).min() > 1e38
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
