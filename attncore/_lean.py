@@ -253,8 +253,11 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     if (k.dtype != dt or v.dtype != dt
             or not (scale is None or type(scale) is float or type(scale) is int)):
         return None  # (any other scale, as the general call takes or refuses it)
+    # (of the kernels' process state, only the path and the bfloat16 mode
+    # decide a prepared call, which never takes int8 products: two calls
+    # that cost less than _sdpa.call_state's one)
     key_ = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, dt, causal, scale,
-            nthreads, window, softcap, _sdpa.call_state())
+            nthreads, window, softcap, _sdpa.kernel_path(), _sdpa.bf16_mode())
     try:
         hit = _PREPARED.get(key_)
     except TypeError:   # an unhashable argument
