@@ -12,9 +12,17 @@ Every entry point that runs attention builds its call here::
                     the kernel's mode codes (16-bit formats, bfloat16 and
                     int8 products), the plan (tiles, key splits, threads,
                     the BLAS policy); immutable
+    describe_paged(...)  -> Call of a paged call (paged_attention, a
+                    packed varlen_attention batch, a folded decoding
+                    step): the checked pools and block table, laid out and
+                    planned (plan_paged)
     launch(call)    the one call of the kernels (dense or packed variable
                     length); returns the output, weights and lse in the
                     compute dtype, and whether the output is all finite
+
+``Call`` is built here alone, every field by keyword
+(tests/test_structure.py); the descriptions cached by operand metadata
+(``attncore._lean``) are made by check and describe.
 
 Policies and their homes:
 
@@ -25,7 +33,9 @@ Policies and their homes:
 * the layout test: ``attncore._validation.blas_rows``;
 * per-head float parameters (ALiBi slopes, sinks): :func:`per_batch` (over
   ``attncore._validation.head_values``);
-* BLAS and threads: :func:`plan_call` (over ``attncore._threads``);
+* BLAS, threads and key splits: :func:`plan_call` (over
+  ``attncore._threads``), :func:`plan_paged` / :func:`paged_splits` for
+  paged calls;
 * the causal / window band: the kernels' codes from
   ``attncore._validation.parse_causal`` / ``parse_window``.
 """

@@ -208,7 +208,7 @@ cdef inline int _path_code() noexcept nogil:
 cdef inline int _best_code() noexcept nogil:
     """The code of the best path this CPU runs."""
     return AC_PATH_NEON if AC_HAVE_NEON else ac_best_path
-# constants of the C kernels that attncore.functional plans with
+# constants of the C kernels that attncore._call plans with
 SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loops
 PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
 KEY_BLOCK = AC_BK  # keys per tile of the fused kernels (a build may set it: -DAC_BK=64)
