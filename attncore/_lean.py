@@ -39,6 +39,7 @@ _CACHE_MAX = 256
 # (a cached description holds None there: each call's own scales go in)
 _KS = _call.Call._fields.index("k_scales") - 3
 _VS = _call.Call._fields.index("v_scales") - 3
+_FMTS = _call.Call._fields.index("fmts") - 3
 
 
 def int8_pair(x) -> bool:
@@ -206,18 +207,32 @@ def _prepared_entry(q, k, v, causal, scale, nthreads, window, softcap, bf16_bits
     through the front door (attncore._call.check / describe), from
     bfloat16 views of bfloat16 bits; False where it needs the general path
     (the front door refuses it, or the kernel would not read it as it is)."""
+    stand_in = False
     if bf16_bits:
-        if not bfloat16_available():
-            return False   # (the general path reads bfloat16 tensors as float32)
-        q, k, v = (a.view(bfloat16_dtype()) for a in (q, k, v))
+        if bfloat16_available():
+            q, k, v = (a.view(bfloat16_dtype()) for a in (q, k, v))
+        elif _sdpa.bf16_mode() == 0:
+            # no ml_dtypes: described as float16 operands of the same
+            # layout -- a bfloat16 call takes the same plan and float32
+            # products where bfloat16 products are off -- then read as
+            # bfloat16 (the formats, below)
+            q, k, v = (a.view(np.float16) for a in (q, k, v))
+            stand_in = True
+        else:
+            return False   # (bfloat16 products: the general path)
     if causal not in _IS_CAUSAL or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False
     try:
         chk = _call.check(q, k, v, None, _IS_CAUSAL[causal], scale, True, False, False,
                           nthreads, window, softcap)
-        return _entry(chk, q, k, v)
+        hit = _entry(chk, q, k, v)
     except (TypeError, ValueError):
         return False   # the general call raises it, or takes it otherwise
+    if stand_in and hit:
+        tail = list(hit[0])
+        tail[_FMTS] = tuple(HALF_BF16 if f else f for f in tail[_FMTS])
+        hit = (tuple(tail),) + hit[1:]
+    return hit
 
 
 def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
@@ -245,7 +260,9 @@ def attention_prepared(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int,
     NumPy or torch operation of a call per layer and step costs about a
     microsecond, more with cold caches: the bits save the dtype views on
     both sides.  (Its description is made once per metadata from
-    ml_dtypes' bfloat16 views; without ml_dtypes such calls return None.)
+    ml_dtypes' bfloat16 views; without ml_dtypes, from float16 views of the
+    same layout, read as bfloat16 -- unless bfloat16 products are on: then
+    None.)
     """
     dt = q.dtype
     if bf16_bits != (dt == np.int16):

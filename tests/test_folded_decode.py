@@ -161,7 +161,7 @@ def test_prepared_equals_the_general_call(dtype, N):
 
 
 @pytest.mark.parametrize("N", [1, 7])
-def test_prepared_bfloat16_bits(N):
+def test_prepared_bfloat16_bits(N, monkeypatch):
     """bfloat16 operands given as their int16 bits (``bf16_bits``, the
     Hugging Face backend's lean path, no ml_dtypes needed) return the
     output's bfloat16 bits: the float64 reference of the rounded inputs,
@@ -192,6 +192,21 @@ def test_prepared_bfloat16_bits(N):
     ml = pytest.importorskip("ml_dtypes")
     same = attention_prepared(*(b.view(ml.bfloat16) for b in (qb, kb, vb)), 2, 0.3, 1)
     np.testing.assert_array_equal(out, same.view(np.int16))
+    # without ml_dtypes (a user's torch + transformers install): the same
+    # bits, where bfloat16 products are off; else the general call's (None)
+    import attncore._lean as lean
+    saved = dict(lean._PREPARED)
+    lean._PREPARED.clear()
+    try:
+        monkeypatch.setattr(lean, "bfloat16_available", lambda: False)
+        got = attention_prepared(qb, kb, vb, 2, 0.3, 1, (-1, -1), 0.0, True)
+        if _sdpa.bf16_mode() == 0:
+            np.testing.assert_array_equal(got, out)
+        else:
+            assert got is None
+    finally:
+        lean._PREPARED.clear()
+        lean._PREPARED.update(saved)
     assert attention_prepared(qb.view(np.uint16), kb, vb, 2, 0.3, 1, (-1, -1), 0.0, True) is None
     # int16 operands not given as bits are integers: the general call's (None)
     ints = [np.abs(b) // 512 for b in (qb, kb, vb)]
