@@ -185,8 +185,8 @@ def plan(dtype, N: int, M: int, D: int, Dv: int, causal: int, nb: int, nthreads:
     if kernel_path is None:
         kernel_path = _sdpa.kernel_path()
     nthreads = serial_or(2.0 * nb * N * M * (D + Dv), nthreads)
-    # (the fused kernels: the x86 paths; the neon path runs BLAS tiles as
-    # the portable one)
+    # (the fused kernels: the x86 paths and neon; the portable path runs
+    # BLAS tiles)
     fused = (dtype == np.float32 and not return_weights and kernel_path in _sdpa.PANEL_ROWS
              and N > SMALL_ROWS)
     if fused:

@@ -4,10 +4,11 @@
 without BLAS: queries / rows in SIMD lanes, keys / weights read in place),
 chosen at import for the best instruction set the CPU runs.
 ``'portable'``: BLAS products plus portable loops (also every float64 call).
-``'neon'`` (aarch64 only, its best path): the portable path's code but for
-the decode body -- query blocks of at most ``_sdpa.SMALL_ROWS`` rows --, which
-runs on NEON and reads bfloat16 / float16 / int8 keys and values in place;
-prefill, the dense layers and the rest run BLAS and the portable loops.
+``'neon'`` (aarch64 only, its best path): the float32 attention kernels on
+NEON -- the decode body (query blocks of at most ``_sdpa.SMALL_ROWS`` rows),
+which reads bfloat16 / float16 / int8 keys and values in place, and the
+fused prefill panels of 8 query rows --; the dense layers, int8 / bfloat16
+products and the rest run the portable path's BLAS and loops.
 
 :func:`set_kernel_path` forces a path so that a machine with AVX-512 also
 tests the others; the forced path also picks the compiled variant (baseline,

@@ -91,7 +91,7 @@ def linear(x2d: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
         w, fmt = w.astype(x2d.dtype), 0
     macs = R * C * K
     nthreads = threads_for(2.0 * macs, num_threads)
-    if x2d.dtype != np.float32 or _sdpa.kernel_path() not in _sdpa.PANEL_ROWS:
+    if x2d.dtype != np.float32 or _sdpa.kernel_path() not in ("avx512", "avx2"):
         # the BLAS path: only where the BLAS can be held to one thread per
         # thread does it run on several (see attncore._threads)
         nthreads = blas_parallel_threads(nthreads)

@@ -161,7 +161,18 @@ MCA_NDEC(f32, AC_SE_F32)
 MCA_NDEC(bf16, AC_SE_BF16)
 MCA_NDEC(f16, AC_SE_F16)
 MCA_NDEC(i8, AC_SE_I8)
+
+/* the fused NEON panel (its noinline micro-kernels come with it) */
+void *mca_fused_neon(void) { return (void *)ac_fused_panel_f32_neon; }
 """
+# the fused NEON panel's regions (ac_fused_x86.h's NEON section: 8-row
+# panels, 8-key score micro-tiles, P.V tiles of 4 rows x 16 columns)
+NEON_FUSED = {
+    "qk8": ("ac_qkmain_f32_neon", "fused-qk", "loop"),     # 8 keys x 8 rows, one d
+    "exp": ("ac_fused_panel_f32_neon", "fused-exp", "loop"),  # 2 keys x 8 rows
+    "pv4": ("ac_pv_main_f32_neon", "fused-pv", "loop"),    # one key, 4 rows x 16 columns
+}
+NEON_KU = 8
 # (format, bytes per element) of the neon rows
 NEON_DECODE = {"f32": 4, "bf16": 2, "f16": 2, "i8": 1}
 
@@ -348,11 +359,13 @@ def fma_pipes(cpu, triple):
 
 
 def fma_rate(model):
-    """Vector FMAs per cycle on a model (12 independent ones)."""
-    if model in ARM_MODELS:
-        body = [f"\tfmla\tv{i}.4s, v20.4s, v21.4s" for i in range(12)]
-    else:
-        body = [f"\tvfmadd231ps\t%ymm12, %ymm13, %ymm{i}" for i in range(12)]
+    """Vector FMAs per cycle on a model (12 independent ones on x86; 24 on
+    aarch64, whose 4-pipe cores -- Neoverse V1, Apple M1 -- need more than
+    12 chains of latency 3 - 4 to fill their pipes)."""
+    if model in ARM_MODELS:  # (by element too: LLVM's apple-m1 model gives it 3 pipes, 2 else)
+        return max(24 / mca([f"\tfmla\tv{i}.4s, v30.4s, v31.{f}" for i in range(24)],
+                            model).cycles for f in ("4s", "s[0]"))
+    body = [f"\tvfmadd231ps\t%ymm12, %ymm13, %ymm{i}" for i in range(12)]
     return 12.0 / mca(body, model).cycles
 
 
@@ -503,6 +516,47 @@ def neon_key(funcs, fmt, D, model):
     return (dot + qsum + qpf) / 4 + pv + rb / 64 * pfl
 
 
+def neon_fused_tile(funcs, D, model):
+    """Cycles per key tile of the 8-row NEON panel, by stage, as fused_tile
+    composes the AVX2 one: AC_BK 128 keys per tile (64 for rows of 65 -
+    128 columns), score micro-tiles of NEON_KU keys, P.V as two 4-row tiles
+    per 16 columns, Dv = D; and the FMA pipes' share on the products."""
+    bk = 64 if 64 < D <= 128 else 128
+    r = {k: mca(insns(funcs, *NEON_FUSED[k]), model) for k in NEON_FUSED}
+    ov = {k: mca(loop_body(funcs[NEON_FUSED[k][0]], outside=True), model)
+          for k in ("qk8", "pv4")}
+    nq = bk // NEON_KU
+    st = {
+        "Q.K^T": D * nq * r["qk8"].cycles,
+        "Q.K^T calls": nq * ov["qk8"].cycles,
+        "exp/max/sum": bk / 2 * r["exp"].cycles,
+        "P.V": D / 16 * bk * 2 * r["pv4"].cycles,
+        "P.V calls": D / 16 * 2 * ov["pv4"].cycles,
+    }
+    products = 2 * bk * (D + D)  # 128-bit FMAs: 8 rows x bk keys x (D + Dv) / 4 lanes
+    total = sum(st.values())
+    return {"bk": bk, "stages": st, "total": total,
+            "share": products / (fma_rate(model) * total), "regions": r}
+
+
+def report_neon_fused(neon, models, summary):
+    for D in (64, 128):
+        res = {m: neon_fused_tile(neon, D, m) for m in models}
+        bk = res[models[0]]["bk"]
+        print(f"\nfused NEON panel, D = Dv = {D}: cycles per tile of 8 rows x {bk} keys "
+              "(llvm-mca prediction, not a measurement)")
+        print(_row("stage", models))
+        for st in res[models[0]]["stages"]:
+            print(_row(st, [res[m]["stages"][st] for m in models]))
+        print(_row("total", [res[m]["total"] for m in models]))
+        print(_row("FMA pipes on products", [res[m]["share"] for m in models], "{:>15.2f}"))
+        for k in NEON_FUSED:
+            print(_row(f"{k}: cyc/iter", [res[m]["regions"][k].cycles for m in models],
+                       "{:>15.2f}"))
+        for m in models:
+            summary.append(f"mca fused-d{D} {m} neon {res[m]['total']:.0f} per tile")
+
+
 def _row(label, vals, fmt="{:>15.1f}"):
     w = int(re.search(r">(\d+)", fmt).group(1))
     return f"{label:<22}" + "".join(fmt.format(v) if isinstance(v, float) else f"{v:>{w}}"
@@ -582,6 +636,8 @@ def report_arm(models, summary, quick):
             summary.append(f"mca decode-{fmt}-d{D} {m} neon "
                            f"{'-' if n is None else f'{n:.1f}'} portable {p:.1f} per key")
         print(_row(f"decode-{fmt}-d{D}", vals, "{:>17.1f}"))
+    if neon is not None:
+        report_neon_fused(neon, models, summary)
 
 
 def main(argv=None):

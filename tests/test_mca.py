@@ -66,6 +66,12 @@ def test_quick_run_prints_a_summary_line_per_region():
         # the neon column: the NEON body compiled and modelled (a number, not '-')
         neon = [rest for k, m, rest, _ in lines if (k, m) == ("decode-f32-d64", "neoverse-n1")]
         assert re.match(r"neon \d+\.\d+ portable \d+\.\d+$", neon[0]), neon
+        # the fused NEON panel, 8 rows x bk keys: its 2 bk (D + Dv) 128-bit
+        # FMAs at Neoverse N1's two per cycle bound it from below
+        for D, bk in ((64, 128), (128, 64)):
+            row = [rest for k, m, rest, _ in lines if (k, m) == (f"fused-d{D}", "neoverse-n1")]
+            assert row and row[0].startswith("neon "), row
+            assert float(row[0].split()[1]) >= 2 * bk * 2 * D / 2
     vals = {(k, m): float(rest.split()[-1]) for k, m, rest, _ in lines if m == "znver3-fma2"}
     for D, bk in ((64, 128), (128, 64)):
         # the sgemm tile's products, 16 rows x bk keys x (D + Dv) / 8 lanes

@@ -216,14 +216,15 @@ static const char *MK_NAME[MK_COUNT] = {"none", "bool", "additive", "causal", "w
  * of format kf, values of format vf; the output of the neon path (neon 1)
  * or the portable path against a float64 softmax */
 static void range_case(int neon, int kfm, int vfm, int D, int N, int M, int i0, int nq,
-                       int mk)
+                       int mk, double cap, double slope)
 {
     ac_params p;
     memset(&p, 0, sizeof p);
     const int Dv = D + 4, Bk = 32;
     const int kh = kfm == AC_SE_BF16 || kfm == AC_SE_F16 ? kfm : 0;
     const int vh = vfm == AC_SE_BF16 || vfm == AC_SE_F16 ? vfm : 0;
-    ac_size_scratch(&p, D, Dv, 4, Bk, 0, kfm == AC_SE_I8, vfm == AC_SE_I8, 0, kh, vh, 0, 0);
+    ac_size_scratch(&p, D, Dv, nq > 4 ? nq : 4, Bk, 0, kfm == AC_SE_I8, vfm == AC_SE_I8, 0, kh,
+                    vh, 0, 0);
     p.N = N;
     p.M = M;
     p.q_rs = D;
@@ -239,6 +240,9 @@ static void range_case(int neon, int kfm, int vfm, int D, int N, int M, int i0, 
     if (mk == MK_CAUSAL) p.causal = AC_CAUSAL_LOWER_RIGHT;
     if (mk == MK_WINDOW) p.win_l = 5, p.win_r = 3;
     p.band = mk == MK_CAUSAL || mk == MK_WINDOW;
+    p.softcap = cap;
+    p.alibi_on = slope != 0;
+    p.alibi = slope;
     float *q = malloc(sizeof(float) * (size_t)(N * D));
     char *k = malloc((size_t)(M * p.k_rs) * ac_se_size(kfm) + 16);
     char *v = malloc((size_t)(M * p.v_rs) * ac_se_size(vfm) + 16);
@@ -261,8 +265,8 @@ static void range_case(int neon, int kfm, int vfm, int D, int N, int M, int i0, 
     }
     float *S = aligned_alloc(64, sizeof(float) * (size_t)(p.s_len + 16));
     float *acc = malloc(sizeof(float) * (size_t)(nq * Dv)), *out = malloc(sizeof(float) * (size_t)(nq * Dv));
-    float m[4], l[4], alpha[4];
-    int bad[4];
+    float *m = malloc(sizeof(float) * (size_t)nq * 3), *l = m + nq, *alpha = l + nq;
+    int *bad = malloc(sizeof(int) * (size_t)nq);
     ac_set_kernel_path(neon ? AC_PATH_NEON : AC_PATH_PORTABLE);
     const int any = ac_sdpa_range_f32(&p, q, (const float *)(const void *)k,
                                       (const float *)(const void *)v, ksc, vsc,
@@ -277,6 +281,8 @@ static void range_case(int neon, int kfm, int vfm, int D, int N, int M, int i0, 
             double t = 0;
             for (int d = 0; d < D; d++) t += (double)q[i * D + d] * kd[j * D + d];
             t *= p.scale;
+            if (cap > 0) t = cap * tanh(t / cap);
+            if (slope != 0) t -= slope * fabs((double)(i + M - N - j));
             int c0, c1;
             ac_band_cols(&p, i, j, 1, &c0, &c1);
             if (c1 <= c0 || (mk == MK_BOOL && !mb[i * M + j])) t = -INFINITY;
@@ -299,15 +305,15 @@ static void range_case(int neon, int kfm, int vfm, int D, int N, int M, int i0, 
             if (!(fabs(got - o) <= 5e-5 * mag + 1e-7))
                 if (n_fail++ < 12)
                     fprintf(stderr,
-                            "MISMATCH range %s k=%s v=%s mask=%s D=%d M=%d rows %d+%d at "
-                            "(%d, %d): got %.9g want %.9g\n",
+                            "MISMATCH range %s k=%s v=%s mask=%s cap=%g alibi=%g D=%d M=%d "
+                            "rows %d+%d at (%d, %d): got %.9g want %.9g\n",
                             neon ? "neon" : "portable", FMT_NAME[kfm], FMT_NAME[vfm],
-                            MK_NAME[mk], D, M, i0, nq, r, c, got, o);
+                            MK_NAME[mk], cap, slope, D, M, i0, nq, r, c, got, o);
         }
         free(s);
     }
     free(q); free(k); free(v); free(kd); free(vd); free(ksc); free(vsc); free(mb); free(mf);
-    free(S); free(acc); free(out);
+    free(S); free(acc); free(out); free(m); free(bad);
 }
 
 static void part2(void)
@@ -322,8 +328,32 @@ static void part2(void)
                         const int nq = 1 + (int)((a + b + (size_t)mk) % 4), N = 6;
                         const int i0 = (int)(b % 3);
                         for (int neon = 0; neon < 2; neon++)
-                            range_case(neon, kfm, vfm, Ds[a], N, Ms[b], i0, nq, mk);
+                            range_case(neon, kfm, vfm, Ds[a], N, Ms[b], i0, nq, mk, 0, 0);
                     }
+}
+
+/* Part 3, the fused panels on the neon path (ac_fused_panel_f32_neon /
+ * _neonh through ac_sdpa_range_f32): blocks of 5 - 40 query rows (whole
+ * 8-row panels, a 4-row half panel, and the last rows left to the direct
+ * loops), keys over several tiles, every mask kind, a soft cap and ALiBi,
+ * every key / value format (int8 and half rows converted per chunk) */
+static void part3(void)
+{
+    static const int Ds[] = {8, 13, 64, 128};
+    static const int Ms[] = {3, 70, 300};
+    static const int NQs[] = {5, 8, 12, 17, 40};
+    int n = 0;
+    for (size_t a = 0; a < sizeof Ds / sizeof *Ds; a++)
+        for (size_t b = 0; b < sizeof Ms / sizeof *Ms; b++)
+            for (size_t c = 0; c < sizeof NQs / sizeof *NQs; c++)
+                for (int mk = 0; mk < MK_COUNT; mk++, n++) {
+                    const int nq = NQs[c], N = nq + 3, i0 = n % 4;
+                    /* formats in turn: float32 most often */
+                    const int kfm = n % 3 ? AC_SE_F32 : (n / 3) % 4;
+                    const int vfm = n % 5 ? AC_SE_F32 : (n / 5) % 4;
+                    const double cap = n % 7 == 3 ? 1.5 : 0, slope = n % 6 == 1 ? 0.25 : 0;
+                    range_case(1, kfm, vfm, Ds[a], N, Ms[b], i0, nq, mk, cap, slope);
+                }
 }
 
 int main(void)
@@ -336,11 +366,13 @@ int main(void)
     part1();
     const long k1 = n_checks;
     part2();
+    const long k2 = n_checks;
+    part3();
     if (n_fail) {
         fprintf(stderr, "neon_check: %ld of %ld checks FAILED\n", n_fail, n_checks);
         return 1;
     }
-    printf("neon_check: all %ld checks passed (kernels %ld, dispatch %ld)\n", n_checks, k1,
-           n_checks - k1);
+    printf("neon_check: all %ld checks passed (kernels %ld, dispatch %ld, fused panels %ld)\n",
+           n_checks, k1, k2 - k1, n_checks - k2);
     return 0;
 }

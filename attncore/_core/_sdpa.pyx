@@ -147,7 +147,8 @@ cdef extern from "ac_sdpa.h" nogil:
     void *ac_state_home()
     unsigned ac_variants_ran(int reset)
     int AC_K_COUNT, AC_VAR_BITS
-    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2, AC_BAD_OVF, AC_BK
+    int AC_SMALL_ROWS, AC_PANEL_ROWS_AVX512, AC_PANEL_ROWS_AVX2, AC_PANEL_ROWS_NEON
+    int AC_BAD_OVF, AC_BK
     int AC_PATH_AVX512, AC_PATH_AVX2, AC_PATH_NEON, AC_MASK_NONE, AC_MASK_BOOL, AC_MASK_ADD, AC_CAUSAL_NONE
     int AC_I8_ROW_ALIGN
 
@@ -210,7 +211,8 @@ cdef inline int _best_code() noexcept nogil:
     return AC_PATH_NEON if AC_HAVE_NEON else ac_best_path
 # constants of the C kernels that attncore._call plans with
 SMALL_ROWS = AC_SMALL_ROWS  # query blocks of at most this many rows: direct loops
-PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2}  # fused panels
+# rows per panel of the fused float32 attention kernel, by path
+PANEL_ROWS = {"avx512": AC_PANEL_ROWS_AVX512, "avx2": AC_PANEL_ROWS_AVX2, "neon": AC_PANEL_ROWS_NEON}
 KEY_BLOCK = AC_BK  # keys per tile of the fused kernels (a build may set it: -DAC_BK=64)
 
 
@@ -236,7 +238,7 @@ def cpu_features():
             "bf16_dot_fast": bool(ac_cpu_bf16_dot_fast()),
             "int8_dot": bool(ac_cpu_vnni()),
             "avx_vnni": bool(ac_cpu_avxvnni()),
-            "fused_panel_rows": ac_fused_panel_rows() if ac_kernel_path else 0,
+            "fused_panel_rows": ac_fused_panel_rows() if _path_code() else 0,
             "prefetch_l2_rows": ac_pf_l2_rows,
             "small_rows": AC_SMALL_ROWS,
             "masked": masked_cpu_features()}

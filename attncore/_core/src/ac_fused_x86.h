@@ -59,7 +59,7 @@
 /* after the constants above: ac_sdpa.h's ac_size_scratch uses them */
 #include "ac_sdpa.h"
 
-#if AC_HAVE_X86
+#if AC_HAVE_X86 || AC_HAVE_NEON
 /* phases of a panel run over key chunks in several calls (ac_fused_impl.inc) */
 enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 
@@ -73,6 +73,7 @@ enum { AC_PH_INIT = 1, AC_PH_FINISH = 2 };
 #define AC_TANH_P3 0.02063967101275921f
 #define AC_TANH_P4 -0.005705652758479118f
 
+#if AC_HAVE_X86
 /* ---------------------------------------------------------------- AVX-512 */
 #define AC_ISA avx512
 #define AC_TGT AC_TGT_AVX512F
@@ -534,20 +535,244 @@ static AC_TGT inline __m256 ac_zero_ninf_avx2(__m256 x)
 #include "ac_fused_impl.inc"
 
 #include "ac_fused_undef.inc"
+#endif /* AC_HAVE_X86 */
+
+#if AC_HAVE_NEON
+/* ------------------------------------------------------------------ NEON */
+/* aarch64 (NEON is the baseline: no target attribute), 128-bit vectors of
+ * 4 floats in 32 registers: panels of 8 query rows (2 vectors); score
+ * micro-tiles of 12 keys (24 accumulators, 2 query loads + 12 key
+ * broadcasts per 24 FMAs); P.V tiles of 4 rows x 4 vectors (16 columns:
+ * 16 accumulators, 4 value loads + 4 broadcasts per 16 FMAs), so an
+ * 8-row panel is two of them.  Blockings chosen on llvm-mca's
+ * neoverse-n1 / neoverse-v1 / apple-m1 models (bench/mca.py), not on a
+ * measured core. */
+#define AC_ISA neon
+#define AC_TGT
+#define VEC float32x4_t
+#define AC_W 4
+#define AC_P AC_PANEL_ROWS_NEON /* 2 AC_W */
+#define AC_NV 2
+#ifndef AC_KUNEON
+#define AC_KUNEON 8
+#endif
+#define AC_KU AC_KUNEON
+#ifndef AC_RUNEON
+#define AC_RUNEON 4
+#endif
+#define AC_RU AC_RUNEON
+#define AC_CV 4
+#define AC_PV5 0
+#define VZERO() vdupq_n_f32(0.0f)
+#define VLOAD(a) vld1q_f32(a)
+#define VSTORE(a, x) vst1q_f32((a), (x))
+#define VSET1(x) vdupq_n_f32(x)
+#define VFMA(a, b, c) vfmaq_f32((c), (a), (b))
+/* (NaN in either operand gives NaN: a NaN score then makes the row's sum
+   NaN, and the row is flagged for the direct loops, as on x86) */
+#define VMAX(a, b) vmaxq_f32((a), (b))
+#define VADD(a, b) vaddq_f32((a), (b))
+#define VSUB(a, b) vsubq_f32((a), (b))
+#define VMUL(a, b) vmulq_f32((a), (b))
+#define VEXP2(x) ac_exp2_neon(x)
+#define VCAUSAL(x, lane0, t) ac_causal_neon((x), (lane0), (t))
+#define VZERO_IF_NINF(x) ac_zero_ninf_neon(x)
+#define VHIDE_FROM(x, lane0, u) ac_hide_from_neon((x), (lane0), (u))
+#define VTANH(x) ac_tanh_neon(x)
+#define VIOTA() ac_iota_neon()
+#define VABS(x) vabsq_f32(x)
+#define VLOADN(p, n) ac_loadn_neon((p), (n))
+#define VSTOREN(p, x, n) ac_storen_neon((p), (x), (n))
+#define VPACK ac_pack_neon
+
+static inline float32x4_t ac_iota_neon(void)
+{
+    static const float io[4] = {0.0f, 1.0f, 2.0f, 3.0f};
+    return vld1q_f32(io);
+}
+
+static inline int32x4_t ac_iota_s32_neon(int lane0)
+{
+    static const int32_t io[4] = {0, 1, 2, 3};
+    return vaddq_s32(vld1q_s32(io), vdupq_n_s32(lane0));
+}
+
+/* the first n < 4 floats at p (the rest 0) / stored at p */
+static inline float32x4_t ac_loadn_neon(const float *p, int n)
+{
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    memcpy(t, p, sizeof(float) * (size_t)n);
+    return vld1q_f32(t);
+}
+
+static inline void ac_storen_neon(float *p, float32x4_t x, int n)
+{
+    float t[4];
+    vst1q_f32(t, x);
+    memcpy(p, t, sizeof(float) * (size_t)n);
+}
+
+/* XT[d][r] = scale * x[r][d] for r < nr, 0 for nr <= r < P (P = 8 or 4,
+ * XT's row length): 4 x 4 blocks transposed in registers (zip / uzp of
+ * 64-bit halves) */
+static inline void ac_pack_p_neon(const float *x, ptrdiff_t x_rs, int nr, int D, float scale,
+                                  float *XT, const int P)
+{
+    const float32x4_t sc = vdupq_n_f32(scale);
+    for (int rb = 0; rb < P; rb += 4) {
+        for (int d0 = 0; d0 < D; d0 += 4) {
+            const int nd = (D - d0 < 4) ? D - d0 : 4;
+            float32x4_t r[4];
+            for (int i = 0; i < 4; i++) {
+                if (rb + i >= nr)
+                    r[i] = vdupq_n_f32(0.0f);
+                else if (nd == 4)
+                    r[i] = vmulq_f32(vld1q_f32(x + (rb + i) * x_rs + d0), sc);
+                else
+                    r[i] = vmulq_f32(ac_loadn_neon(x + (rb + i) * x_rs + d0, nd), sc);
+            }
+            /* rows (a b c d) -> columns */
+            const float32x4_t t0 = vtrn1q_f32(r[0], r[1]), t1 = vtrn2q_f32(r[0], r[1]);
+            const float32x4_t t2 = vtrn1q_f32(r[2], r[3]), t3 = vtrn2q_f32(r[2], r[3]);
+            float32x4_t c[4];
+            c[0] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t0),
+                                                    vreinterpretq_f64_f32(t2)));
+            c[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1),
+                                                    vreinterpretq_f64_f32(t3)));
+            c[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0),
+                                                    vreinterpretq_f64_f32(t2)));
+            c[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1),
+                                                    vreinterpretq_f64_f32(t3)));
+            for (int kk = 0; kk < nd; kk++) vst1q_f32(XT + (ptrdiff_t)(d0 + kk) * P + rb, c[kk]);
+        }
+    }
+}
+
+static void ac_pack_neon(const float *x, ptrdiff_t x_rs, int nr, int D, float scale, float *XT)
+{
+    ac_pack_p_neon(x, x_rs, nr, D, scale, XT, AC_PANEL_ROWS_NEON);
+}
+
+static void ac_pack4_neon(const float *x, ptrdiff_t x_rs, int nr, int D, float scale,
+                          float *XT)
+{
+    ac_pack_p_neon(x, x_rs, nr, D, scale, XT, AC_PANEL_ROWS_NEON / 2);
+}
+
+/* 2^x for x <= 0 (the x86 kernels' polynomial): NaN propagates, below
+   -125 exactly 0 */
+static inline float32x4_t ac_exp2_neon(float32x4_t x)
+{
+    const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(-125.0f));
+    const float32x4_t n = vrndnq_f32(x);
+    const float32x4_t f = vsubq_f32(x, n);
+    float32x4_t y = vdupq_n_f32(1.3276885729283094e-3f);
+    y = vfmaq_f32(vdupq_n_f32(9.67568438500166e-3f), y, f);
+    y = vfmaq_f32(vdupq_n_f32(5.550713092088699e-2f), y, f);
+    y = vfmaq_f32(vdupq_n_f32(2.4022117257118225e-1f), y, f);
+    y = vfmaq_f32(vdupq_n_f32(6.931469440460205e-1f), y, f);
+    y = vfmaq_f32(vdupq_n_f32(1.0000001192092896f), y, f);
+    /* 2^n in the exponent field; n is in [-125, 0] wherever it is used */
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    const float32x4_t r = vmulq_f32(y, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(r), under));
+}
+
+static inline float32x4_t ac_causal_neon(float32x4_t x, int lane0, ptrdiff_t t)
+{
+    const int tt = t > 64 ? 64 : (int)t;
+    const uint32x4_t hide = vcltq_s32(ac_iota_s32_neon(lane0), vdupq_n_s32(tt + 1));
+    return vbslq_f32(hide, vdupq_n_f32(-INFINITY), x);
+}
+
+static inline float32x4_t ac_hide_from_neon(float32x4_t x, int lane0, ptrdiff_t u)
+{
+    const int uu = u < -64 ? -64 : (int)u;
+    const uint32x4_t hide = vcgtq_s32(ac_iota_s32_neon(lane0), vdupq_n_s32(uu - 1));
+    return vbslq_f32(hide, vdupq_n_f32(-INFINITY), x);
+}
+
+/* tanh(x): the two pieces of ac_tanh_avx512 */
+static inline float32x4_t ac_tanh_neon(float32x4_t x)
+{
+    const float32x4_t ax = vabsq_f32(x);
+    const uint32x4_t lo = vcltq_f32(ax, vdupq_n_f32(AC_TANH_SMALL));
+    const uint32_t nlo = vaddvq_u32(vshrq_n_u32(lo, 31)); /* lanes below */
+    float32x4_t t = vdupq_n_f32(0.0f);
+    if (nlo != 4) {
+        const float32x4_t e = ac_exp2_neon(vmulq_f32(ax, vdupq_n_f32(-2.8853900817779268f)));
+        const float32x4_t one = vdupq_n_f32(1.0f);
+        t = vdivq_f32(vsubq_f32(one, e), vaddq_f32(one, e));
+    }
+    if (nlo) {
+        const float32x4_t z = vmulq_f32(ax, ax);
+        float32x4_t pz = vdupq_n_f32(AC_TANH_P4);
+        pz = vfmaq_f32(vdupq_n_f32(AC_TANH_P3), pz, z);
+        pz = vfmaq_f32(vdupq_n_f32(AC_TANH_P2), pz, z);
+        pz = vfmaq_f32(vdupq_n_f32(AC_TANH_P1), pz, z);
+        pz = vfmaq_f32(vdupq_n_f32(AC_TANH_P0), pz, z);
+        t = vbslq_f32(lo, vfmaq_f32(ax, vmulq_f32(ax, z), pz), t);
+    }
+    /* the sign of x back on */
+    const uint32x4_t sign = vdupq_n_u32(0x80000000u);
+    return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(t),
+                                           vandq_u32(sign, vreinterpretq_u32_f32(x))));
+}
+
+static inline float32x4_t ac_zero_ninf_neon(float32x4_t x)
+{
+    const uint32x4_t k = vceqq_f32(x, vdupq_n_f32(-INFINITY));
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(x), k));
+}
+
+#define AC_BF16_PANEL 0
+#define AC_PV16_PANEL 0
+#define AC_I8(c) 0
+#define AC_I8_PACK(...) ((void)0)
+#define AC_I8_SCORES(...) ((void)0)
+#include "ac_fused_impl.inc"
+
+/* the 4-row panel (ac_fused_panel_f32_neonh) of a short last panel */
+#undef AC_ISA
+#undef AC_P
+#undef AC_NV
+#undef AC_KU
+#undef VPACK
+#define AC_ISA neonh
+#define AC_P (AC_PANEL_ROWS_NEON / 2)
+#define AC_NV 1
+#ifndef AC_KUNEONH
+#define AC_KUNEONH 16
+#endif
+#define AC_KU AC_KUNEONH
+#define VPACK ac_pack4_neon
+#include "ac_fused_impl.inc"
+
+#include "ac_fused_undef.inc"
+#endif /* AC_HAVE_NEON */
 
 /* -------------------------------------------------------------- dispatch */
 /* rows [0, n) of `bytes` bytes each, `rs` bytes apart, into L2 (the
    hint T0 took the L1 of the running panel: AVX-512 D 128 1 % slower) */
+#if AC_HAVE_X86
+#define AC_PREFETCH_T1(a) _mm_prefetch((a), _MM_HINT_T1)
+#else
+#define AC_PREFETCH_T1(a) __builtin_prefetch((a), 0, 2)
+#endif
 static inline void ac_prefetch_rows(const char *x, ptrdiff_t rs, int n, ptrdiff_t bytes)
 {
     for (int r = 0; r < n; r++)
-        for (ptrdiff_t b = 0; b < bytes; b += 64) _mm_prefetch(x + r * rs + b, _MM_HINT_T1);
+        for (ptrdiff_t b = 0; b < bytes; b += 64) AC_PREFETCH_T1(x + r * rs + b);
 }
 
 /* query rows per panel of the path in use (the driver sizes blocks by it) */
 static int ac_fused_panel_rows(void)
 {
+#if AC_HAVE_NEON
+    return AC_PANEL_ROWS_NEON;
+#else
     return ac_kernel_path == AC_PATH_AVX512 ? AC_PANEL_ROWS_AVX512 : AC_PANEL_ROWS_AVX2;
+#endif
 }
 
 static int ac_fused_panel_call(const ac_params *p, const float *q, const float *k,
@@ -558,11 +783,33 @@ static int ac_fused_panel_call(const ac_params *p, const float *q, const float *
                                int phase, const float *kc, const float *vc,
                                const ac_bf16_chunk *bt)
 {
+#if AC_HAVE_NEON
+    return ac_fused_panel_f32_neon(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch, acc,
+                                   m, l, bad, QT, state, phase, kc, vc, bt);
+#else
     if (ac_kernel_path == AC_PATH_AVX512)
         return ac_fused_panel_f32_avx512(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
                                          acc, m, l, bad, QT, state, phase, kc, vc, bt);
     return ac_fused_panel_f32_avx2(p, q, k, v, ksc, vsc, mb, mf, i0, nr, ks, ke, scratch,
                                    acc, m, l, bad, QT, state, phase, kc, vc, bt);
+#endif
+}
+
+/* the one-vector panel of the path in use (half the rows of a panel: a
+   short last panel's) */
+typedef int (*ac_fused_panel_fn)(const ac_params *, const float *, const float *,
+                                 const float *, const float *, const float *, const uint8_t *,
+                                 const float *, ptrdiff_t, int, ptrdiff_t, ptrdiff_t, float *,
+                                 float *, float *, float *, int *, float *, float *, int,
+                                 const float *, const float *, const ac_bf16_chunk *);
+static ac_fused_panel_fn ac_fused_half_panel(void)
+{
+#if AC_HAVE_NEON
+    return ac_fused_panel_f32_neonh;
+#else
+    return ac_kernel_path == AC_PATH_AVX512 ? ac_fused_panel_f32_avx512h
+                                            : ac_fused_panel_f32_avx2h;
+#endif
 }
 
 /* After chunks of keys taken in turn by a block's panels: a row whose
@@ -692,8 +939,7 @@ static AC_FUSED_RANGE_F32
                     const float *kcc = kcp ? kcp + (c0 - ks) * D : NULL;
                     const float *vcc = vcp ? vcp + (c0 - ks) * Dv : NULL;
                     if (half && nr <= H)
-                        processed |= (P == AC_PANEL_ROWS_AVX512 ? ac_fused_panel_f32_avx512h
-                                                                : ac_fused_panel_f32_avx2h)(
+                        processed |= ac_fused_half_panel()(
                             p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, c0, c1, scratch,
                             acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, QT,
                             QT + (ptrdiff_t)D * 32, phase, kcc, vcc, NULL);
@@ -726,8 +972,7 @@ static AC_FUSED_RANGE_F32
                                  0, 1, (ptrdiff_t)nn * Dv * 4);
             }
             if (half && nr <= H)
-                processed |= (P == AC_PANEL_ROWS_AVX512 ? ac_fused_panel_f32_avx512h
-                                                        : ac_fused_panel_f32_avx2h)(
+                processed |= ac_fused_half_panel()(
                     p, q, k, v, ksc, vsc, mb, mf, i0 + r0, nr, ks, ke, scratch,
                     acc + (ptrdiff_t)r0 * Dv, m + r0, l + r0, bad + r0, scratch, state,
                     AC_PH_INIT | AC_PH_FINISH, kcp, vcp, NULL);
@@ -811,6 +1056,7 @@ static AC_FUSED_RANGE_F32
                 ac_pack_pairs_keys(vsrc, vrs, nk, Dv, VI);
                 bt.vfin = !ac_rows_nonfinite_f32(vsrc, nk, Dv, vrs);
             }
+#if AC_HAVE_X86 /* (pvm: the x86 panels only) */
             if (pvm) {
                 const float *vsrc = vconv ? VC : v + c0 * p->v_rs;
                 bt.vfin = ac_pv16_pack_values(vsrc, vconv ? Dv : p->v_rs, nk, Dv,
@@ -819,6 +1065,7 @@ static AC_FUSED_RANGE_F32
                                               (float *)(void *)(K16 + (AC_BK / 2 + 1) *
                                                                           AC_PV16_LD(Dv)));
             }
+#endif
         }
         const int phase = (c0 == kst ? AC_PH_INIT : 0) | (c1 >= ken ? AC_PH_FINISH : 0);
         for (int r0 = 0, pn = 0; r0 < nq; r0 += P, pn++) {

@@ -263,6 +263,20 @@ static inline void ac_band_cols(const ac_params *p, ptrdiff_t i, ptrdiff_t j0,
    (attncore._call.plan reads them: _sdpa.PANEL_ROWS) */
 #define AC_PANEL_ROWS_AVX512 32
 #define AC_PANEL_ROWS_AVX2 16
+#define AC_PANEL_ROWS_NEON 8
+/* the fewest rows a panel of this build's paths has (the scratch for the
+   panels of a query block is sized by it) */
+#if AC_HAVE_NEON
+#define AC_PANEL_ROWS_MIN AC_PANEL_ROWS_NEON
+#else
+#define AC_PANEL_ROWS_MIN AC_PANEL_ROWS_AVX2
+#endif
+/* whether the path in use has the fused kernel: the x86 paths, or neon */
+#if AC_HAVE_NEON
+#define AC_FUSED_ON (ac_neon_on)
+#else
+#define AC_FUSED_ON (ac_kernel_path != AC_PATH_PORTABLE)
+#endif
 
 /* the fused float32 kernel's entry, declared here and defined in
    ac_fused_x86.h (which uses the float helpers instantiated below) */
@@ -375,9 +389,9 @@ static AC_UNUSED void ac_size_scratch(ac_params *p, int D, int Dv, int Bq, int B
     if (!is64 && (conv || bf16dot)) {
         /* the fused kernel's panels sharing converted key / value tiles:
            packed queries and running statistics of each (panels of
-           AC_PANEL_ROWS_AVX2 rows at least) */
+           AC_PANEL_ROWS_MIN rows at least) */
         p->mp_off = p->s_len;
-        p->s_len += (ptrdiff_t)((Bq + AC_PANEL_ROWS_AVX2 - 1) / AC_PANEL_ROWS_AVX2) *
+        p->s_len += (ptrdiff_t)((Bq + AC_PANEL_ROWS_MIN - 1) / AC_PANEL_ROWS_MIN) *
                     AC_FUSED_PANEL_STATE(D);
     }
 }
@@ -395,7 +409,7 @@ static AC_UNUSED void ac_size_kvcopy(ac_params *p)
         /* float32 chunks shared by a block's panels: each panel's packed
            queries and running statistics between chunks */
         p->mp_off = p->s_len;
-        p->s_len += (ptrdiff_t)((p->Bq + AC_PANEL_ROWS_AVX2 - 1) / AC_PANEL_ROWS_AVX2) *
+        p->s_len += (ptrdiff_t)((p->Bq + AC_PANEL_ROWS_MIN - 1) / AC_PANEL_ROWS_MIN) *
                     AC_FUSED_PANEL_STATE(p->D);
     }
     if (!p->kvcopy) return;
