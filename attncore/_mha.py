@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
@@ -38,7 +38,7 @@ from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
 from ._quant import dequantize, quantize_new
 from ._rotary import apply_rotary, parse_rotary, rotary_positions
 from ._threads import resolve_num_threads
-from .functional import scaled_dot_product_attention
+from .functional import merge_attention, scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "KVCache"]
 
@@ -129,6 +129,15 @@ def _head_sizes(num_heads, num_kv_heads, qw, kw, vw, ow) -> tuple[int, int, int,
     hdv = _per_head(vw, "v_weight", Hkv, "num_kv_heads")
     _check_width(ow, 1, "out_weight", "num_heads * v_head_dim", H, hdv)
     return H, Hkv, hd, hdv
+
+
+class _Parts(NamedTuple):
+    """A call's keys and values over a 4-bit cache (``KVCache4.parts``):
+    ``quant`` the (keys, values) QuantizedKV of its 4-bit tokens, or None;
+    ``flt`` the (keys, values) float arrays of the window and the call's
+    tokens."""
+    quant: Any
+    flt: Any
 
 
 class KVCache:
@@ -902,7 +911,9 @@ class MultiHeadAttention:
         return cls.from_arrays(**keras_arrays(layer_or_weights, config, dtype), window=window)
 
     # ------------------------------------------------------------ cache
-    def new_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_length: int, dtype: Any = None, *,
+                  window: int | None = None, group_size: int | None = None,
+                  rotate: bool = True) -> KVCache:
         """An empty, preallocated :class:`KVCache` for this layer.
 
         Parameters
@@ -918,6 +929,24 @@ class MultiHeadAttention:
             token and head (:func:`attncore.quantize_kv`; appending
             quantizes only the new tokens); attention reads them through
             the kernel's int8 path, about a quarter of the bytes per token.
+            ``"int4"``: 4-bit groups (:func:`attncore.quantize_kv` with
+            ``bits=4``: a float16 scale and offset per ``group_size``
+            elements, rows rotated when ``rotate``), the ``window`` most
+            recent tokens also kept in float and read in float; attention
+            is the 4-bit tokens' and the float tokens' (the window, then
+            the call's own new tokens), merged (:func:`attncore.merge_attention`).
+            Float32 layers; not with ALiBi, the layer's sliding ``window``
+            or ``need_weights`` in self-attention.
+        window : int, optional, keyword-only
+            ``"int4"`` only: recent tokens kept in float (default 128; 0:
+            none).
+        group_size : int, optional, keyword-only
+            ``"int4"`` only: elements per scale along the head dimension
+            (default 16).  Defaults measured on SmolLM2-135M over real text
+            (``bench/kv4_accuracy.py``: groups of 16, rotated, 128 recent
+            tokens in float: KL from float32 1.5e-3).
+        rotate : bool, keyword-only
+            ``"int4"`` only: rotate rows before quantizing (default True).
 
         Examples
         --------
@@ -932,6 +961,15 @@ class MultiHeadAttention:
         (5, (1, 1, 64))
         """
         quantized = False
+        if isinstance(dtype, str) and dtype == "int4":
+            from ._kvcache4 import KVCache4
+
+            return KVCache4(batch_size, max_length, self.num_kv_heads, self.head_dim,
+                            self.v_head_dim, self.dtype, window=window, group_size=group_size,
+                            rotate=rotate)
+        if window is not None or group_size is not None or rotate is not True:
+            raise ValueError("window, group_size and rotate are options of a 4-bit cache "
+                             "(dtype='int4')")
         if dtype is not None:
             ok = isinstance(dtype, str) and dtype == "int8"
             if not ok:
@@ -940,8 +978,8 @@ class MultiHeadAttention:
                 except TypeError:
                     ok = False
             if not ok:
-                raise ValueError(f"new_cache dtype must be None (the layer's dtype) or 'int8', "
-                                 f"got {dtype!r}")
+                raise ValueError(f"new_cache dtype must be None (the layer's dtype), 'int8' or "
+                                 f"'int4', got {dtype!r}")
             quantized = True
         return KVCache(batch_size, max_length, self.num_kv_heads, self.head_dim,
                        self.v_head_dim, self.dtype, quantized=quantized)
@@ -1214,6 +1252,13 @@ class MultiHeadAttention:
             k4 = k_p.reshape(Bk, S, Hkv, hd).transpose(0, 2, 1, 3)
             v4 = v_p.reshape(Bk, S, Hkv, hdv).transpose(0, 2, 1, 3)
             return q4, k4, v4
+        if self_attn and hasattr(cache, "parts"):
+            # a 4-bit cache: its 4-bit tokens and its float ones (the
+            # window, then this call's), attended apart and merged
+            kn, vn = k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv)
+            parts = _Parts(*cache.parts(kn, vn))
+            cache.append_self(kn, vn)
+            return q4, parts, None
         if self_attn:
             cache.append_self(k_p.reshape(B, -1, Hkv, hd), v_p.reshape(B, -1, Hkv, hdv))
         elif k_in is not None:
@@ -1244,11 +1289,14 @@ class MultiHeadAttention:
         H, hdv = self.num_heads, self.v_head_dim
         q4, k4, v4 = heads
         heads.clear()
-        res = scaled_dot_product_attention(
-            q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
-            enable_gqa=self.num_kv_heads != H, return_weights=need_weights,
-            window=self.window, num_threads=nt, alibi_slopes=self._alibi,
-            precision=self._attn_precision())
+        if isinstance(k4, _Parts):
+            res = self._attend_parts(q4, k4, mask, is_causal, need_weights, nt)
+        else:
+            res = scaled_dot_product_attention(
+                q4, k4, v4, mask, is_causal=is_causal, scale=self.scale,
+                enable_gqa=self.num_kv_heads != H, return_weights=need_weights,
+                window=self.window, num_threads=nt, alibi_slopes=self._alibi,
+                precision=self._attn_precision())
         del q4, k4, v4
         if need_weights:
             o, w = res
@@ -1270,6 +1318,30 @@ class MultiHeadAttention:
             out = cast(out, self.dtype, resolve_num_threads(nt))
             w = None if w is None else w.astype(self.dtype)
         return out, w
+
+    def _attend_parts(self, q4, parts, mask, is_causal, need_weights, nt):
+        """Attention over a 4-bit cache's parts (:class:`_Parts`): the
+        4-bit tokens, which precede every query of the call (no causal
+        mask), and the float ones under the call's causal alignment,
+        merged by their log-sum-exp."""
+        if need_weights or self._alibi is not None or self.window is not None:
+            raise ValueError("a 4-bit cache (dtype='int4') attends its 4-bit and float tokens "
+                             "apart: need_weights, ALiBi and the layer's sliding window are "
+                             "not available with it (use a float or int8 cache)")
+        fk, fv = parts.flt
+        kw: dict = dict(scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+                        num_threads=nt, precision=self._attn_precision())
+        if parts.quant is None:
+            return scaled_dot_product_attention(q4, fk, fv, mask, is_causal=is_causal, **kw)
+        f0 = parts.quant[0].shape[-2]
+        m0 = m1 = mask   # (a mask's columns: the keys, cut as the parts; or broadcast)
+        if mask is not None and mask.shape[-1] != 1:
+            m0, m1 = mask[..., :f0], mask[..., f0:]
+        o0, l0 = scaled_dot_product_attention(q4, parts.quant[0], parts.quant[1], m0,
+                                              is_causal=False, return_lse=True, **kw)
+        o1, l1 = scaled_dot_product_attention(q4, fk, fv, m1, is_causal=is_causal,
+                                              return_lse=True, **kw)
+        return merge_attention([o0, o1], [l0, l1])[0]
 
     # ------------------------------------------------------------ pieces
     def _kv_inputs(self, key, value, ndim, B):
