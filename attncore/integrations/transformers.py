@@ -65,7 +65,17 @@ from .._varlen import varlen_attention
 from .._lean import attention_prepared
 from ..functional import scaled_dot_product_attention
 
-__all__ = ["register", "attention_forward", "attention_mask", "paged_attention_forward"]
+__all__ = ["register", "attention_forward", "attention_mask", "paged_attention_forward",
+           "Int4Cache"]  # noqa: F822 (module __getattr__, lazily)
+
+
+def __getattr__(name: str):
+    # the 4-bit cache imports transformers' cache classes: only when asked for
+    if name == "Int4Cache":
+        from ._hf_int4 import Int4Cache
+
+        return Int4Cache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # names transformers treats specially (their own checks / kernels)
 _RESERVED = ("sdpa", "flex_attention", "flash", "paged", "eager")
@@ -392,6 +402,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attn_weights : torch.Tensor (B, H, L, S) or None
     """
     _check_inference(module, query, key, value, dropout)
+    if getattr(key, "_attncore_parts", None) is not None:   # an Int4Cache layer's
+        return _attention_int4(module, query, key._attncore_parts, attention_mask, scaling,
+                               is_causal, kwargs), None
     need_weights = kwargs.get("output_attentions")
     if need_weights is None:
         need_weights = getattr(getattr(module, "config", None), "output_attentions", False)
@@ -416,6 +429,41 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out, w = res if need_weights else (res, None)
     return (numpy_to_torch(out, query.dtype).transpose(1, 2).contiguous(),
             None if w is None else numpy_to_torch(w, query.dtype))
+
+
+def _attention_int4(module, query, parts, attention_mask, scaling, is_causal, kwargs):
+    """Attention over an :class:`Int4Cache` layer's parts: its 4-bit
+    tokens (before the float window; no query of the call precedes them)
+    and its float tokens (the window, then the call's own), merged by
+    log-sum-exp; the output (B, L, H, Dv) in the query's dtype."""
+    from ..functional import merge_attention
+
+    for k in ("position_bias", "s_aux", "sliding_window", "attncore_precision"):
+        if kwargs.get(k) is not None:
+            raise ValueError(f"Int4Cache: {k} is not available with the 4-bit cache (use the "
+                             f"model's default cache)")
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None),
+                                                  "output_attentions", False):
+        raise ValueError("Int4Cache: output_attentions is not available with the 4-bit cache")
+    torch = sys.modules["torch"]
+    q = torch_to_numpy(query.float() if query.dtype != torch.float32 else query, "query",
+                       remedy=_MOVE_MODEL)[0]
+    quant, (fk, fv) = parts
+    L, S = q.shape[2], fk.shape[2] + (0 if quant is None else quant[0].shape[-2])
+    causal, _, mask = _mask(module, attention_mask, is_causal, L, S, {})
+    f0 = 0 if quant is None else quant[0].shape[-2]
+    kw: dict = dict(scale=scaling, enable_gqa=True, softcap=kwargs.get("softcap"),
+                    num_threads=torch.get_num_threads())
+    m0 = m1 = mask
+    if mask is not None and mask.shape[-1] != 1:
+        m0, m1 = mask[..., :f0], mask[..., f0:]
+    o, lse = scaled_dot_product_attention(q, fk, fv, m1, is_causal="lower_right" if causal
+                                          else False, return_lse=True, **kw)
+    if quant is not None:
+        o0, l0 = scaled_dot_product_attention(q, quant[0], quant[1], m0, return_lse=True, **kw)
+        o, lse = merge_attention([o0, o], [l0, lse])
+    return numpy_to_torch(np.ascontiguousarray(o, np.float32), query.dtype
+                          ).transpose(1, 2).contiguous()
 
 
 # --------------------------------------------------------------------------
