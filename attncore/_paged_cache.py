@@ -13,7 +13,7 @@ from numpy.typing import ArrayLike
 from ._dtypes import bfloat16_dtype, storage_name
 from ._interop import _to_numpy
 from ._quant import quantize_new
-from ._validation import as_float_array, check_offsets
+from ._validation import INT32_MAX, as_float_array, check_offsets
 
 __all__ = ["PagedKVCache"]
 
@@ -25,7 +25,7 @@ def _count(x: Any, name: str, low: int = 1) -> int:
         raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
     if int(x) < low:
         raise ValueError(f"{name} must be >= {low}, got {int(x)}")
-    if int(x) > 2**31 - 1:
+    if int(x) > INT32_MAX:
         raise ValueError(f"{name} must be below 2**31, got {int(x)}")
     return int(x)
 

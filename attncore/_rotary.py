@@ -29,13 +29,13 @@ from ._core import _rotary
 from ._dtypes import is_bf16_arg
 from ._interop import foreign_arrays, weight_array
 from ._threads import threads_for
-from ._validation import _positive_real, aligned, as_float_array, to_array
+from ._validation import INT32_MAX, _positive_real, aligned, as_float_array, to_array
 
 __all__ = ["rotary_embedding", "parse_rotary", "apply_rotary", "rotary_positions",
            "ROTARY_KEYS"]
 
 _LAYOUTS = ("half", "interleaved")
-_POS_MIN, _POS_MAX = -(2**31), 2**31 - 1
+_POS_MIN, _POS_MAX = -INT32_MAX - 1, INT32_MAX
 _DEFAULT_BASE = 10000.0
 # the keys of a MultiHeadAttention rotary configuration
 ROTARY_KEYS = ("base", "inv_freq", "layout", "rotary_dim")
