@@ -70,6 +70,22 @@ def test_head_dims(path, D):
               sdpa_ref(q, values_of(k4), values_of(v4)))
 
 
+@pytest.mark.parametrize("D, gs", [(48, 48), (80, 16), (128, 128), (256, 128), (160, 32),
+                                   (512, 32), (544, 32)])
+@pytest.mark.parametrize("N", [1, 2, 4])
+def test_decode_shapes(path, D, gs, N):
+    # the 4-bit decode loops' shapes: group sizes that are odd multiples of
+    # 16 (a 32-code unit across two groups on AVX-512), a group wider than a
+    # P.V chunk of columns, several chunks, the widest row read in place
+    # (512) and one beyond it (dequantized tiles); 601 keys: partial key
+    # blocks and the P.V sums of several blocks of keys
+    q = rand((1, 2, N, D), 30)
+    k4 = quantize_kv(kv_data((1, 2, 601, D), 31), bits=4, group_size=gs)
+    v4 = quantize_kv(kv_data((1, 2, 601, D), 32), bits=4, group_size=gs)
+    close(attncore.scaled_dot_product_attention(q, k4, v4),
+          sdpa_ref(q, values_of(k4), values_of(v4)))
+
+
 @pytest.mark.parametrize("N", [1, 2, 5])
 def test_gqa(path, N):
     B, Hq, Hk, M, D = 2, 8, 2, 150, 64

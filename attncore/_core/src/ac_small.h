@@ -30,12 +30,14 @@
 #include "ac_common.h"
 #include "ac_cpu.h"
 
-/* 4-bit keys / values read in place by the small-row loops: at most this
- * many groups per row (ac_params.kq4 / vq4 a multiple of 16: the vectors of
- * both paths lie within one group; other formats take dequantized tiles) */
+/* 4-bit keys / values read in place by the small-row loops: at most
+ * AC_Q4_MAXG groups and AC_Q4_MAXD columns per row (the query rows' and
+ * pairs' copies live on the stack), the group size (ac_params.kq4 / vq4) a
+ * multiple of 16; other formats take dequantized tiles */
 #define AC_Q4_MAXG 16
+#define AC_Q4_MAXD 512
 #define AC_Q4_DIRECT(gs, D) ((gs) > 0 && (gs) % 16 == 0 && (D) % (gs) == 0 && \
-                             (D) / (gs) <= AC_Q4_MAXG)
+                             (D) / (gs) <= AC_Q4_MAXG && (D) <= AC_Q4_MAXD)
 
 /* element formats of an operand read in place (the 16-bit codes are
  * ac_half.h's AC_H_BF16 / AC_H_F16) */
@@ -183,53 +185,56 @@ static AC_TGT_AVX2 AC_SINLINE void ac_st8_n(float *p, __m256 x, int n)
 }
 
 /* 4-bit codes (ac_params.kq4 / vq4: two per byte, the even element in the
- * low nibble): the 16 / 8 codes c of the 8 / 4 bytes at p as floats c - 8
- * (-8..7) -- the nibbles masked and shifted, interleaved back in element
- * order (vpunpcklbw), centred, sign-extended (vpmovsxbd) and converted.
- * Centred codes go with the offset o + 8 s: s (c - 8) + (o + 8 s) is the
- * value, both terms of about its size (with codes 0..15 the two terms of
- * a folded P.V sum, sum P s c and sum P o, can be far larger than the
- * result and cancel: 1.6e-5 relative error over 5000 keys, against 3e-6
- * centred) */
-static AC_TGT_AVX512 AC_SINLINE __m512 ac_ld16_q4(const void *p)
+ * low nibble): the 2 W codes of the W bytes at p (W = 16 / 8) as two
+ * vectors of floats, lo the codes of the even-numbered elements (the low
+ * nibbles), hi those of the odd-numbered (the high nibbles), 0..15 -- a
+ * zero extension of the bytes to 32 bits (vpmovzxbd, the load folded in),
+ * a mask (lo) or a shift (hi: nothing above the nibble is left), a
+ * conversion each.  The query rows (scores) and the P.V accumulators
+ * (columns) are held in the same even / odd order (SDEINT / SINTER), as
+ * for bfloat16 pairs.  The _h form: the first W / 2 bytes (lanes W / 2
+ * on: 0). */
+static AC_TGT_AVX512 AC_SINLINE void ac_ldq4_16(const void *p, __m512 *lo, __m512 *hi)
 {
-    const __m128i x = _mm_loadl_epi64((const __m128i *)p);
-    const __m128i m = _mm_set1_epi8(15);
-    const __m128i b = _mm_unpacklo_epi8(_mm_and_si128(x, m),
-                                        _mm_and_si128(_mm_srli_epi16(x, 4), m));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(b, _mm_set1_epi8(8))));
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
 }
 
-static AC_TGT_AVX2 AC_SINLINE __m256 ac_ld8_q4(const void *p)
+static AC_TGT_AVX512 AC_SINLINE void ac_ldq4_16h(const void *p, __m512 *lo, __m512 *hi)
 {
-    int32_t w;
-    memcpy(&w, p, sizeof w);
-    const __m128i x = _mm_cvtsi32_si128(w);
-    const __m128i m = _mm_set1_epi8(15);
-    const __m128i b = _mm_unpacklo_epi8(_mm_and_si128(x, m),
-                                        _mm_and_si128(_mm_srli_epi16(x, 4), m));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(b, _mm_set1_epi8(8))));
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
 }
 
-/* the n2 (even) float16 at p, (scale, offset) pairs, as floats (s, o + 8 s)
- * at out: the pairs of the centred codes (F16C, 8 or 4 at a time) */
-static AC_TGT_AVX2 AC_SINLINE void ac_q4_pairs(const uint16_t *p, int n2, float *out)
+static AC_TGT_AVX2 AC_SINLINE void ac_ldq4_8(const void *p, __m256 *lo, __m256 *hi)
+{
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
+}
+
+/* a vector of a in lanes 0-7 and b in lanes 8-15: the scales of a unit of
+ * 32 codes of AVX-512 whose halves lie in two groups (16 codes each) */
+static AC_TGT_AVX512 AC_SINLINE __m512 ac_set2_16(float a, float b)
+{
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+/* the n (even) float16 at p as floats at out (F16C, 8 / 4 at a time) */
+static AC_TGT_AVX2 AC_SINLINE void ac_h2f(const uint16_t *p, int n, float *out)
 {
     int i = 0;
-    for (; i + 8 <= n2; i += 8) {
-        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i)));
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_moveldup_ps(x),
-                                                  _mm256_setr_ps(0, 8, 0, 8, 0, 8, 0, 8), x));
-    }
-    if (i + 4 <= n2) {
-        const __m128 x = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + i)));
-        _mm_storeu_ps(out + i, _mm_fmadd_ps(_mm_moveldup_ps(x), _mm_setr_ps(0, 8, 0, 8), x));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+    if (i + 4 <= n) {
+        _mm_storeu_ps(out + i, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + i))));
         i += 4;
     }
-    if (i < n2) {
-        const float sc = _cvtsh_ss(p[i]);
-        out[i] = sc;
-        out[i + 1] = _cvtsh_ss(p[i + 1]) + 8.0f * sc;
+    if (i < n) {
+        out[i] = _cvtsh_ss(p[i]);
+        out[i + 1] = _cvtsh_ss(p[i + 1]);
     }
 }
 
@@ -372,7 +377,10 @@ static AC_TGT_AVX2 AC_SINLINE float ac_hsum1_avx2(__m256 a)
 #define SHSUM(a) ac_hsum16_avx512((a), 0)
 #define SREDUCE(x) _mm512_reduce_add_ps(x)
 #define SLDBF2(p, lo, hi) ac_ldbf2_16((p), (lo), (hi))
-#define SLDQ4(p) ac_ld16_q4(p)
+#define SLDQ4(p, lo, hi) ac_ldq4_16((p), (lo), (hi))
+#define SLDQ4H(p, lo, hi) ac_ldq4_16h((p), (lo), (hi))
+#define SSET2(a, b) ac_set2_16((a), (b))
+#define SADD(a, b) _mm512_add_ps((a), (b))
 #define SDEINT(a, b, e, o) ac_deint16((a), (b), (e), (o))
 #define SINTER(e, o, a, b) ac_inter16((e), (o), (a), (b))
 #define AC_SKEYMAJ(D) ((D) % 16 == 0 && (D) <= 128)
@@ -397,7 +405,10 @@ static AC_TGT_AVX2 AC_SINLINE float ac_hsum1_avx2(__m256 a)
 #define SHSUM(a) ac_hsum8_avx2((a), 0)
 #define SREDUCE(x) ac_hsum1_avx2(x)
 #define SLDBF2(p, lo, hi) ac_ldbf2_8((p), (lo), (hi))
-#define SLDQ4(p) ac_ld8_q4(p)
+#define SLDQ4(p, lo, hi) ac_ldq4_8((p), (lo), (hi))
+#define SLDQ4H(p, lo, hi) ac_ldq4_8((p), (lo), (hi))
+#define SSET2(a, b) _mm256_set1_ps(a)
+#define SADD(a, b) _mm256_add_ps((a), (b))
 #define SDEINT(a, b, e, o) ac_deint8((a), (b), (e), (o))
 #define SINTER(e, o, a, b) ac_inter8((e), (o), (a), (b))
 #define AC_SKEYMAJ(D) 0
