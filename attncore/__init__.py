@@ -40,7 +40,8 @@ from ._varlen import varlen_attention
 from ._paged import paged_attention
 from ._paged_cache import PagedKVCache
 from ._config import show_config
-from ._mha import KVCache, MultiHeadAttention
+from ._kvcache import KVCache
+from ._mha import MultiHeadAttention
 from .positional import add_positional_encoding, sinusoidal_encoding
 from ._rotary import rotary_embedding
 from . import alignments

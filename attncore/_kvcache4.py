@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._kv4 import DEFAULT_GROUP, QuantizedKV, check_format
-from ._mha import KVCache, _layer_dtype
+from ._kvcache import KVCache, _layer_dtype
 from ._validation import parse_bool, parse_positive_int
 
 __all__ = ["KVCache4", "DEFAULT_WINDOW", "DEFAULT_CACHE_GROUP"]

@@ -175,8 +175,8 @@ def test_bad_quantize_kv_inputs():
     with pytest.raises(TypeError):
         quantize_kv(np.ones((2, 2), np.int32))
     mha = attncore.MultiHeadAttention(16, 2)
-    with pytest.raises(ValueError, match="int8"):
-        mha.new_cache(1, 8, dtype="int4")
+    with pytest.raises(ValueError, match="'int8' or 'int4'"):
+        mha.new_cache(1, 8, dtype="int2")
 
 
 # ------------------------------------------------ int8 key, value of width 0
