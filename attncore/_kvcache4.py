@@ -137,7 +137,7 @@ class KVCache4(KVCache):
         return np.arange(t0, t1) % self._fk.shape[2]
 
     def _append(self, k_new: np.ndarray, v_new: np.ndarray) -> None:
-        from ._quant import quantize_kv
+        from ._quant import _quantize_container
 
         T = k_new.shape[1]
         self._check_room(T)
@@ -149,8 +149,9 @@ class KVCache4(KVCache):
         kt = np.ascontiguousarray(k_new.transpose(0, 2, 1, 3), np.float32)
         vt = np.ascontiguousarray(v_new.transpose(0, 2, 1, 3), np.float32)
         try:
-            kq = quantize_kv(kt, bits=4, group_size=self.group_size, rotate=self.rotate)
-            vq = quantize_kv(vt, bits=4, group_size=self.group_size, rotate=self.rotate)
+            # (quantize_kv's 4-bit form without its argument handling)
+            kq = _quantize_container(kt, 3, 4, self.group_size, self.rotate, False)
+            vq = _quantize_container(vt, 3, 4, self.group_size, self.rotate, False)
         except ValueError as e:
             raise ValueError(f"4-bit KV cache: the projected keys / values of the new tokens "
                              f"cannot be quantized ({e}); the cache is unchanged") from None

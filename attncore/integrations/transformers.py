@@ -48,7 +48,9 @@ and what the varlen kernel does not cover go to transformers' own
 Inference only: dropout > 0 and training with gradients are errors.
 attncore runs on the CPU: models on another device are rejected with a
 ``TypeError`` naming the device.  The thread count is torch's
-(``torch.get_num_threads()``), so ``torch.set_num_threads`` governs both.
+(``torch.get_num_threads()``), so ``torch.set_num_threads`` governs both;
+calls of fewer than :data:`TEAM_FLOPS` flops run on the calling thread
+(torch's workers spin on the other cores between its operations).
 """
 from __future__ import annotations
 
@@ -76,6 +78,27 @@ def __getattr__(name: str):
 
         return Int4Cache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# Threads of an attention call inside a torch model: torch's own OpenMP
+# workers spin on the other cores between torch's operations (libgomp's
+# default wait policy), so a second attncore thread there first has to take
+# a core from a spinning worker, and its idle poll after the call takes
+# time from torch's next operation.  Calls below this many flops (4 B H L S
+# D) run on the calling thread.  Measured (bench/busy_cpu.py --generate,
+# SmolLM2-135M float32, 512-token prompt + 32 new, 2 threads, quiet Xeon
+# family 6 model 207): "sdpa" / attncore 0.93 with torch's thread count on
+# every call, 1.03 with one thread for the decoding steps, 1.09 with one
+# thread for every call (the 512-token prompt's calls: 6e8 flops each).
+TEAM_FLOPS = 2e9
+
+
+def _threads(torch, B, H, L, S, D) -> int:
+    """Threads of an attention call of these sizes inside a torch model:
+    torch's count (``torch.get_num_threads()``) for calls of at least
+    :data:`TEAM_FLOPS`, else 1."""
+    n = resolve_num_threads(torch.get_num_threads())
+    return n if 4.0 * B * H * L * S * D >= TEAM_FLOPS else 1
+
 
 # names transformers treats specially (their own checks / kernels)
 _RESERVED = ("sdpa", "flex_attention", "flash", "paged", "eager")
@@ -326,7 +349,8 @@ def _lean(module, query, key, value, is_causal, scaling, kwargs):
     if mask is not None:
         return None
     out = attention_prepared(q, k, v, 2 if causal else 0, scaling,
-                             resolve_num_threads(torch.get_num_threads()), win or (-1, -1),
+                             _threads(torch, *q.shape[:3], k.shape[2], q.shape[3]),
+                             win or (-1, -1),
                              parse_softcap(kwargs.get("softcap")), bits)
     if out is None:
         return None
@@ -423,7 +447,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     res = scaled_dot_product_attention(
         q, k, v, mask, is_causal="lower_right" if causal else False, scale=scaling,
         enable_gqa=True, return_weights=bool(need_weights), window=win,
-        softcap=kwargs.get("softcap"), num_threads=torch.get_num_threads(),
+        softcap=kwargs.get("softcap"),
+        num_threads=_threads(torch, *q.shape[:3], k.shape[2], q.shape[3]),
         sinks=None if s_aux is None else torch_to_numpy(s_aux, "s_aux", remedy=_MOVE_MODEL)[0],
         precision=precision)
     out, w = res if need_weights else (res, None)
@@ -453,7 +478,7 @@ def _attention_int4(module, query, parts, attention_mask, scaling, is_causal, kw
     causal, _, mask = _mask(module, attention_mask, is_causal, L, S, {})
     f0 = 0 if quant is None else quant[0].shape[-2]
     kw: dict = dict(scale=scaling, enable_gqa=True, softcap=kwargs.get("softcap"),
-                    num_threads=torch.get_num_threads())
+                    num_threads=_threads(torch, *q.shape[:3], S, q.shape[3]))
     m0 = m1 = mask
     if mask is not None and mask.shape[-1] != 1:
         m0, m1 = mask[..., :f0], mask[..., f0:]
@@ -461,7 +486,14 @@ def _attention_int4(module, query, parts, attention_mask, scaling, is_causal, kw
                                           else False, return_lse=True, **kw)
     if quant is not None:
         o0, l0 = scaled_dot_product_attention(q, quant[0], quant[1], m0, return_lse=True, **kw)
-        o, lse = merge_attention([o0, o], [l0, lse])
+        if mask is None:
+            # every query row attends its own key in the float part: a
+            # finite lse there, so the two weights are plain exponentials
+            w0 = np.exp(l0 - np.maximum(l0, lse))[..., None]
+            w1 = np.exp(lse - np.maximum(l0, lse))[..., None]
+            o = (o0 * w0 + o * w1) / (w0 + w1)
+        else:
+            o, lse = merge_attention([o0, o], [l0, lse])
     return numpy_to_torch(np.ascontiguousarray(o, np.float32), query.dtype
                           ).transpose(1, 2).contiguous()
 
