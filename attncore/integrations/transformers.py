@@ -84,11 +84,12 @@ def __getattr__(name: str):
 # default wait policy), so a second attncore thread there first has to take
 # a core from a spinning worker, and its idle poll after the call takes
 # time from torch's next operation.  Calls below this many flops (4 B H L S
-# D) run on the calling thread.  Measured (bench/busy_cpu.py --generate,
-# SmolLM2-135M float32, 512-token prompt + 32 new, 2 threads, quiet Xeon
-# family 6 model 207): "sdpa" / attncore 0.93 with torch's thread count on
-# every call, 1.03 with one thread for the decoding steps, 1.09 with one
-# thread for every call (the 512-token prompt's calls: 6e8 flops each).
+# D) run on the calling thread.  Measured (whole generate, SmolLM2-135M
+# float32, 512-token prompt + 32 new, 2 threads, quiet Xeon family 6 model
+# 207, medians of 9 in rotated order, two runs): "sdpa" / attncore 0.93 -
+# 0.96 with torch's thread count on every call, 0.98 - 1.04 with every
+# call on the calling thread (the prompt's calls: 6e8 flops each), 1.05
+# with torch's count for the prompt's calls only.
 TEAM_FLOPS = 2e9
 
 
