@@ -61,6 +61,28 @@ def rotation_blocks(D: int) -> int:
                      f"largest power of two dividing D), got D = {D}")
 
 
+# fwht as a matrix product from this many elements, for blocks up to
+# _MATMUL_BLOCK (O(b) work per element instead of O(log b), on BLAS)
+_MATMUL_MIN = 1 << 15
+_MATMUL_BLOCK = 256
+_HADAMARD: dict = {}
+
+
+def _hadamard(b: int, dt: np.dtype) -> np.ndarray:
+    """The normalized Sylvester Hadamard matrix of order b (a power of
+    two), of dtype dt, read-only and cached."""
+    key = (b, dt.str)
+    h = _HADAMARD.get(key)
+    if h is None:
+        m = np.ones((1, 1))
+        while m.shape[0] < b:
+            m = np.block([[m, m], [m, -m]])
+        h = (m / math.sqrt(b)).astype(dt)
+        h.flags.writeable = False
+        _HADAMARD[key] = h
+    return h
+
+
 def fwht(x: np.ndarray, block: Optional[int] = None) -> np.ndarray:
     """The normalized Walsh-Hadamard transform of ``x`` along its last axis,
     block-diagonal over blocks of ``block`` elements (default
@@ -73,6 +95,12 @@ def fwht(x: np.ndarray, block: Optional[int] = None) -> np.ndarray:
     dt = np.dtype(np.float32 if a.dtype == np.float32 else np.float64)
     D = a.shape[-1]
     b = rotation_blocks(D) if block is None else int(block)
+    if b <= _MATMUL_BLOCK and a.size >= _MATMUL_MIN:
+        # many rows: one matrix product with the normalized Hadamard matrix
+        # (the butterflies' log2(b) NumPy passes cost more: 4096 x 3 rows
+        # of 64, float32, 24 -> 2.3 ms, Xeon family 6 model 207)
+        y = np.asarray(a, dtype=dt).reshape(-1, b) @ _hadamard(b, dt)
+        return y.reshape(a.shape)
     y = np.array(a, dtype=dt, copy=True).reshape(-1, D // b, b)
     h = 1
     while h < b:
