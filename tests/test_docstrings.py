@@ -13,7 +13,7 @@ import pytest
 import attncore
 
 # modules that need an optional extra to import at all
-_EXTRAS = {"attncore.dask": "dask"}
+_EXTRAS = {"attncore.dask": "dask", "attncore.integrations._hf_int4": "transformers"}
 
 
 def _modules():
@@ -26,6 +26,8 @@ def _modules():
 def test_docstring_examples(name):
     if name in _EXTRAS:
         pytest.importorskip(_EXTRAS[name])
+        if name == "attncore.integrations._hf_int4":
+            pytest.importorskip("torch")
     mod = importlib.import_module(name)
     tests = [t for t in doctest.DocTestFinder().find(mod, name) if t.examples]
     if not tests:
