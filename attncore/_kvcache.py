@@ -79,12 +79,7 @@ class KVCache:
 
     def __init__(self, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: int, dtype: DTypeLike = np.float32, quantized: bool = False) -> None:
-        self.batch_size = parse_positive_int(batch_size, "batch_size")
-        self.max_length = parse_positive_int(max_length, "max_length")
-        self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
-        self.head_dim = parse_positive_int(head_dim, "head_dim")
-        self.v_head_dim = parse_positive_int(v_head_dim, "v_head_dim")
-        self.dtype = _layer_dtype(dtype)
+        self._set_sizes(batch_size, max_length, num_kv_heads, head_dim, v_head_dim, dtype)
         self.quantized = parse_bool(quantized, "quantized")
         shape = (self.batch_size, self.num_kv_heads, self.max_length)
         store = np.int8 if self.quantized else self.dtype
@@ -94,6 +89,16 @@ class KVCache:
         self._ks = np.zeros(shape if self.quantized else (0, 0, 0), np.float32)
         self._vs = np.zeros(shape if self.quantized else (0, 0, 0), np.float32)
         KVCache.reset(self)
+
+    def _set_sizes(self, batch_size, max_length, num_kv_heads, head_dim, v_head_dim,
+                   dtype) -> None:
+        """The sizes and dtype, checked (every cache variant's)."""
+        self.batch_size = parse_positive_int(batch_size, "batch_size")
+        self.max_length = parse_positive_int(max_length, "max_length")
+        self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = parse_positive_int(head_dim, "head_dim")
+        self.v_head_dim = parse_positive_int(v_head_dim, "v_head_dim")
+        self.dtype = _layer_dtype(dtype)
 
     def __len__(self) -> int:
         """Number of tokens (positions) held."""

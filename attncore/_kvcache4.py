@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ._kv4 import DEFAULT_GROUP, QuantizedKV, check_format
-from ._kvcache import KVCache, _layer_dtype
-from ._validation import parse_bool, parse_positive_int
+from ._kvcache import KVCache
+from ._validation import parse_bool
 
 __all__ = ["KVCache4", "DEFAULT_WINDOW", "DEFAULT_CACHE_GROUP"]
 
@@ -53,12 +53,7 @@ class KVCache4(KVCache):
     def __init__(self, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
                  v_head_dim: int, dtype: Any = np.float32, *, window: Any = None,
                  group_size: Any = None, rotate: Any = True) -> None:
-        self.batch_size = parse_positive_int(batch_size, "batch_size")
-        self.max_length = parse_positive_int(max_length, "max_length")
-        self.num_kv_heads = parse_positive_int(num_kv_heads, "num_kv_heads")
-        self.head_dim = parse_positive_int(head_dim, "head_dim")
-        self.v_head_dim = parse_positive_int(v_head_dim, "v_head_dim")
-        self.dtype = _layer_dtype(dtype)
+        self._set_sizes(batch_size, max_length, num_kv_heads, head_dim, v_head_dim, dtype)
         if self.dtype != np.float32:
             raise ValueError(f"a 4-bit cache (dtype='int4') is for float32 layers, got a layer "
                              f"of dtype {self.dtype}")
@@ -205,6 +200,34 @@ class KVCache4(KVCache):
             a = np.broadcast_to(a, (self.batch_size,) + a.shape[1:])
         a.flags.writeable = False
         return a
+
+    @staticmethod
+    def attend(q, parts, mask, is_causal, **kw):
+        """Attention of queries ``q`` over a call's ``parts`` (:meth:`parts`:
+        the 4-bit tokens, which precede every query of the call, so no
+        causal mask; the float ones under the call's ``is_causal``), merged
+        by log-sum-exp; ``mask``'s columns (the keys) are cut as the parts,
+        or broadcast.  ``kw``: the rest of
+        :func:`attncore.scaled_dot_product_attention`'s arguments."""
+        from .functional import merge_attention, scaled_dot_product_attention
+
+        quant, (fk, fv) = parts
+        if quant is None:
+            return scaled_dot_product_attention(q, fk, fv, mask, is_causal=is_causal, **kw)
+        f0 = quant[0].shape[-2]
+        m0 = m1 = mask
+        if mask is not None and mask.shape[-1] != 1:
+            m0, m1 = mask[..., :f0], mask[..., f0:]
+        o0, l0 = scaled_dot_product_attention(q, quant[0], quant[1], m0, return_lse=True, **kw)
+        o1, l1 = scaled_dot_product_attention(q, fk, fv, m1, is_causal=is_causal,
+                                              return_lse=True, **kw)
+        if mask is not None:
+            return merge_attention([o0, o1], [l0, l1])[0]
+        # (no mask: every query attends its own key in the float part, a
+        # finite lse there, so the weights are plain exponentials)
+        m = np.maximum(l0, l1)
+        w0, w1 = np.exp(l0 - m)[..., None], np.exp(l1 - m)[..., None]
+        return (o0 * w0 + o1 * w1) / (w0 + w1)
 
     def parts(self, k_new: np.ndarray | None, v_new: np.ndarray | None) -> tuple:
         """Before appending a call's new tokens ``k_new`` / ``v_new`` (B,

@@ -37,7 +37,7 @@ from ._validation import (as_float_array, head_values, parse_bool, parse_causal,
                           parse_window)
 from ._rotary import apply_rotary, parse_rotary, rotary_positions
 from ._threads import resolve_num_threads
-from .functional import merge_attention, scaled_dot_product_attention
+from .functional import scaled_dot_product_attention
 from ._kvcache import KVCache, _compute_dtype, _layer_dtype
 from ._kvcache4 import KVCache4
 
@@ -1017,20 +1017,9 @@ class MultiHeadAttention:
             raise ValueError("a 4-bit cache (dtype='int4') attends its 4-bit and float tokens "
                              "apart: need_weights, ALiBi and the layer's sliding window are "
                              "not available with it (use a float or int8 cache)")
-        fk, fv = parts.flt
-        kw: dict = dict(scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
-                        num_threads=nt, precision=self._attn_precision())
-        if parts.quant is None:
-            return scaled_dot_product_attention(q4, fk, fv, mask, is_causal=is_causal, **kw)
-        f0 = parts.quant[0].shape[-2]
-        m0 = m1 = mask   # (a mask's columns: the keys, cut as the parts; or broadcast)
-        if mask is not None and mask.shape[-1] != 1:
-            m0, m1 = mask[..., :f0], mask[..., f0:]
-        o0, l0 = scaled_dot_product_attention(q4, parts.quant[0], parts.quant[1], m0,
-                                              is_causal=False, return_lse=True, **kw)
-        o1, l1 = scaled_dot_product_attention(q4, fk, fv, m1, is_causal=is_causal,
-                                              return_lse=True, **kw)
-        return merge_attention([o0, o1], [l0, l1])[0]
+        return KVCache4.attend(q4, parts, mask, is_causal, scale=self.scale,
+                               enable_gqa=self.num_kv_heads != self.num_heads, num_threads=nt,
+                               precision=self._attn_precision())
 
     # ------------------------------------------------------------ pieces
     def _kv_inputs(self, key, value, ndim, B):

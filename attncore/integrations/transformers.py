@@ -61,6 +61,7 @@ import numpy as np
 
 from .._dtypes import parse_precision
 from .._interop import numpy_to_torch, torch_bits_tensor, torch_bits_view, torch_to_numpy
+from .._kvcache4 import KVCache4
 from .._threads import resolve_num_threads
 from .._validation import parse_softcap
 from .._varlen import varlen_attention
@@ -462,8 +463,6 @@ def _attention_int4(module, query, parts, attention_mask, scaling, is_causal, kw
     tokens (before the float window; no query of the call precedes them)
     and its float tokens (the window, then the call's own), merged by
     log-sum-exp; the output (B, L, H, Dv) in the query's dtype."""
-    from ..functional import merge_attention
-
     for k in ("position_bias", "s_aux", "sliding_window", "attncore_precision"):
         if kwargs.get(k) is not None:
             raise ValueError(f"Int4Cache: {k} is not available with the 4-bit cache (use the "
@@ -474,27 +473,12 @@ def _attention_int4(module, query, parts, attention_mask, scaling, is_causal, kw
     torch = sys.modules["torch"]
     q = torch_to_numpy(query.float() if query.dtype != torch.float32 else query, "query",
                        remedy=_MOVE_MODEL)[0]
-    quant, (fk, fv) = parts
+    quant, (fk, _) = parts
     L, S = q.shape[2], fk.shape[2] + (0 if quant is None else quant[0].shape[-2])
     causal, _, mask = _mask(module, attention_mask, is_causal, L, S, {})
-    f0 = 0 if quant is None else quant[0].shape[-2]
-    kw: dict = dict(scale=scaling, enable_gqa=True, softcap=kwargs.get("softcap"),
-                    num_threads=_threads(torch, *q.shape[:3], S, q.shape[3]))
-    m0 = m1 = mask
-    if mask is not None and mask.shape[-1] != 1:
-        m0, m1 = mask[..., :f0], mask[..., f0:]
-    o, lse = scaled_dot_product_attention(q, fk, fv, m1, is_causal="lower_right" if causal
-                                          else False, return_lse=True, **kw)
-    if quant is not None:
-        o0, l0 = scaled_dot_product_attention(q, quant[0], quant[1], m0, return_lse=True, **kw)
-        if mask is None:
-            # every query row attends its own key in the float part: a
-            # finite lse there, so the two weights are plain exponentials
-            w0 = np.exp(l0 - np.maximum(l0, lse))[..., None]
-            w1 = np.exp(lse - np.maximum(l0, lse))[..., None]
-            o = (o0 * w0 + o * w1) / (w0 + w1)
-        else:
-            o, lse = merge_attention([o0, o], [l0, lse])
+    o = KVCache4.attend(q, parts, mask, "lower_right" if causal else False, scale=scaling,
+                        enable_gqa=True, softcap=kwargs.get("softcap"),
+                        num_threads=_threads(torch, *q.shape[:3], S, q.shape[3]))
     return numpy_to_torch(np.ascontiguousarray(o, np.float32), query.dtype
                           ).transpose(1, 2).contiguous()
 
