@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ._linear import linear
+
 __all__ = ["QuantizedKV", "fwht", "rotation_blocks", "quantize4", "check_format",
            "kernel_slots", "checked"]
 
@@ -61,10 +63,14 @@ def rotation_blocks(D: int) -> int:
                      f"largest power of two dividing D), got D = {D}")
 
 
-# fwht as a matrix product from this many elements, for blocks up to
-# _MATMUL_BLOCK (O(b) work per element instead of O(log b), on BLAS)
-_MATMUL_MIN = 1 << 15
+# fwht as a matrix product for blocks up to _MATMUL_BLOCK (O(b) work per
+# element instead of O(log b), on BLAS): faster at every size (the
+# butterflies' log2(b) NumPy passes cost microseconds each: a decode call's
+# 8 rows of 64, float32, 42 -> 4.3 us; 4096 x 3 rows of 64, 24 -> 2.3 ms;
+# Xeon family 6 model 207)
 _MATMUL_BLOCK = 256
+# products of fewer multiply-adds run on the calling thread
+_SERIAL_MACS = 1 << 22
 _HADAMARD: dict = {}
 
 
@@ -95,11 +101,18 @@ def fwht(x: np.ndarray, block: Optional[int] = None) -> np.ndarray:
     dt = np.dtype(np.float32 if a.dtype == np.float32 else np.float64)
     D = a.shape[-1]
     b = rotation_blocks(D) if block is None else int(block)
-    if b <= _MATMUL_BLOCK and a.size >= _MATMUL_MIN:
-        # many rows: one matrix product with the normalized Hadamard matrix
-        # (the butterflies' log2(b) NumPy passes cost more: 4096 x 3 rows
-        # of 64, float32, 24 -> 2.3 ms, Xeon family 6 model 207)
-        y = np.asarray(a, dtype=dt).reshape(-1, b) @ _hadamard(b, dt)
+    if b <= _MATMUL_BLOCK:
+        # one matrix product with the normalized Hadamard matrix (symmetric:
+        # x H = x H^T), on attncore's threads: NumPy's matmul would wake the
+        # BLAS library's own thread pool, whose spinning workers then took a
+        # core from the kernel's team (8 x 8 decode rows of 128 before a
+        # 2-thread int8 call: 2.5 -> 5.4 ms)
+        x2 = np.asarray(a, dtype=dt).reshape(-1, b)
+        # (a call's query / output rows on the calling thread: an OpenMP
+        # team's workers spinning after the product took a core from the
+        # kernel's team, 8 x 8 rows of 128 at 2 threads: 3.9 -> 4.7 ms)
+        y = linear(x2, _hadamard(b, dt),
+                   num_threads=1 if x2.shape[0] * b * b < _SERIAL_MACS else None)
         return y.reshape(a.shape)
     y = np.array(a, dtype=dt, copy=True).reshape(-1, D // b, b)
     h = 1

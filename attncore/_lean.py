@@ -20,11 +20,12 @@ import numpy as np
 
 from . import _call
 from ._core import _sdpa
+from ._kv4 import QuantizedKV, fwht
 from ._dtypes import _CAST_MIN, HALF_BF16, bfloat16_available, bfloat16_dtype, cast, is_bf16
 from ._threads import resolve_num_threads
 from ._validation import parse_bool
 
-__all__ = ["plain_call", "attention_prepared", "int8_pair"]
+__all__ = ["plain_call", "attention_prepared", "int8_pair", "int8_container", "container_call"]
 
 # (operands' metadata, options, threads, the kernels' call state) -> (the
 # fields of the call's description after its operands, the shape q is read
@@ -47,6 +48,47 @@ def int8_pair(x) -> bool:
     arrays (:func:`attncore.quantize_kv`'s pair), which a plain call takes."""
     return (type(x) is tuple and len(x) == 2 and type(x[0]) is np.ndarray
             and type(x[1]) is np.ndarray and x[0].dtype == np.int8)
+
+
+def int8_container(x) -> bool:
+    """Whether ``x`` is an 8-bit :class:`~attncore.QuantizedKV` (rotated or
+    not) of NumPy arrays in the layout :func:`attncore.quantize_kv` makes:
+    int8 codes, float32 scales ``(..., M, 1)``, no offsets -- the kernel's
+    ``(int8 array, scales)`` pair with the scales' last axis dropped, which
+    :func:`container_call` hands to :func:`plain_call`."""
+    if type(x) is not QuantizedKV or x.bits != 8 or x.offsets is not None or x.axis != -1:
+        return False
+    c, s = x.codes, x.scales
+    return (type(c) is np.ndarray and type(s) is np.ndarray and c.dtype == np.int8
+            and s.dtype == np.float32 and c.ndim >= 2 and s.shape == c.shape[:-1] + (1,)
+            and type(x.group_size) is int and x.group_size == c.shape[-1])
+
+
+def container_call(query: np.ndarray, key, value, is_causal, scale, enable_gqa,
+                   num_threads, precision=None) -> np.ndarray | None:
+    """A plain call whose key / value may be 8-bit containers
+    (:func:`int8_container`): their ``(codes, scales)`` pairs through
+    :func:`plain_call`, a float32 query rotated (``fwht``) where the keys
+    are, the output rotated back where the values are -- what the general
+    path does (``_call.describe``, ``_call.launch``) without its checks on
+    every call (a decode call's rotation cost 130 us of checks, against
+    20 us for the plain int8 pair).  None where the general path must
+    run."""
+    kq, vq = type(key) is QuantizedKV, type(value) is QuantizedKV
+    if kq or vq:
+        if query.dtype != np.float32:
+            return None    # (the general path's conversions decide)
+        if kq:
+            if key.rotate:
+                query = fwht(query)
+            key = (key.codes, key.scales[..., 0])
+        rot_v = vq and value.rotate
+        if vq:
+            value = (value.codes, value.scales[..., 0])
+    else:
+        rot_v = False
+    out = plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads, precision)
+    return fwht(out) if rot_v and out is not None else out
 
 
 def _meta(a) -> tuple:

@@ -4,7 +4,7 @@
 Every call goes through the front door (attncore._call)::
 
     scaled_dot_product_attention
-        |- _lean.plain_call: a call without options, from its description
+        |- _lean.container_call -> plain_call: a call without options, from its description
         |  cached by operand metadata (made by check -> describe once)
         `- _attention: empty shapes, a broadcast query row axis, an
            overflowed float32 output (again in float64); else
@@ -21,7 +21,7 @@ from numpy.typing import ArrayLike
 from . import _call
 from ._dtypes import cast, is_bf16
 from ._interop import _to_numpy, foreign_arrays
-from ._lean import int8_pair, plain_call
+from ._lean import container_call, int8_container, int8_pair
 from ._kv4 import QuantizedKV
 from ._quant import dequantize, split_quantized
 from ._validation import as_float_array, parse_bool, parse_softcap, parse_window
@@ -311,10 +311,10 @@ def scaled_dot_product_attention(
             and (precision is None or (type(precision) is str and precision == "int8"))
             and alibi_slopes is None and sinks is None and return_weights is False
             and return_lse is False and type(query) is np.ndarray
-            and (type(key) is np.ndarray or int8_pair(key))
-            and (type(value) is np.ndarray or int8_pair(value))):
-        out = plain_call(query, key, value, is_causal, scale, enable_gqa, num_threads,
-                         precision)
+            and (type(key) is np.ndarray or int8_pair(key) or int8_container(key))
+            and (type(value) is np.ndarray or int8_pair(value) or int8_container(value))):
+        out = container_call(query, key, value, is_causal, scale, enable_gqa, num_threads,
+                             precision)
         if out is not None:
             return out
     return_weights = parse_bool(return_weights, "return_weights")

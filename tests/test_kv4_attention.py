@@ -224,3 +224,37 @@ def test_int8_pair_beside_a_container(path):
     close(attncore.scaled_dot_product_attention(q, k8, v4), sdpa_ref(q, d8, values_of(v4)))
     k4 = quantize_kv(kv_data((1, 2, 40, 64), 39), bits=4)
     close(attncore.scaled_dot_product_attention(q, k4, k8), sdpa_ref(q, values_of(k4), d8))
+
+
+def container8(x, rotate):
+    """An 8-bit QuantizedKV of x (rotate=False: the int8 pair in a container)."""
+    if rotate:
+        return quantize_kv(x, rotate=True)
+    c, s = quantize_kv(x)
+    return attncore.QuantizedKV(codes=c, scales=s[..., None], offsets=None, bits=8,
+                                group_size=x.shape[-1], rotate=False)
+
+
+@pytest.mark.parametrize("rot_k, rot_v", [(True, True), (True, False), (False, True),
+                                          (False, False)])
+@pytest.mark.parametrize("Hq", [4, 8])
+def test_int8_containers_cached_calls(path, rot_k, rot_v, Hq):
+    """8-bit containers without options take the cached plain call (their
+    codes and scales as the kernel's int8 pair, the query rotated, the
+    output rotated back): new data under one metadata, three times, each
+    against the float64 reference of its own documented values."""
+    B, Hk, M, D = 2, 4, 97, 64
+    for seed in range(3):
+        q = rand((B, Hq, 1, D), 10 + seed)
+        k8, v8 = (container8(kv_data((B, Hk, M, D), s), r)
+                  for s, r in ((20 + seed, rot_k), (30 + seed, rot_v)))
+        ref = sdpa_ref(q, np.repeat(values_of(k8), Hq // Hk, axis=1),
+                       np.repeat(values_of(v8), Hq // Hk, axis=1))
+        out = attncore.scaled_dot_product_attention(q, k8, v8, enable_gqa=Hq != Hk)
+        assert out.dtype == np.float32 and out.shape == (B, Hq, 1, D)
+        close(out, ref)
+    # a float64 query: the general path (computed in float64)
+    out = attncore.scaled_dot_product_attention(q.astype(np.float64), k8, v8,
+                                                enable_gqa=Hq != Hk)
+    assert out.dtype == np.float64
+    close(out, ref)
