@@ -118,6 +118,66 @@ FORMATS = [   # name, K recipe, V recipe, window
 ]
 
 
+# bits per stored value of each format at SmolLM2's D = 64, (keys, values):
+# the codes plus their scales (and offsets): int8 rows one float32 scale per
+# 64 values; 4-bit groups of g a float16 scale + offset (symmetric: scale
+# only), "f32 scales" float32 ones; KIVI's per-channel keys a float32 scale
+# + offset per channel and block of 32 (16) tokens.  A window of recent
+# float tokens adds nothing per token in a long context.
+_I8B, _Q4 = 8 + 32 / 64, {16: 4 + 32 / 16, 32: 4 + 32 / 32, 64: 4 + 32 / 64}
+BITS = {"bf16 K/V": (16, 16), "int8 per row (today's quantize_kv)": (_I8B, _I8B),
+        "int8 per row, rotated": (_I8B, _I8B), "int8 rotated": (_I8B, _I8B),
+        "int4 sym g32": (4.5, 4.5),
+        "int4 sym g32 rotated": (4.5, 4.5), "int4 asym g32": (_Q4[32],) * 2,
+        "int4 asym g32 rotated": (_Q4[32],) * 2, "int4 asym g64": (_Q4[64],) * 2,
+        "int4 asym g64 rotated": (_Q4[64],) * 2,
+        "int4 asym g32 rotated, f32 scales": (4 + 64 / 32,) * 2,
+        "KIVI-4 (K per channel /32 tok, V g32)": (4 + 64 / 32, _Q4[32]),
+        "KIVI-4 rotated": (4 + 64 / 32, _Q4[32]),
+        "int8 K rotated + int4 V g32 rotated": (_I8B, _Q4[32]),
+        "int4 asym g16 rotated": (_Q4[16],) * 2,
+        "KIVI-4 rotated, K blocks of 16 tokens": (4 + 64 / 16, _Q4[32])}
+
+
+def bits_per_value(name: str) -> float:
+    """Mean stored bits per key / value element of the format ``name``."""
+    return sum(BITS[name.replace(" + window 128", "").replace(" + window", "")]) / 2
+
+
+def plot(rows, path, title):
+    """KL against bits per value, one numbered point per format (squares:
+    with the float window of recent tokens), log-scale KL, the key to the
+    numbers beside the axes; saved to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(11, 5.6), dpi=100)
+    ax = fig.add_axes((0.07, 0.1, 0.5, 0.8))
+    key = []
+    for i, (name, kl) in enumerate(rows, 1):
+        win = "window" in name
+        x = bits_per_value(name)
+        four = "int4" in name or "KIVI" in name
+        ax.scatter([x], [kl], s=40, marker="s" if win else "o",
+                   facecolors="none" if win else ("C0" if four else "C1"),
+                   edgecolors="C2" if win else "k", linewidths=1.2, zorder=3)
+        ax.annotate(str(i), (x, kl), fontsize=7, xytext=(5, -3 + 5 * (i % 2)),
+                    textcoords="offset points")
+        key.append(f"{i:>2}  {name.replace(' (today' + chr(39) + 's quantize_kv)', '')}  "
+                   f"({x:g} bits, KL {kl:.1e})")
+    ax.set_yscale("log")
+    ax.set_xlabel("stored bits per key / value element (codes + scales, D = 64)")
+    ax.set_ylabel("mean per-token KL(float32 || format)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.text(0.6, 0.9, "\n".join(key), fontsize=7.5, va="top", family="monospace")
+    fig.text(0.6, 0.08, "filled: every token quantized (blue 4-bit, orange 8 / 16-bit);\n"
+             "squares: the 128 most recent tokens kept in float", fontsize=7.5)
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
 def make_attention(torch, state):
     """An attention function for transformers' AttentionInterface that reads
     the keys / values of the current format (state['fmt']): causal,
@@ -184,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--match", default="", help="only the formats whose name matches this "
                                                 "regular expression")
+    ap.add_argument("--plot", metavar="PNG", help="also plot KL against bits per value there "
+                                                  "(needs matplotlib)")
     args = ap.parse_args(argv)
     import torch
     from transformers import AttentionInterface
@@ -210,7 +272,9 @@ def main(argv=None):
                                     for lp, c in zip(ref, chunks)) / (ntok - len(chunks))))
         print(f"SmolLM2-135M-Instruct (Q4_1 GGUF as float32), {len(chunks)} x {n} tokens; "
               f"float32 perplexity {ppl_ref:.3f}")
-        print(f"{'format (K / V)':<44} {'KL':>9} {'perplexity':>10} {'ratio':>7}")
+        print(f"{'format (K / V)':<44} {'KL':>9} {'perplexity':>10} {'ratio':>7} "
+              f"{'bits':>5}")
+        kls = []
         for i, fmt in enumerate(FORMATS):
             if i and not re.search(args.match, fmt[0]):
                 continue
@@ -224,8 +288,12 @@ def main(argv=None):
             if i == 0:
                 kv = state["collect"]
             ppl = float(np.exp(nll / (ntok - len(chunks))))
-            print(f"{fmt[0]:<44} {kl / ntok:>9.2e} {ppl:>10.3f} {ppl / ppl_ref:>7.4f}",
-                  flush=True)
+            print(f"{fmt[0]:<44} {kl / ntok:>9.2e} {ppl:>10.3f} {ppl / ppl_ref:>7.4f} "
+                  f"{bits_per_value(fmt[0]):>5.2f}", flush=True)
+            kls.append((fmt[0], kl / ntok))
+    if args.plot:
+        plot(kls, args.plot, f"SmolLM2-135M-Instruct, {len(chunks)} x {n} tokens of text\n"
+                             f"python bench/kv4_accuracy.py --plot; {cpu_model()}")
     print("\nthe model's own K / V (all layers, the first chunk): relative RMS error")
     print(f"{'4-bit format':<24} {'f16 scales':>11} {'f32 scales':>11} {'bits/value f16':>15} "
           f"{'f32':>5}")

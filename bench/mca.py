@@ -99,6 +99,17 @@ MCA_DEC(f32_d128, AC_SE_F32, 4, 16)
 MCA_DEC(bf16_d128, AC_SE_BF16, 8, 16)
 MCA_DEC(f16_d128, AC_SE_F16, 8, 16)
 MCA_DEC(i8_d128, AC_SE_I8, 8, 16)
+/* the 4-bit loops' instances of one query row (the dispatch's: 8 keys a
+   block, D a constant, the asymmetric format's group size 32) */
+#define MCA_Q4(D)                                                                       \
+AC_TGT_AVX2 void mca_q4qk_d##D(int nk, const float *q, const uint8_t *k,                \
+                               const uint16_t *sp, float *S)                            \
+{ ac_q4_scores_rows_avx2(1, 8, 32, D, nk, D, 0.125f, q, D, k, D / 2, sp, D / 32, S, nk); } \
+AC_TGT_AVX2 void mca_q4pv_d##D(int nk, const float *S, const uint8_t *v,                \
+                               const uint16_t *sp, float *acc)                          \
+{ ac_q4_pv_rows_avx2(1, 32, nk, D, S, nk, v, D / 2, sp, D / 32, acc, 1); }
+MCA_Q4(64)
+MCA_Q4(128)
 
 AC_TGT_AVX2 void mca_sgemm_16x6(int K, const float *A, const float *B, float *C,
                                 ptrdiff_t ldc)
@@ -480,6 +491,37 @@ def decode_key(funcs, cfg, model):
                                    for b in (dr.bottleneck, pr.bottleneck))}
 
 
+def q4_key(funcs, D, model):
+    """Cycles per key of the AVX2 4-bit decode loops (one query row, groups
+    of 32, D = Dv): the scores' loop over a block's 8 keys (a key's codes
+    unpacked, the products, the group scales and offsets per iteration)
+    and P.V's over a block's keys (one key's codes times its weights).  Left
+    out, as in decode_key: the per-block work outside the loops (the
+    float16 pairs converted, P.V's weights and offsets' sums, per 16
+    keys) and the prefetches.  Bytes: codes + a float16 scale and offset
+    per group, K and V."""
+    # (both regions' loops run one key per iteration: GCC keeps the block's
+    # loop over its 8 keys rolled)
+    qk = mca(loop_body(region(funcs[f"mca_q4qk_d{D}"], "decode-q4-qk")), model)
+    pv = mca(loop_body(region(funcs[f"mca_q4pv_d{D}"], "decode-q4-pv")), model)
+    return {"qk": qk.cycles, "pv": pv.cycles, "total": qk.cycles + pv.cycles,
+            "bytes": 2 * (D // 2 + 4 * (D // 32))}
+
+
+def report_q4(funcs, models, summary):
+    print("\nAVX2 4-bit decode loops (groups of 32), one query row: cycles per key, "
+          "llvm-mca prediction (the loops only: see q4_key)")
+    print(_row("kernel", models))
+    for D in (64, 128):
+        res = {m: q4_key(funcs, D, m) for m in models}
+        print(_row(f"decode-q4-d{D}", [res[m]["total"] for m in models]))
+        print(_row("  scores / P.V", [f"{res[m]['qk']:.1f} / {res[m]['pv']:.1f}"
+                                      for m in models]))
+        print(_row("  K+V bytes / cycle", [res[m]["bytes"] / res[m]["total"] for m in models]))
+        for m in models:
+            summary.append(f"mca decode-q4-d{D} {m} avx2 {res[m]['total']:.1f} per key")
+
+
 def arm_key(funcs, D, model, prefix="mca_p"):
     """Cycles per key of a one-row decode on aarch64: the vectorized dot
     product over D and the P.V update over Dv = D (loop iterations from
@@ -668,6 +710,8 @@ def main(argv=None):
     report_fused(funcs, models, summary)
     report_decode(funcs, models, summary,
                   ["f32-d64", "f32-d128"] if a.quick else list(DECODE))
+    if not a.quick:
+        report_q4(funcs, models, summary)
     report_arm(arm, summary, a.quick)
     print()
     print("\n".join(summary))

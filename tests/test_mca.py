@@ -79,3 +79,21 @@ def test_quick_run_prints_a_summary_line_per_region():
         bound = 2 * bk * 2 * D / 2
         assert bound <= vals[f"sgemm-ref-d{D}", "znver3-fma2"] <= 1.05 * bound
         assert vals[f"fused-d{D}", "znver3-fma2"] >= bound
+
+
+@pytest.mark.skipif(shutil.which("llvm-mca-14") is None or shutil.which("gcc") is None
+                    or not SOURCES.exists(),
+                    reason="needs llvm-mca-14, gcc and the kernels' C sources")
+def test_q4_loops_are_modelled_one_key_per_iteration():
+    """q4_key divides nothing: each of the 4-bit regions' loops must read
+    exactly one key's codes per iteration (D / 16 loads of 8 code bytes,
+    each widened by vpmovzxbd), or its cycles would not be per key."""
+    mca = _load()
+    funcs = mca.functions(mca.compile_asm(shutil.which("gcc"), mca.X86_DRIVER))
+    for D in (64, 128):
+        for fn, marker in ((f"mca_q4qk_d{D}", "decode-q4-qk"), (f"mca_q4pv_d{D}", "decode-q4-pv")):
+            body = mca.loop_body(mca.region(funcs[fn], marker))
+            assert sum("vpmovzxbd" in x for x in body) == D // 16, (fn, body)
+        r = mca.q4_key(funcs, D, "znver3")
+        assert 0 < r["qk"] < 1000 and 0 < r["pv"] < 1000
+        assert r["bytes"] == 2 * (D // 2 + 4 * (D // 32))
