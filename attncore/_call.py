@@ -924,22 +924,32 @@ def _paged_layout(q, k, ks, v, vs, cdt):
 
 def describe_paged(q, k, ks, v, vs, *, block_table, seq_lens, cu_q, pol: Policy, group: int,
                    scale: float, causal: int, window: tuple, softcap: float, slopes, sinks,
-                   nthreads: int, need_lse: bool, cu_k=None) -> Call:
+                   nthreads: int, need_lse: bool, cu_k=None, q4: tuple = (0, 0),
+                   rot_out: int = 0) -> Call:
     """The description of one paged call: q (total_q, Hq, D), k / v block
     pools (num_blocks, block_size, Hk, D / Dv) (int8 ones with scales
-    ``ks`` / ``vs``), checked; ``cu_k``: each sequence's first slot in its
-    blocks (packed variable-length calls: the keys are one block, the
-    sequences' offsets), else 0."""
+    ``ks`` / ``vs``; 4-bit ones, ``q4`` their (key, value) group sizes,
+    codes (..., D / 2) with float32 slots (..., D / gs) as scales: float32
+    calls), checked; ``cu_k``: each sequence's first slot in its blocks
+    (packed variable-length calls: the keys are one block, the sequences'
+    offsets), else 0; ``rot_out``: rotated values (the output rotated
+    back, blocks of that size)."""
     cdt = pol.compute
+    if any(q4) and cdt != F32:
+        raise ValueError("4-bit caches: float32 calls only (the caller dequantizes otherwise)")
     q, k, ks, v, vs, fmts = _paged_layout(q, k, ks, v, vs, cdt)
-    Hq, D, Dv = q.shape[1], q.shape[2], v.shape[3]
+    Hq, D = q.shape[1], q.shape[2]
+    Dv = v.shape[3] * (2 if q4[1] else 1)
     lq = np.diff(cu_q)
     flops = 2.0 * Hq * float(np.dot(lq.astype(np.float64), seq_lens.astype(np.float64))) * \
         (D + Dv)
     md = modes(pol._replace(products="float32") if pol.products == "int8" else pol, D)
+    if any(q4):
+        md = md._replace(bf16dot=0)
     maxq = int(lq.max()) if lq.size else 1
     pl = plan_call(cdt, max(maxq, 1), max(int(seq_lens.max()), 1), D, Dv, causal,
                    len(lq) * Hq, serial_or(flops, nthreads),
+                   kernel_path="portable" if any(q4) else None,
                    converted_kv=conversion(md, 0, fmts, ks, vs))
     # one-query sequences: all query heads in one item (fold), each key
     # head's group of rows on each block in turn
@@ -951,7 +961,8 @@ def describe_paged(q, k, ks, v, vs, *, block_table, seq_lens, cu_q, pol: Policy,
                 k_scales=ks, v_scales=vs, q_scales=None, fmts=fmts, slopes=slopes,
                 sinks=sinks, bf16dot=md.bf16dot if pl.fused else 0, qk8=0, plan=pl,
                 compute=cdt, need_lse=need_lse, cu_q=cu_q, cu_k=cu_k,
-                block_table=block_table, seq_lens=seq_lens, fold=bool(one.any()))
+                block_table=block_table, seq_lens=seq_lens, fold=bool(one.any()),
+                q4=tuple(q4) if any(q4) else None, rot_out=rot_out)
 
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,8 @@ and merges key ranges with the exact log-sum-exp rule
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Tuple
+import dataclasses
+from typing import Any, Literal, NamedTuple, Optional, Tuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -19,6 +20,7 @@ from numpy.typing import ArrayLike
 from . import _call
 from ._dtypes import to_float
 from ._interop import foreign_arrays
+from ._kv4 import QuantizedKV, checked as _kv_checked, fwht, kernel_slots, rotation_blocks
 from ._quant import split_quantized
 from ._rerun import PIECE, rerun_sequences, subset_heads
 from ._threads import resolve_num_threads
@@ -28,10 +30,34 @@ from ._validation import (INT32_MAX, as_float_array, check_offsets, head_values,
 
 __all__ = ["paged_attention"]
 
-def _cache_operand(x: Any, name: str, qdtype: np.dtype):
-    """(array, scales or None): a float cache (num_blocks, block_size, Hk, D)
-    of q's dtype, or an int8 (array, scales) pair with scales
-    (num_blocks, block_size, Hk)."""
+class _Pool(NamedTuple):
+    """A cache operand as the kernel reads it: ``data`` (num_blocks,
+    block_size, Hk, D) floats, int8 rows or 4-bit codes (..., D / 2);
+    ``scales`` None, int8 scales (num_blocks, block_size, Hk) or 4-bit
+    float32 slots (..., D / gs); ``gs`` the 4-bit group size (0: not
+    4-bit); ``rotate`` whether the rows were rotated (a QuantizedKV's);
+    ``D`` the head dimension; ``kv`` the container (None for arrays and
+    pairs)."""
+    data: np.ndarray
+    scales: Optional[np.ndarray]
+    gs: int
+    rotate: bool
+    D: int
+    kv: Any
+
+
+def _cache_operand(x: Any, name: str, qdtype: np.dtype) -> _Pool:
+    """A float cache (num_blocks, block_size, Hk, D) of q's dtype, an int8
+    (array, scales) pair with scales (num_blocks, block_size, Hk), or a
+    :class:`attncore.QuantizedKV` of such pools (4-bit or rotated)."""
+    if isinstance(x, QuantizedKV):
+        kv = _kv_checked(x, name)
+        if kv.codes.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (num_blocks, block_size, Hk, D), got a "
+                             f"QuantizedKV of shape {kv.shape}")
+        if kv.bits == 8:
+            return _Pool(kv.codes, kv.scales[..., 0], 0, kv.rotate, kv.shape[3], kv)
+        return _Pool(kv.codes, kernel_slots(kv), kv.group_size, kv.rotate, kv.shape[3], kv)
     data, scales = split_quantized(x, name)
     if scales is None:
         a = as_float_array(data, name, allow_bf16=True)
@@ -40,39 +66,40 @@ def _cache_operand(x: Any, name: str, qdtype: np.dtype):
                              f"{a.shape}")
         if a.dtype != qdtype:
             raise ValueError(f"{name} must have q's dtype ({qdtype}) or be an int8 "
-                             f"(array, scales) pair, got dtype {a.dtype}")
-        return a, None
+                             f"(array, scales) pair or a QuantizedKV, got dtype {a.dtype}")
+        return _Pool(a, None, 0, False, a.shape[3], None)
     d = np.asarray(data)
     if d.ndim != 4:
         raise ValueError(f"{name} must be 4-D (num_blocks, block_size, Hk, D), got shape "
                          f"{d.shape}")
-    return d, as_float_array(scales, f"{name} scales")
+    return _Pool(d, as_float_array(scales, f"{name} scales"), 0, False, d.shape[3], None)
 
 
 def _check_caches(q, k_cache, v_cache, enable_gqa: bool):
-    """(q, k, ks, v, vs, group): the operands checked against each other."""
+    """(q, k pool, v pool, group): the operands checked against each other."""
     qa = as_float_array(q, "q", allow_bf16=True)
     if qa.ndim != 3:
         raise ValueError(f"q must be 3-D (total_q, Hq, D), got shape {qa.shape}")
-    ka, ks = _cache_operand(k_cache, "k_cache", qa.dtype)
-    va, vs = _cache_operand(v_cache, "v_cache", qa.dtype)
-    if (ks is None) != (vs is None):
-        raise ValueError("k_cache and v_cache must both be float arrays or both int8 "
-                         "(array, scales) pairs")
+    kp = _cache_operand(k_cache, "k_cache", qa.dtype)
+    vp = _cache_operand(v_cache, "v_cache", qa.dtype)
+    if (kp.scales is None) != (vp.scales is None):
+        raise ValueError("k_cache and v_cache must both be float arrays or both quantized "
+                         "(int8 (array, scales) pairs or QuantizedKV)")
     total_q, Hq, D = qa.shape
-    nb, bs, Hk, Dk = ka.shape
-    if va.shape[:3] != (nb, bs, Hk):
+    nb, bs, Hk = kp.data.shape[:3]
+    if vp.data.shape[:3] != (nb, bs, Hk):
         raise ValueError(f"v_cache must match k_cache in (num_blocks, block_size, Hk) = "
-                         f"{(nb, bs, Hk)}, got v_cache shape {va.shape}")
-    if Dk != D:
+                         f"{(nb, bs, Hk)}, got v_cache shape {vp.data.shape[:3] + (vp.D,)}")
+    if kp.D != D:
         raise ValueError(f"k_cache last dimension must equal q's (D = {D}), got k_cache shape "
-                         f"{ka.shape}")
-    if D == 0 or va.shape[3] == 0:
+                         f"{kp.data.shape[:3] + (kp.D,)}")
+    if D == 0 or vp.D == 0:
         raise ValueError(f"head dimensions must be >= 1, got q shape {qa.shape} and v_cache "
-                         f"shape {va.shape}")
+                         f"shape {vp.data.shape[:3] + (vp.D,)}")
     if bs == 0:
-        raise ValueError(f"block_size (k_cache.shape[1]) must be >= 1, got {ka.shape}")
-    return qa, ka, ks, va, vs, packed_group(Hq, Hk, enable_gqa, "the caches")
+        raise ValueError(f"block_size (k_cache.shape[1]) must be >= 1, got "
+                         f"{kp.data.shape[:3] + (kp.D,)}")
+    return qa, kp, vp, packed_group(Hq, Hk, enable_gqa, "the caches")
 
 
 def _check_table(block_table, seq_lens, num_blocks: int, block_size: int):
@@ -144,9 +171,16 @@ def _query_offsets(cu_seqlens_q, qshape: tuple, lens: np.ndarray) -> np.ndarray:
     return cq
 
 
-def _blocks_f64(a: np.ndarray, s: Optional[np.ndarray], ids: np.ndarray) -> np.ndarray:
-    """Blocks ``ids`` of the pool ``a`` (int8 ones dequantized with scales
-    ``s``) as one float64 array, converted a piece at a time."""
+def _blocks_f64(pool: _Pool, ids: np.ndarray) -> np.ndarray:
+    """Blocks ``ids`` of the pool (int8 ones dequantized with their scales,
+    a container's as it documents: in the original basis) as one float64
+    array, converted a piece at a time."""
+    if pool.kv is not None:
+        kv = pool.kv
+        part = dataclasses.replace(kv, codes=kv.codes[ids], scales=kv.scales[ids],
+                                   offsets=None if kv.offsets is None else kv.offsets[ids])
+        return part.dequantize().astype(np.float64)
+    a, s = pool.data, pool.scales
     dst = np.empty((ids.shape[0],) + a.shape[1:], dtype=np.float64)
     step = max(1, PIECE // max(1, a[:1].size))
     # inf / NaN scales of slots no sequence reads make NaN there (0 * inf):
@@ -165,18 +199,18 @@ def _float64_redo(ops: tuple, bt: np.ndarray, lens: np.ndarray, cq: np.ndarray, 
     """The float64 re-run of sequences ``sel`` (query rows ``rows``) of a
     paged call (attncore._rerun.rerun_sequences): only their query rows and
     their own blocks are converted (an int8 pool's dequantized)."""
-    qa, ka, ks, va, vs = ops
+    qa, kp, vp = ops
 
     def redo(sel: np.ndarray, rows: np.ndarray):
         lq, sl = np.diff(cq)[sel], lens[sel]
-        bs = ka.shape[1]
+        bs = kp.data.shape[1]
         tab = bt[sel]
         used = np.arange(tab.shape[1])[None, :] < (-(-sl // bs))[:, None]
         ids, local = np.unique(tab[used], return_inverse=True)
         tab2 = np.zeros_like(tab)
         tab2[used] = local.reshape(-1)
         q64 = to_float(qa[rows], np.dtype(np.float64))
-        k64, v64 = _blocks_f64(ka, ks, ids), _blocks_f64(va, vs, ids)
+        k64, v64 = _blocks_f64(kp, ids), _blocks_f64(vp, ids)
         kw2 = dict(kw, alibi_slopes=subset_heads(kw["alibi_slopes"], sel),
                    sinks=subset_heads(kw["sinks"], sel))
         got = paged_attention(q64, k64, v64, block_table=tab2, seq_lens=sl,
@@ -300,8 +334,8 @@ def paged_attention(
     return_lse = parse_bool(return_lse, "return_lse")
     win = parse_window(window)
     cap = parse_softcap(softcap)
-    qa, ka, ks, va, vs, group = _check_caches(q, k_cache, v_cache, enable_gqa)
-    (total_q, Hq, D), (nblocks, bs), Dv = qa.shape, ka.shape[:2], va.shape[3]
+    qa, kp, vp, group = _check_caches(q, k_cache, v_cache, enable_gqa)
+    (total_q, Hq, D), (nblocks, bs), Dv = qa.shape, kp.data.shape[:2], vp.D
     bt, lens = _check_table(block_table, seq_lens, nblocks, bs)
     S = lens.shape[0]
     cq = _query_offsets(cu_seqlens_q, qa.shape, lens)
@@ -319,18 +353,28 @@ def paged_attention(
         out = np.zeros((total_q, Hq, Dv), dtype=rdt)
         return (out, lse) if return_lse else out
     causal = 2 if is_causal else (3 if win != (-1, -1) else 0)
+    redo = _float64_redo((qa, kp, vp), bt, lens, cq, dict(
+        is_causal=is_causal, scale=sc, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
+        return_lse=return_lse, num_threads=num_threads))
+    q4 = (kp.gs, vp.gs)
+    if any(q4) and cdt != np.float32:
+        # (4-bit pools are read in place by float32 calls: a float64 call
+        # runs over its sequences' own blocks dequantized)
+        out, lse = redo(np.arange(S), np.arange(total_q))
+        return (out, lse) if return_lse else out
+    qk = qa
+    if kp.rotate:   # rotated keys: the queries rotated the same way
+        qk = fwht(to_float(qa, cdt) if qa.dtype != cdt else qa).astype(cdt, copy=False)
     out, _, lse, finite = _call.launch(_call.describe_paged(
-        qa, ka, ks, va, vs, block_table=bt, seq_lens=lens, cu_q=cq, pol=pol, group=group,
-        scale=sc, causal=causal, window=win, softcap=cap, slopes=slopes, sinks=snk,
-        nthreads=nthreads, need_lse=return_lse))
+        qk, kp.data, kp.scales, vp.data, vp.scales, block_table=bt, seq_lens=lens, cu_q=cq,
+        pol=pol, group=group, scale=sc, causal=causal, window=win, softcap=cap, slopes=slopes,
+        sinks=snk, nthreads=nthreads, need_lse=return_lse, q4=q4,
+        rot_out=rotation_blocks(Dv) if vp.rotate else 0))
     if not finite and cdt == np.float32:
         # float32 sums overflowed (values near the float32 maximum), or
         # finite scores overflowed, or inf / NaN inputs reached the output:
         # those sequences again in float64, over their own blocks
-        out, lse = rerun_sequences(out, lse, cq, rdt, _float64_redo(
-            (qa, ka, ks, va, vs), bt, lens, cq, dict(
-                is_causal=is_causal, scale=sc, window=window, softcap=softcap,
-                alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
-                return_lse=return_lse, num_threads=num_threads)))
+        out, lse = rerun_sequences(out, lse, cq, rdt, redo)
     out = out if rdt == out.dtype else out.astype(rdt)
     return (out, lse) if return_lse else out

@@ -12,12 +12,15 @@ from numpy.typing import ArrayLike
 
 from ._dtypes import bfloat16_dtype, storage_name
 from ._interop import _to_numpy
-from ._quant import quantize_new
+from ._kv4 import (DEFAULT_CACHE_GROUP, DEFAULT_GROUP, QuantizedKV, check_format, kernel_slots,
+                   rotation_blocks)
+from ._quant import _quantize_container, quantize_new
+from ._validation import parse_bool
 from ._validation import INT32_MAX, as_float_array, check_offsets
 
 __all__ = ["PagedKVCache"]
 
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8")
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int4")
 
 
 def _count(x: Any, name: str, low: int = 1) -> int:
@@ -67,20 +70,38 @@ class PagedKVCache:
     v_head_dim : int, optional (keyword-only)
         Value head size (``Dv``), ``head_dim`` by default (the name of
         :class:`attncore.MultiHeadAttention`'s and ``KVCache``'s).
-    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8'}, default 'float32' (keyword-only)
+    dtype : {'float32', 'float64', 'float16', 'bfloat16', 'int8', 'int4'}, default 'float32' (keyword-only)
         Storage (None: float32).  ``"bfloat16"`` needs ml_dtypes.  ``"int8"``
         quantizes each token and head on the way in (:func:`attncore.quantize_kv`: one
         float32 scale per row); the blocks are then ``(int8 array, scales)``
-        pairs.
+        pairs.  ``"int4"`` quantizes each token and head in groups along
+        the head dimension (``quantize_kv(x, bits=4, group_size=...,
+        rotate=...)``: two codes per byte, a float16 scale and offset per
+        group, 5 - 6 bits per value); the blocks are then
+        :class:`attncore.QuantizedKV` containers of the pools, which
+        :func:`attncore.paged_attention` reads in place (float32 queries:
+        the codes unpacked in registers).  No float window of recent
+        tokens (``MultiHeadAttention.new_cache(dtype="int4")`` has one).
+    group_size : int, optional (keyword-only)
+        ``"int4"`` only: elements per scale and offset, an even divisor of
+        both head sizes (default 16 where it divides them, else 32).
+    rotate : bool, optional (keyword-only)
+        ``"int4"`` only: rotate each row by the normalized Hadamard
+        transform before quantizing (default True; the queries are rotated
+        inside :func:`attncore.paged_attention` and the output rotated
+        back).  Needs head sizes that are powers of two or multiples of 32.
 
     Attributes
     ----------
-    k_blocks, v_blocks : ndarray or (ndarray, ndarray)
+    k_blocks, v_blocks : ndarray, (ndarray, ndarray) or QuantizedKV
         The pools, shape (num_blocks, block_size, num_kv_heads, D / Dv)
         (int8: with scales of shape (num_blocks, block_size,
-        num_kv_heads)): the ``k_cache`` / ``v_cache`` of
+        num_kv_heads); int4: a QuantizedKV over the pools, codes (...,
+        D / 2)): the ``k_cache`` / ``v_cache`` of
         :func:`attncore.paged_attention`.  Slots no sequence has written
         hold zeros.
+    group_size, rotate : int, bool or None
+        The int4 format (None for the other dtypes).
 
     Notes
     -----
@@ -119,7 +140,8 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 *, v_head_dim: Optional[int] = None, dtype: Any = "float32") -> None:
+                 *, v_head_dim: Optional[int] = None, dtype: Any = "float32",
+                 group_size: Optional[int] = None, rotate: Optional[bool] = None) -> None:
         nb = _count(num_blocks, "num_blocks")
         bs = _count(block_size, "block_size")
         hk = _count(num_kv_heads, "num_kv_heads")
@@ -131,7 +153,16 @@ class PagedKVCache:
                              f"{dtype!r}")
         self.num_blocks, self.block_size, self.num_kv_heads = nb, bs, hk
         self.head_dim, self.v_head_dim, self.dtype = d, dv, name
-        if name == "int8":
+        self.group_size, self.rotate = self._format(group_size, rotate)
+        if self.group_size is not None:   # int4
+            # codes two per byte; per group a float32 slot holding the float16
+            # (scale, offset) pair, as the kernels read them in place
+            g = self.group_size
+            self._k = np.zeros((nb, bs, hk, d // 2), np.uint8)
+            self._v = np.zeros((nb, bs, hk, dv // 2), np.uint8)
+            self._ks = np.zeros((nb, bs, hk, d // g), np.float32)
+            self._vs = np.zeros((nb, bs, hk, dv // g), np.float32)
+        elif name == "int8":
             self._k = np.zeros((nb, bs, hk, d), np.int8)
             self._v = np.zeros((nb, bs, hk, dv), np.int8)
             self._ks = np.zeros((nb, bs, hk), np.float32)
@@ -145,13 +176,51 @@ class PagedKVCache:
         self._tables: Dict[int, List[int]] = {}
         self._lens: Dict[int, int] = {}
 
+    def _format(self, group_size: Any, rotate: Any) -> Tuple[Optional[int], Optional[bool]]:
+        """(group_size, rotate) of an int4 cache (None, None for the others):
+        groups of 16 where they divide both head sizes (else 32, else the
+        head size), rows rotated by default."""
+        if self.dtype != "int4":
+            if group_size is not None or rotate is not None:
+                raise ValueError(f"group_size and rotate are for dtype='int4' caches, got "
+                                 f"dtype={self.dtype!r} with group_size={group_size!r}, "
+                                 f"rotate={rotate!r}")
+            return None, None
+        rot = True if rotate is None else parse_bool(rotate, "rotate")
+        d, dv = self.head_dim, self.v_head_dim
+        g = group_size
+        if g is None:
+            g = next((c for c in (DEFAULT_CACHE_GROUP, DEFAULT_GROUP)
+                      if d % c == 0 and dv % c == 0), None)
+            if g is None:
+                raise ValueError(f"dtype='int4' needs a group_size dividing both head_dim "
+                                 f"({d}) and v_head_dim ({dv}) into even groups; none of "
+                                 f"{DEFAULT_CACHE_GROUP} / {DEFAULT_GROUP} does: give one")
+        for n in (d, dv):
+            check_format(4, g, rot, False, n, 3, 4)
+        if rot:
+            for n in (d, dv):
+                rotation_blocks(n)   # (ValueError naming D where no rotation fits)
+        return int(g), rot
+
     # -- the pools -------------------------------------------------------
+    def _container(self, codes: np.ndarray, slots: np.ndarray) -> QuantizedKV:
+        """A 4-bit pool as a QuantizedKV: its float16 scales and offsets are
+        views of the slots (read by the kernels in place)."""
+        so = slots.view(np.float16)
+        return QuantizedKV(codes, so[..., 0::2], so[..., 1::2], 4, int(self.group_size or 0),
+                           bool(self.rotate))
+
     @property
-    def k_blocks(self) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    def k_blocks(self) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray], QuantizedKV]:
+        if self.dtype == "int4":
+            return self._container(self._k, self._ks)
         return (self._k, self._ks) if self.dtype == "int8" else self._k
 
     @property
-    def v_blocks(self) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    def v_blocks(self) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray], QuantizedKV]:
+        if self.dtype == "int4":
+            return self._container(self._v, self._vs)
         return (self._v, self._vs) if self.dtype == "int8" else self._v
 
     @property
@@ -167,7 +236,10 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"v_head_dim={self.v_head_dim}, dtype={self.dtype!r}; {len(self._tables)} sequences, "
+                f"v_head_dim={self.v_head_dim}, dtype={self.dtype!r}"
+                + (f", group_size={self.group_size}, rotate={self.rotate}"
+                   if self.dtype == "int4" else "")
+                + f"; {len(self._tables)} sequences, "
                 f"{self.num_free_blocks} free blocks)")
 
     # -- queries ---------------------------------------------------------
@@ -218,7 +290,7 @@ class PagedKVCache:
         if a.ndim != 3 or a.shape[1:] != (self.num_kv_heads, width):
             raise ValueError(f"{name} must have shape (total, num_kv_heads, head_dim) = "
                              f"(total, {self.num_kv_heads}, {width}), got {a.shape}")
-        if self.dtype != "int8" and a.dtype != self._k.dtype:
+        if self.dtype not in ("int8", "int4") and a.dtype != self._k.dtype:
             raise ValueError(f"{name} must have the cache's dtype ({self.dtype}), got "
                              f"{a.dtype}")
         return a
@@ -257,7 +329,8 @@ class PagedKVCache:
         v : array_like, shape (total, num_kv_heads, v_head_dim)
             The tokens, packed: sequence ``seq_ids[i]`` gets rows
             ``cu_seqlens[i]:cu_seqlens[i + 1]``.  Of the cache's dtype (any
-            float dtype for an int8 cache, quantized per token and head).
+            float dtype for an int8 / int4 cache, quantized per token and
+            head).
         cu_seqlens : array_like of int, shape (len(seq_ids) + 1,), optional
             ``None``: one token per sequence of a sequence of ids; all of
             ``k``'s tokens for a single id (an int: ``append(0, k, v)``
@@ -283,8 +356,12 @@ class PagedKVCache:
             raise ValueError(f"k and v must hold the same tokens, got {ka.shape[0]} and "
                              f"{va.shape[0]}")
         cu = self._offsets(ids, _one_id(seq_ids), ka.shape[0], cu_seqlens)
-        new = (self._quantized(ka, "k"), self._quantized(va, "v")) if self.dtype == "int8" \
-            else (ka, va)
+        if self.dtype == "int4":
+            new = (self._quantized4(ka, "k"), self._quantized4(va, "v"))
+        elif self.dtype == "int8":
+            new = (self._quantized(ka, "k"), self._quantized(va, "v"))
+        else:
+            new = (ka, va)
         counts = np.diff(cu)
         need, cow = self._plan_blocks(ids, counts)
         if need > len(self._free):
@@ -319,6 +396,22 @@ class PagedKVCache:
             raise ValueError(f"{name} must be finite for an int8 cache (it is quantized per "
                              f"token and head): it holds inf or NaN")
         return quantize_new(a)
+
+    def _quantized4(self, a: np.ndarray, name: str) -> Tuple[np.ndarray, np.ndarray]:
+        """An int4 cache's new rows (total, Hk, D) as (codes, slots):
+        rotated where the cache rotates, quantized in groups (ValueError for
+        non-finite values or values beyond the float16 range) before
+        anything is allocated."""
+        if a.shape[0] == 0:
+            return (np.zeros(a.shape[:2] + (a.shape[2] // 2,), np.uint8),
+                    np.zeros(a.shape[:2] + (a.shape[2] // self.group_size,), np.float32))
+        try:
+            kv = _quantize_container(np.asarray(a, dtype=np.float32), 2, 4, self.group_size,
+                                     self.rotate, False)
+        except ValueError as e:
+            raise ValueError(f"{name} cannot be quantized for an int4 cache ({e}); nothing "
+                             f"was written") from None
+        return kv.codes, kernel_slots(kv)
 
     def _copy_on_write(self, cow: List[int]) -> None:
         """The shared partial last block of each sequence of ``cow`` becomes
@@ -356,7 +449,7 @@ class PagedKVCache:
         for i, s in enumerate(ids):
             tab2[i, :len(self._tables[s])] = self._tables[s]
         blk, slot = tab2[seq, pos // bs], pos % bs
-        if self.dtype == "int8":
+        if self.dtype in ("int8", "int4"):
             k8, v8 = new
             self._k[blk, slot], self._ks[blk, slot] = k8
             self._v[blk, slot], self._vs[blk, slot] = v8
@@ -366,7 +459,8 @@ class PagedKVCache:
             self._lens[s] += int(n)
 
     def _pools(self) -> List[np.ndarray]:
-        return [self._k, self._v] + ([self._ks, self._vs] if self.dtype == "int8" else [])
+        return [self._k, self._v] + ([self._ks, self._vs] if self.dtype in ("int8", "int4")
+                                     else [])
 
     # -- sharing and releasing --------------------------------------------
     def fork(self, src: int, dst: int) -> None:

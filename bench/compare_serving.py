@@ -14,6 +14,8 @@ interleaved repeats: ``timing.interleaved_medians``):
   per-sequence caches, (b) torch: ``index_select`` of each sequence's
   blocks, then SDPA (``enable_gqa``), (c) one padded batch with a key mask
   (attncore), and the thread scaling (2 threads against 1);
+* **quantized pools**: the decode step over the same pool as int8 rows and
+  as the int4 cache's format, against the float32 pool;
 * **mixed batch**: 4 prompt chunks of 512 new tokens (on 512 cached ones)
   and 28 decoding sequences, against ``varlen_attention`` over contiguous
   copies gathered beforehand (the copy not timed: the paging penalty
@@ -108,6 +110,24 @@ def decode_fns(case, threads):
         fns["torch"] = torch_paged
     kv_bytes = 2 * int(lens.sum()) * Hk * D * 4
     return fns, kv_bytes
+
+
+def pool_fns(case, threads):
+    """The decode step over the float32 pool and over the same pool
+    quantized: int8 rows (``quantize_kv``'s pairs) and the int4 cache's
+    default format (groups of 16, rotated: ``PagedKVCache(dtype="int4")``'s
+    blocks)."""
+    lens, Hq, Hk, D, bs = (case[k] for k in ("lens", "Hq", "Hk", "D", "bs"))
+    kc, vc, bt = pool(lens, Hk, D, bs)
+    q = np.random.default_rng(1).standard_normal((len(lens), Hq, D), dtype=np.float32)
+    pools = {"float32": (kc, vc),
+             "int8": (attncore.quantize_kv(kc), attncore.quantize_kv(vc)),
+             "int4": (attncore.quantize_kv(kc, bits=4, group_size=16, rotate=True),
+                      attncore.quantize_kv(vc, bits=4, group_size=16, rotate=True))}
+    sl = lens.astype(np.int32)
+    return {name: (lambda k=k, v=v: attncore.paged_attention(
+        q, k, v, block_table=bt, seq_lens=sl, enable_gqa=True, num_threads=threads))
+        for name, (k, v) in pools.items()}
 
 
 def sweep(counts, threads, repeats, length=2048):
@@ -231,6 +251,15 @@ def main(argv=None):
         for t, ms in paged_ms.items():
             if t != 1:
                 print(f"thread scaling, decode step: {t} threads {paged_ms[1] / ms:.2f}x 1 thread")
+    print("\nthe decode step over quantized pools (the same keys / values; int4: groups of 16, "
+          "rotated, PagedKVCache(dtype='int4')'s format)")
+    print("| threads | float32 ms | int8 ms | int4 ms | int8 speed-up | int4 speed-up |")
+    print("|---|---|---|---|---|---|")
+    for t in a.threads:
+        med = interleaved_medians(pool_fns(case, t), t, a.repeats)
+        print(f"| {t} | {med['float32'] * 1e3:.2f} | {med['int8'] * 1e3:.2f} | "
+              f"{med['int4'] * 1e3:.2f} | {med['float32'] / med['int8']:.2f} | "
+              f"{med['float32'] / med['int4']:.2f} |")
     print("\nmixed batch: 4 prompt chunks of 512 (on 512 cached tokens) + decoding sequences")
     print("| threads | paged ms | varlen over gathered copies ms | ratio |")
     print("|---|---|---|---|")

@@ -605,10 +605,11 @@ def test_cache_signature_of_the_contract(dtype):
     import inspect
 
     sig = inspect.signature(PagedKVCache)
+    # (group_size / rotate: the int4 format, keyword-only after the contract's)
     assert list(sig.parameters) == ["num_blocks", "block_size", "num_kv_heads", "head_dim",
-                                    "v_head_dim", "dtype"]
+                                    "v_head_dim", "dtype", "group_size", "rotate"]
     assert all(sig.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY
-               for n in ("v_head_dim", "dtype"))
+               for n in ("v_head_dim", "dtype", "group_size", "rotate"))
     with pytest.raises(TypeError):
         PagedKVCache(8, 4, 2, 16, "int8")
     with pytest.raises(TypeError):

@@ -21,7 +21,8 @@ CC_BIN="${CC:-gcc}"
 if [ "$#" -eq 0 ]; then
     set -- tests/test_properties.py tests/test_sdpa.py tests/test_kernel_paths.py \
         tests/test_half.py tests/test_int8.py tests/test_alibi_sinks.py tests/test_varlen.py \
-        tests/test_forced_paths.py tests/test_paged.py tests/test_folded_decode.py
+        tests/test_forced_paths.py tests/test_paged.py tests/test_folded_decode.py \
+        tests/test_paged4.py tests/test_kv4_attention.py
 fi
 
 if [ -n "${ATTNCORE_SANITIZE_DIR:-}" ]; then

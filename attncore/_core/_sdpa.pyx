@@ -2111,8 +2111,11 @@ def sdpa_paged(call, out, lse=None):
     q (total_q, Hq, D): the compute dtype or 16-bit bits (fmts[0]), last
     axis contiguous.  k (num_blocks, bs, Hk, D), v (num_blocks, bs, Hk,
     Dv): the caches, of the compute dtype, 16-bit bits (fmts) or int8 with
-    k_scales / v_scales (num_blocks, bs, Hk) of the compute dtype; last
-    axis contiguous, strides non-negative multiples of the item size.
+    k_scales / v_scales (num_blocks, bs, Hk) of the compute dtype, or
+    4-bit (q4: the group sizes) codes (num_blocks, bs, Hk, D / 2) with
+    float32 slots (num_blocks, bs, Hk, D / gs) as their scales (float32
+    calls; read in place, never staged); last axis contiguous, strides
+    non-negative multiples of the item size.
     block_table (S, max_blocks) int32 C-contiguous; seq_lens (S,) int64
     (keys of each sequence; its blocks are the table row's first
     ceil(len / bs)); cu_q (S + 1,) int64 (the sequences' queries; the
@@ -2143,6 +2146,11 @@ def sdpa_paged(call, out, lse=None):
     cdef Py_ssize_t chunk = pl.chunk
     cdef int q_fmt = call.fmts[0], k_fmt = call.fmts[1], v_fmt = call.fmts[2]
     cdef bint fold = call.fold
+    # 4-bit pools: (key, value) group sizes (0: not 4-bit); codes (num_blocks,
+    # bs, Hk, D / 2) read in place with float32 slots (num_blocks, bs, Hk,
+    # D / gs) of float16 (scale, offset) pairs as their scales
+    q4 = call.q4 if call.q4 is not None else (0, 0)
+    cdef int kq4 = q4[0], vq4 = q4[1]
     cdef const double[::1] slopes_v
     cdef const double[::1] sinks_v
     cdef _Buffers bufs
@@ -2186,17 +2194,19 @@ def sdpa_paged(call, out, lse=None):
                 or not PyBuffer_IsContiguous(bo, b'C')
                 or (bl != NULL and (bl.itemsize != bo.itemsize
                                     or bl.len != bo.shape[0] * bo.shape[1] * bl.itemsize))
-                or (bks != NULL and (bks.ndim != 3 or bks.itemsize != bo.itemsize
-                                     or bk.itemsize != 1))
-                or (bvs != NULL and (bvs.ndim != 3 or bvs.itemsize != bo.itemsize
-                                     or bv.itemsize != 1))
+                or (bks != NULL and (bks.ndim != (4 if kq4 else 3)
+                                     or bks.itemsize != bo.itemsize or bk.itemsize != 1))
+                or (bvs != NULL and (bvs.ndim != (4 if vq4 else 3)
+                                     or bvs.itemsize != bo.itemsize or bv.itemsize != 1))
+                or (kq4 and bks == NULL) or (vq4 and bvs == NULL)
                 or bq.itemsize != (2 if q_fmt else bo.itemsize)
                 or (bks == NULL and bk.itemsize != (2 if k_fmt else bo.itemsize))
                 or (bvs == NULL and bv.itemsize != (2 if v_fmt else bo.itemsize))):
             raise ValueError("sdpa_paged: operand layouts do not match")
         H = bq.shape[1]
-        if (bo.shape[1] != H or bo.shape[2] != Dv or bq.shape[2] != D or bk.shape[3] != D
-                or bv.shape[3] != Dv or group < 1 or bk.shape[2] * group != H
+        if (bo.shape[1] != H or bo.shape[2] != Dv or bq.shape[2] != D
+                or bk.shape[3] * (2 if kq4 else 1) != D
+                or bv.shape[3] * (2 if vq4 else 1) != Dv or group < 1 or bk.shape[2] * group != H
                 or bv.shape[0] != bk.shape[0] or bv.shape[1] != bk.shape[1]
                 or bv.shape[2] != bk.shape[2] or bo.shape[0] != bq.shape[0]
                 or cu_q.shape[0] != S + 1 or cu_q[S] != bq.shape[0] or bt.shape[0] != S
@@ -2208,6 +2218,8 @@ def sdpa_paged(call, out, lse=None):
             return True
         ac_size_scratch(&p, D, Dv, Bq, Bk, is64, bks != NULL, bvs != NULL, q_fmt, k_fmt,
                         v_fmt, 0 if is64 else call.bf16dot, 0)
+        if kq4 or vq4:
+            _set_q4(&p, q4, bk, bv, bks, bvs, D, Dv, is64 or call.bf16dot != 0)
         # float32 keys / values over many keys: a block's panels take turns
         # over chunks of each range (plan.kchunk)
         if (pl.fused and not is64 and bks == NULL and bvs == NULL and not k_fmt and not v_fmt
@@ -2302,6 +2314,12 @@ def sdpa_paged(call, out, lse=None):
         ops.stage = max(1, min(L, ops.stage))
         ops.stage_small = min(ops.stage, _STAGE_SMALL)
         ops.stage_rows = max(ops.stage, ops.stage_small * (H // group))
+        if kq4 or vq4:
+            # 4-bit pools are read in place, never staged (_stage_keys copies
+            # whole-byte rows with one scale each)
+            ops.stage = 0
+            ops.stage_small = 0
+            ops.stage_rows = 0
         ops.strided = p.k_rs != D or p.v_rs != Dv
         ops.stage_off = ((p.s_len + 2 * (Bq * Dv + 5 * Bq)) * bo.itemsize + 63) // 64 * 64
         ops.tag_off = (ops.stage_off + _stage_bytes(&p, &ops, ops.stage_rows) + 63) // 64 * 64
