@@ -175,12 +175,16 @@ def _blocks_f64(pool: _Pool, ids: np.ndarray) -> np.ndarray:
     """Blocks ``ids`` of the pool (int8 ones dequantized with their scales,
     a container's as it documents: in the original basis) as one float64
     array, converted a piece at a time."""
-    if pool.kv is not None:
-        kv = pool.kv
-        part = dataclasses.replace(kv, codes=kv.codes[ids], scales=kv.scales[ids],
-                                   offsets=None if kv.offsets is None else kv.offsets[ids])
-        return part.dequantize().astype(np.float64)
-    a, s = pool.data, pool.scales
+    a, s, kv = pool.data, pool.scales, pool.kv
+    if kv is not None:
+        dst = np.empty((ids.shape[0],) + kv.shape[1:], dtype=np.float64)
+        step = max(1, PIECE // max(1, dst[:1].size))
+        for i in range(0, ids.shape[0], step):
+            sel = ids[i:i + step]
+            dst[i:i + step] = dataclasses.replace(
+                kv, codes=kv.codes[sel], scales=kv.scales[sel],
+                offsets=None if kv.offsets is None else kv.offsets[sel]).dequantize()
+        return dst
     dst = np.empty((ids.shape[0],) + a.shape[1:], dtype=np.float64)
     step = max(1, PIECE // max(1, a[:1].size))
     # inf / NaN scales of slots no sequence reads make NaN there (0 * inf):
@@ -255,8 +259,15 @@ def paged_attention(
     k_cache, v_cache : array_like, shape (num_blocks, block_size, Hk, D / Dv)
         The caches, of q's dtype, or int8 ``(array, scales)`` pairs as
         :func:`attncore.quantize_kv` makes them (scales of shape
-        (num_blocks, block_size, Hk)).  Any strides (last axis
-        contiguous to be read in place); never modified.
+        (num_blocks, block_size, Hk)), or :class:`attncore.QuantizedKV`
+        pools (4-bit or rotated: ``quantize_kv(cache, bits=4, ...)``,
+        :class:`attncore.PagedKVCache` ``(dtype="int4")``'s blocks), whose
+        4-bit codes float32 and 16-bit queries read in place (the
+        queries rotated inside the call where the keys are, the output
+        rotated back where the values are; float64 queries over their
+        sequences' blocks dequantized).  Both quantized or both float.
+        Any strides (last axis contiguous to be read in place); never
+        modified.
     block_table : array_like of int, shape (num_seqs, max_blocks)
         Each sequence's blocks in order; entries beyond a sequence's last
         block are not read (any value, e.g. -1).

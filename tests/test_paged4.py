@@ -220,3 +220,34 @@ def test_int4_cache_memory():
     q = PagedKVCache(16, 32, 8, 128, dtype="int4", group_size=32)
     nb = sum(a.nbytes for a in (f.k_blocks, f.v_blocks))
     assert sum(kv.nbytes for kv in (q.k_blocks, q.v_blocks)) == nb * 5 // 32
+
+
+def test_float64_rerun_takes_only_the_affected_sequences_blocks():
+    """One sequence's scores overflow float32: it runs again in float64 over
+    its own blocks dequantized, a piece at a time -- the step's memory
+    beyond its output stays within those blocks in float64 + 16 MiB (the
+    whole pool in float64 would be 128 MiB)."""
+    import tracemalloc
+
+    from test_paged import _overflowing_pool
+    lens, Hq = [512] * 8, 16
+    kc, vc, bt = _overflowing_pool(256, lens)
+    vc = np.where(np.abs(vc) > 1e30, np.float32(1), vc)     # float16-range values
+    k4 = quantize_kv(kc, bits=4, group_size=16, rotate=True)
+    v4 = quantize_kv(vc, bits=4, group_size=16, rotate=True)
+    q = rand((len(lens), Hq, 128), seed=3)
+    q[1] *= np.float32(1e37)                                   # sequence 1's scores overflow
+    kw = dict(block_table=bt, seq_lens=lens, enable_gqa=True, num_threads=1)
+    paged_attention(q, k4, v4, **kw)                          # warm
+    tracemalloc.start()
+    try:
+        out = paged_attention(q, k4, v4, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    own = 2 * (512 // 32) * kc[0].size * 8
+    assert peak - out.nbytes <= own + 16 * 2**20, (peak - out.nbytes) / 2**20
+    ref, _ = paged_ref(q, values_of(k4), values_of(v4), bt, np.array(lens),
+                       np.arange(len(lens) + 1))
+    assert np.all(np.isfinite(out))
+    close(out, ref)
