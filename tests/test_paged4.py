@@ -251,3 +251,14 @@ def test_float64_rerun_takes_only_the_affected_sequences_blocks():
                        np.arange(len(lens) + 1))
     assert np.all(np.isfinite(out))
     close(out, ref)
+
+
+@pytest.mark.parametrize("nqs", [[1], [1, 1], [40, 1]])
+def test_long_sequences_split_over_keys(path, nqs):
+    """A long sequence with idle threads: its keys split into ranges merged
+    by their lse, the 4-bit codes read in each."""
+    lens = [3000, 700][:len(nqs)]
+    q, k4, v4, bt, sl, cq = quantized_batch("q4-g16-rot", lens, nqs, D=64, bs=32, seed=11)
+    out = call(q, k4, v4, bt, sl, cq, num_threads=2)
+    ref, _ = paged_ref(q, values_of(k4), values_of(v4), bt, sl, cq)
+    close(out, ref)
