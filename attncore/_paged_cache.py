@@ -178,8 +178,8 @@ class PagedKVCache:
 
     def _format(self, group_size: Any, rotate: Any) -> Tuple[Optional[int], Optional[bool]]:
         """(group_size, rotate) of an int4 cache (None, None for the others):
-        groups of 16 where they divide both head sizes (else 32, else the
-        head size), rows rotated by default."""
+        groups of 16 where they divide both head sizes, else 32 (else the
+        caller gives one), rows rotated by default."""
         if self.dtype != "int4":
             if group_size is not None or rotate is not None:
                 raise ValueError(f"group_size and rotate are for dtype='int4' caches, got "
