@@ -176,15 +176,23 @@ def _blocks_f64(pool: _Pool, ids: np.ndarray) -> np.ndarray:
     a container's as it documents: in the original basis) as one float64
     array, converted a piece at a time."""
     a, s, kv = pool.data, pool.scales, pool.kv
-    if kv is not None:
-        dst = np.empty((ids.shape[0],) + kv.shape[1:], dtype=np.float64)
-        step = max(1, PIECE // max(1, dst[:1].size))
+    dst = np.empty((ids.shape[0],) + (a.shape[1:] if kv is None else kv.shape[1:]),
+                   dtype=np.float64)
+    step = max(1, PIECE // max(1, dst[:1].size))
+    # inf / NaN scales of slots no sequence reads make NaN there (0 * inf):
+    # not read, so not worth NumPy's warning
+    with np.errstate(invalid="ignore", over="ignore"):
         for i in range(0, ids.shape[0], step):
             sel = ids[i:i + step]
-            dst[i:i + step] = dataclasses.replace(
-                kv, codes=kv.codes[sel], scales=kv.scales[sel],
-                offsets=None if kv.offsets is None else kv.offsets[sel]).dequantize()
-        return dst
+            if kv is not None:   # the container's documented values
+                dst[i:i + step] = dataclasses.replace(
+                    kv, codes=kv.codes[sel], scales=kv.scales[sel],
+                    offsets=None if kv.offsets is None else kv.offsets[sel]).dequantize()
+            elif s is None:
+                dst[i:i + step] = a[sel]
+            else:   # dequantize's products, in float64, into place
+                np.multiply(a[sel], s[sel][..., None], out=dst[i:i + step], dtype=np.float64)
+    return dst
     dst = np.empty((ids.shape[0],) + a.shape[1:], dtype=np.float64)
     step = max(1, PIECE // max(1, a[:1].size))
     # inf / NaN scales of slots no sequence reads make NaN there (0 * inf):

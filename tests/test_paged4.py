@@ -1,7 +1,8 @@
 """paged_attention over 4-bit and rotated pools (QuantizedKV blocks) and
 PagedKVCache(dtype="int4"), against the float64 reference of tests/test_paged
-over the documented dequantized values (tests/test_kv4's deq_ref and
-rotate_ref, independent of the library's dequantize).
+over the documented dequantized values (tests/test_kv4_attention's
+values_of: test_kv4's deq_ref and rotate_ref, independent of the
+library's dequantize).
 
 Slots no sequence owns get NaN scales, so a kernel that reads outside a
 sequence's keys shows it."""
@@ -10,7 +11,7 @@ import pytest
 
 from attncore import PagedKVCache, QuantizedKV, paged_attention, quantize_kv
 from reference import rand
-from test_kv4 import deq_ref, rotate_ref
+from test_kv4_attention import close, values_of
 from test_paged import OPTIONS, call, gather, make_batch, paged_ref
 
 FORMATS = {
@@ -20,15 +21,6 @@ FORMATS = {
     "q4-sym-rot": dict(bits=4, symmetric=True, rotate=True),
     "i8-rot": dict(rotate=True),
 }
-
-
-def values_of(kv):
-    """float64 values a container stands for, in the original basis."""
-    r = deq_ref(kv)
-    if kv.rotate:
-        D = r.shape[-1]
-        r = rotate_ref(r, D if D & (D - 1) == 0 else D & -D)
-    return r
 
 
 def owned_slots(bt, lens, shape):
@@ -52,13 +44,6 @@ def quantized_batch(fmt, lens, nqs, **kw):
         kv.scales[~own] = np.nan
         pools.append(kv)
     return q, pools[0], pools[1], bt, sl, cq
-
-
-def close(out, ref, tol=1e-5):
-    out = np.asarray(out, np.float64)
-    scale = max(np.abs(ref).max(), 1e-30)
-    err = np.abs(out - ref).max() / scale
-    assert err <= tol, err
 
 
 MIXED = dict(lens=[1, 37, 300, 5, 129, 700, 16, 64], nqs=[1, 1, 100, 5, 1, 64, 16, 1])
